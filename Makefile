@@ -1,0 +1,42 @@
+# The two set-up commands of the README: `make verify` (the main job) and `make test`.
+# Both create .venv on first use. torch: an importable torch (a GPU machine's CUDA build, say)
+# is kept via --system-site-packages; otherwise torch==2.13.0, the CPU wheel, is installed
+# before the project so pip never resolves an unpinned torch to a multi-GB CUDA build.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.epkit-installed
+JOBS    ?= 2
+
+.PHONY: setup verify test test-fast bench simulate build clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x $(VPY) ]; then \
+	  if $(PY) -c 'import torch' 2>/dev/null; then \
+	    echo "epkit: keeping the torch already installed ($$($(PY) -c 'import torch; print(torch.__version__)'))"; \
+	    $(PY) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PY) -m venv $(VENV); \
+	  fi; \
+	fi
+	@$(VPY) -c 'import torch' 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e ".[test,plot]"
+	$(VPY) -c 'import epkit.ops' && echo "epkit: C++ extension built"
+	@touch $(STAMP)
+
+verify: $(STAMP)
+	$(VENV)/bin/epkit verify $(ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -n $(JOBS) $(ARGS)
+
+bench: $(STAMP)
+	$(VENV)/bin/epkit bench $(ARGS)
+
+simulate: $(STAMP)
+	$(VENV)/bin/epkit simulate $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

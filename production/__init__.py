@@ -1,0 +1,35 @@
+"""epkit: expert-parallel dispatch and combine for PyTorch.
+
+``import epkit`` is cheap and torch-free until a torch-backed name is touched, so that
+``epkit.reference`` (pure NumPy, the spec) never pulls torch in.
+"""
+
+from epkit._version import __version__
+from epkit.reference.errors import InputError
+
+# name -> module that defines it; resolved on first access (PEP 562).
+_LAZY = {
+    "dispatch": "epkit.api",
+    "combine": "epkit.api",
+    "Dispatcher": "epkit.api",
+    "Dispatch": "epkit.api",
+    "PendingDispatch": "epkit.api",
+    "layout": "epkit.api",
+    "dispatch_backward": "epkit.api",
+    "combine_backward": "epkit.api",
+    "exchange": "epkit.exchange",
+    "quantize_mxfp8": "epkit.api",
+    "dequantize_mxfp8": "epkit.api",
+}
+
+__all__ = ["__version__", "InputError", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'epkit' has no attribute {name!r}")

@@ -1,0 +1,117 @@
+"""Input errors: one class, one table of reasons, shared by the reference and production.
+
+Every bad-input check in epkit yields an ``(code, a, b)`` triple: a reason code from
+``REASONS`` and two integer details. Production ships the triple inside the count exchange, so
+every rank formats the *same* message for the *same* offending rank (the lowest one that is
+bad); the reference raises exactly that message. Keeping the table here (pure Python, no torch)
+is what lets the two raise identical errors.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["InputError", "Reason", "DTYPE_CODES", "dtype_name", "format_reason"]
+
+
+class InputError(ValueError):
+    """Bad input to a collective epkit operation.
+
+    Raised on *every* rank of the group with the same message, before any token moves.
+
+    Attributes:
+        rank: the offending rank (the lowest one if several are bad).
+        code: a :class:`Reason`.
+        reason: the human-readable reason, without the rank prefix.
+    """
+
+    def __init__(self, rank: int, code: "Reason", reason: str):
+        self.rank = int(rank)
+        self.code = Reason(code)
+        self.reason = reason
+        super().__init__(f"epkit: rank {self.rank}: {reason}")
+
+    def __reduce__(self):  # picklable across worker processes
+        return (InputError, (self.rank, int(self.code), self.reason))
+
+
+# dtype codes carried as integers in the count-exchange header (torch and NumPy names alike).
+DTYPE_CODES = {
+    "float32": 1, "bfloat16": 2, "float16": 3, "float64": 4,
+    "int8": 5, "int16": 6, "int32": 7, "int64": 8, "uint8": 9, "bool": 10,
+    "float8_e4m3fn": 11,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+def dtype_name(code: int) -> str:
+    return _DTYPE_NAMES.get(int(code), f"dtype#{int(code)}")
+
+
+class Reason(enum.IntEnum):
+    """Why an input is bad. Values are part of the wire format: never renumber."""
+
+    OK = 0
+    INDEX_OUT_OF_RANGE = 1     # a: the value, b: num_experts
+    DUPLICATE_EXPERT = 2       # a: row, b: expert
+    INDEX_DTYPE = 3            # a: dtype code
+    X_NOT_2D = 4               # a: ndim
+    IDX_SHAPE = 5              # a: topk_idx rows, b: x rows
+    WEIGHTS_SHAPE = 6          # a: weights rows, b: weights cols
+    HIDDEN_MISMATCH = 7        # a: this rank's H, b: rank 0's H
+    DTYPE_MISMATCH = 8         # a: this rank's dtype code, b: rank 0's
+    TOPK_MISMATCH = 9          # a: this rank's K, b: rank 0's K
+    EXPERTS_NOT_DIVISIBLE = 10  # a: num_experts, b: group size
+    ALIGN = 11                 # a: align
+    CAPACITY = 12              # a: capacity
+    NONFINITE_WEIGHT = 13      # a: row
+    NONFINITE_PAYLOAD = 14     # a: row
+    HIDDEN_NOT_MULT32 = 15     # a: H
+    EXPERT_Y_ROWS = 16         # a: expert_y rows, b: dispatch rows
+    EXPERT_Y_HIDDEN = 17       # a: expert_y H, b: dispatch H
+    X_DTYPE = 18               # a: dtype code
+    WEIGHTS_DTYPE = 19         # a: dtype code
+    STATIC_OVERFLOW = 20       # a: tokens, b: max_tokens_per_rank
+    EQUAL_NONUNIFORM = 21      # (no details)
+    NUM_EXPERTS = 22           # a: num_experts
+    EXPERT_Y_DTYPE = 23        # a: dtype code
+    OPTION = 24                # a: option id (see _OPTIONS), b: value id
+
+
+_OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
+
+
+def format_reason(code: int, a: int = 0, b: int = 0) -> str:
+    """The message for a reason code and its two details (identical on every rank)."""
+    c = Reason(code)
+    return {
+        Reason.OK: "no error",
+        Reason.INDEX_OUT_OF_RANGE: f"topk_idx holds expert {a}, outside [-1, {b})",
+        Reason.DUPLICATE_EXPERT: f"topk_idx row {a} names expert {b} twice",
+        Reason.INDEX_DTYPE: f"topk_idx must have an integer dtype, got {dtype_name(a)}",
+        Reason.X_NOT_2D: f"x must be 2-D [T, H], got {a} dimensions",
+        Reason.IDX_SHAPE: f"topk_idx has {a} rows but x has {b}",
+        Reason.WEIGHTS_SHAPE: f"topk_weights has shape [{a}, {b}], which differs from topk_idx",
+        Reason.HIDDEN_MISMATCH: f"hidden size {a} differs from rank 0's {b}",
+        Reason.DTYPE_MISMATCH: f"x dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
+        Reason.TOPK_MISMATCH: f"top-k {a} differs from rank 0's {b}",
+        Reason.EXPERTS_NOT_DIVISIBLE: f"num_experts {a} is not a multiple of the group size {b}",
+        Reason.ALIGN: f"align must be >= 1, got {a}",
+        Reason.CAPACITY: f"capacity must be >= 0, got {a}",
+        Reason.NONFINITE_WEIGHT: f"topk_weights row {a} holds a non-finite value",
+        Reason.NONFINITE_PAYLOAD: f"x row {a} holds a non-finite value (MXFP8 payload)",
+        Reason.HIDDEN_NOT_MULT32: f"hidden size {a} is not a multiple of 32 (MXFP8 payload)",
+        Reason.EXPERT_Y_ROWS: f"expert_y has {a} rows but the dispatch produced {b}",
+        Reason.EXPERT_Y_HIDDEN: f"expert_y has hidden size {a} but the dispatch has {b}",
+        Reason.X_DTYPE: f"x must be float32 or bfloat16, got {dtype_name(a)}",
+        Reason.WEIGHTS_DTYPE: f"topk_weights must be float32, got {dtype_name(a)}",
+        Reason.STATIC_OVERFLOW: f"{a} tokens exceed max_tokens_per_rank={b}",
+        Reason.EQUAL_NONUNIFORM: "exchange='equal' needs a uniform plan (every count the same)",
+        Reason.NUM_EXPERTS: f"num_experts must be >= 1, got {a}",
+        Reason.EXPERT_Y_DTYPE: f"expert_y must be float32 or bfloat16, got {dtype_name(a)}",
+        Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')} (choice #{b})",
+    }[c]
+
+
+def error(rank: int, code: int, a: int = 0, b: int = 0) -> InputError:
+    return InputError(rank, Reason(code), format_reason(code, a, b))
