@@ -13,13 +13,8 @@ _LAZY = {
     "combine": "epkit.api",
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
-    "PendingDispatch": "epkit.api",
     "layout": "epkit.api",
-    "dispatch_backward": "epkit.api",
-    "combine_backward": "epkit.api",
     "exchange": "epkit.exchange",
-    "quantize_mxfp8": "epkit.api",
-    "dequantize_mxfp8": "epkit.api",
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]

@@ -1,0 +1,234 @@
+"""The production API: ``epkit.dispatch``, ``epkit.combine`` and ``epkit.Dispatcher``.
+
+One dispatch is: local checks and counts (``prepare``), one all-gather of count words that
+yields the plan and, collectively, any input error (``count_exchange``), one host read of three
+sizes from the plan (on CPU the plan already lives in host memory), and the token exchange
+(``dispatch_tokens``). Combine and both backward passes reuse the dispatch's plan and maps: no
+further count exchange, no host read of counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from epkit import ops
+from epkit.exchange import CODES as EXCHANGE_CODES
+from epkit.exchange import group_name, resolve_group
+from epkit.reference.errors import DTYPE_CODES, InputError, Reason, error
+
+__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _dtype_code(dt: torch.dtype) -> int:
+    return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
+
+
+@dataclass
+class Dispatch:
+    """The expert-major result of a dispatch on this rank (semantics: "Dispatch").
+
+    Attributes:
+        expert_x: ``[M, H]`` x's dtype. Segments of local experts ``0..L-1`` in order; rows of
+            an expert ordered by source rank, then source token; each segment zero-padded to a
+            multiple of ``align``.
+        tokens_per_expert: ``[L]`` int64, rows per local expert before padding.
+        expert_offsets: ``[L+1]`` int64, padded start of each segment; last entry ``M``.
+        row_src: ``[M, 3]`` int64, ``(source rank, token, k)`` per row; ``-1`` on padding.
+        row_weight: ``[M]`` float32, the routing weight of each row; ``0`` on padding.
+            Differentiable (its gradient flows to ``topk_weights``).
+        dropped_per_expert: ``[L]`` int64, slots each local expert dropped under ``capacity``.
+        bytes_sent: ``[R]`` int64, bytes this rank sent to each peer in the token exchange.
+        expert_scale: ``[M, H // 32]`` uint8 E8M0 codes under the MXFP8 payload, else None.
+    """
+
+    expert_x: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_src: torch.Tensor
+    row_weight: torch.Tensor
+    dropped_per_expert: torch.Tensor
+    bytes_sent: torch.Tensor
+    expert_scale: Optional[torch.Tensor] = None
+    # The handle combine and the backward passes reuse.
+    _topk_idx: torch.Tensor = field(default=None, repr=False)
+    _topk_weights: torch.Tensor = field(default=None, repr=False)
+    _send_map: torch.Tensor = field(default=None, repr=False)
+    _recv_map: torch.Tensor = field(default=None, repr=False)
+    _plan: torch.Tensor = field(default=None, repr=False)
+    _config: "Dispatcher" = field(default=None, repr=False)
+    _x_dtype: torch.dtype = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        """``M``, the expert-major row count (padding included)."""
+        return self.expert_x.shape[0]
+
+
+class Dispatcher:
+    """Configuration for dispatch and combine over one process group.
+
+    Args:
+        group: the expert-parallel process group (default: the default group). Expert ``e``
+            lives on rank ``e // L`` of this group, ``L = num_experts // group size``.
+        num_experts: ``E``, a multiple of the group size.
+        align: pad every expert's segment to a multiple of this (``>= 1``).
+        capacity: keep at most this many slots per expert, the first in (source rank, token)
+            order; ``None`` keeps all.
+        transport: ``"dedup"`` (one row per token and destination rank, the default) or
+            ``"pairs"`` (one row per slot). Same result, bit for bit; dedup moves fewer bytes.
+        exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
+            ``"padded"`` or ``"equal"``.
+    """
+
+    def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
+                 capacity: Optional[int] = None, transport: str = "dedup",
+                 exchange: str = "auto", payload: Optional[str] = None,
+                 max_tokens_per_rank: Optional[int] = None):
+        if transport not in ops.TRANSPORTS:
+            raise ValueError(f"epkit: transport must be one of {sorted(ops.TRANSPORTS)}, got {transport!r}")
+        if exchange not in EXCHANGE_CODES:
+            raise ValueError(f"epkit: exchange must be one of {sorted(EXCHANGE_CODES)}, got {exchange!r}")
+        if payload is not None:
+            raise NotImplementedError(f"epkit: payload={payload!r} is not available yet")
+        self.group = resolve_group(group)
+        self.num_experts = int(num_experts)
+        self.align = int(align)
+        self.capacity = capacity
+        self.transport = transport
+        self.exchange = exchange
+        self.payload = payload
+        self.max_tokens_per_rank = max_tokens_per_rank
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
+        """Checks that need no tensor values: options, dtypes, shapes (reference/validate.py order)."""
+        E, R = self.num_experts, dist.get_world_size(self.group)
+        cap = -1 if self.capacity is None else int(self.capacity)
+        if E < 1:
+            return Reason.NUM_EXPERTS, E, 0
+        if E % R:
+            return Reason.EXPERTS_NOT_DIVISIBLE, E, R
+        if self.align < 1:
+            return Reason.ALIGN, self.align, 0
+        if self.capacity is not None and cap < 0:
+            return Reason.CAPACITY, cap, 0
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            return Reason.X_DTYPE, _dtype_code(x.dtype), 0
+        if x.dim() != 2:
+            return Reason.X_NOT_2D, x.dim(), 0
+        if topk_idx.dtype not in _INT_DTYPES:
+            return Reason.INDEX_DTYPE, _dtype_code(topk_idx.dtype), 0
+        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
+            return Reason.IDX_SHAPE, (topk_idx.shape[0] if topk_idx.dim() else 0), x.shape[0]
+        if topk_weights.dtype != torch.float32:
+            return Reason.WEIGHTS_DTYPE, _dtype_code(topk_weights.dtype), 0
+        if tuple(topk_weights.shape) != tuple(topk_idx.shape):
+            shape = tuple(topk_weights.shape) + (0, 0)
+            return Reason.WEIGHTS_SHAPE, shape[0], shape[1]
+        return Reason.OK, 0, 0
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
+        """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
+        R = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        transport = ops.TRANSPORTS[self.transport]
+        cap = -1 if self.capacity is None else int(self.capacity)
+        code, a, b = self._local_error(x, topk_idx, topk_weights)
+        if code == Reason.OK:
+            x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
+                              [int(code), int(a), int(b), _dtype_code(x.dtype)], 0)
+        plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
+                                  self.align, cap, transport)
+        if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
+            raise error(0, Reason.EQUAL_NONUNIFORM)
+        S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
+        expert_x, row_src, row_weight, send_map, recv_map = ops.dispatch_tokens(
+            x, topk_idx, topk_weights, plan, group_name(self.group), transport,
+            EXCHANGE_CODES[self.exchange], S, N, M)
+        sl = ops.plan_slices(R, self.num_experts)
+        B = ops.row_bytes(transport, x.shape[1], x.dtype, topk_idx.shape[1])
+        return Dispatch(
+            expert_x=expert_x,
+            tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
+            expert_offsets=plan[sl["offsets"]].clone(),
+            row_src=row_src,
+            row_weight=row_weight,
+            dropped_per_expert=plan[sl["dropped"]].clone(),
+            bytes_sent=plan[sl["send_counts"]] * B,
+            _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
+            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
+        )
+
+    # -- combine ----------------------------------------------------------------------------------
+
+    def combine(self, expert_y: torch.Tensor, d: Dispatch, weighted: bool = True) -> torch.Tensor:
+        """Bring expert outputs back and sum them per token; see :func:`epkit.combine`."""
+        rank = dist.get_rank(self.group)
+        if expert_y.dtype not in (torch.float32, torch.bfloat16):
+            raise error(rank, Reason.EXPERT_Y_DTYPE, _dtype_code(expert_y.dtype))
+        if expert_y.dim() != 2 or expert_y.shape[0] != d.num_rows:
+            raise error(rank, Reason.EXPERT_Y_ROWS, expert_y.shape[0] if expert_y.dim() else 0, d.num_rows)
+        if expert_y.shape[1] != d.expert_x.shape[1]:
+            raise error(rank, Reason.EXPERT_Y_HIDDEN, expert_y.shape[1], d.expert_x.shape[1])
+        return ops.combine_tokens(
+            expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
+            d._plan, group_name(self.group), ops.TRANSPORTS[self.transport],
+            EXCHANGE_CODES[self.exchange], bool(weighted), d._x_dtype)
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+             group=None, align: int = 1, capacity: Optional[int] = None, transport: str = "dedup",
+             exchange: str = "auto", payload: Optional[str] = None,
+             max_tokens_per_rank: Optional[int] = None) -> Dispatch:
+    """Dispatch this rank's tokens to the ranks hosting their top-k experts.
+
+    Collective over ``group``: every rank calls it, with its own tokens.
+
+    Args:
+        x: ``[T, H]`` float32 or bfloat16, this rank's tokens (``T`` may differ between ranks,
+            ``H`` may not; ``T == 0`` is fine).
+        topk_idx: ``[T, K]`` int32 or int64, expert ids in ``[0, E)`` or ``-1`` for an unused
+            slot; no expert twice in a row.
+        topk_weights: ``[T, K]`` float32, finite routing weights (differentiable).
+        num_experts: ``E``; see :class:`Dispatcher` for the other options.
+
+    Returns:
+        A :class:`Dispatch` in the canonical expert-major layout, bit for bit equal to
+        ``epkit.reference.dispatch``. Raises :class:`epkit.InputError` on every rank if any
+        rank's input is bad, before any token moves.
+    """
+    return Dispatcher(group, num_experts, align=align, capacity=capacity, transport=transport,
+                      exchange=exchange, payload=payload,
+                      max_tokens_per_rank=max_tokens_per_rank).dispatch(x, topk_idx, topk_weights)
+
+
+def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -> torch.Tensor:
+    """Return expert outputs to their tokens and sum them.
+
+    Args:
+        expert_y: ``[M, H]`` float32 or bfloat16 in the dispatch's expert-major layout
+            (padding rows are ignored, whatever they hold).
+        dispatch: the :class:`Dispatch` these rows came from.
+        weighted: multiply each row by its routing weight (``row_weight``) before summing.
+
+    Returns:
+        ``[T, H]`` in x's dtype: ``out[t] = sum_d sum_k c_k * y(t, k)`` in the fixed order of
+        docs/semantics.md, bit for bit equal to ``epkit.reference.combine``.
+    """
+    return dispatch._config.combine(expert_y, dispatch, weighted)
+
+
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """Local routing layout: ``(tokens_per_expert [E], tokens_per_rank [R], slots_per_rank [R],
+    is_token_in_rank [T, R] bool)``, counting used slots (before any capacity)."""
+    return ops.C.layout(topk_idx.contiguous(), num_experts, num_ranks)

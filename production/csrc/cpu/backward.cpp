@@ -1,0 +1,95 @@
+// Backward kernels. Gradients travel the reverse way of their forward and reuse its maps.
+#include "../epkit.h"
+
+namespace epkit {
+
+// Combine backward, expert side. recv [N, H]: grad_out rows as sent by the sources (per slot
+// for pairs, per token and rank for dedup). For each slot row m:
+//   grad_y[m]          = cast_y(c_m * g)             (c_m = row_weight[m] if weighted, else 1)
+//   grad_row_weight[m] = sum_h g_h * y[m, h]          (float32, h ascending; 0 if unweighted)
+// Padding rows get zeros.
+std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, const Tensor& recv_map,
+                                                     const Tensor& row_weight,
+                                                     const Tensor& y_in, bool weighted) {
+  const Tensor recv = recv_in.contiguous(), y = y_in.contiguous();
+  const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
+  Tensor grad_y = at::zeros({M, H}, y.options());
+  Tensor grad_w = at::zeros({M}, at::kFloat);
+  const int64_t* mp = recv_map.data_ptr<int64_t>();
+  const float* wp = row_weight.data_ptr<float>();
+  float* gwp = grad_w.data_ptr<float>();
+  dispatch_float_types(y.scalar_type(), "epkit.combine_backward", [&](auto ytag) {
+    using Y = decltype(ytag);
+    const Y* yp = y.data_ptr<Y>();
+    Y* gyp = grad_y.data_ptr<Y>();
+    dispatch_float_types(recv.scalar_type(), "epkit.combine_backward", [&](auto gtag) {
+      using G = decltype(gtag);
+      const G* rp = recv.data_ptr<G>();
+      at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t m = mp[n * C + c];
+            if (m < 0) continue;
+            const G* g = rp + n * H;
+            Y* gy = gyp + m * H;
+            const Y* yr = yp + m * H;
+            if (weighted) {
+              const float w = wp[m];
+              float dot = 0.0f;
+              for (int64_t h = 0; h < H; ++h) {
+                const float gh = widen(g[h]);
+                gy[h] = narrow<Y>(w * gh);
+                dot = dot + gh * widen(yr[h]);
+              }
+              gwp[m] = dot;
+            } else {
+              for (int64_t h = 0; h < H; ++h) gy[h] = narrow<Y>(widen(g[h]));
+            }
+          }
+      });
+    });
+  });
+  return {grad_y, grad_w};
+}
+
+// values [M] float32 (one per expert-major row) -> [N, K'] in received-row order, 0 where none.
+Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map) {
+  const Tensor v = values.contiguous();
+  Tensor out = at::zeros(recv_map.sizes(), at::kFloat);
+  const int64_t n = recv_map.numel();
+  const int64_t* mp = recv_map.data_ptr<int64_t>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    if (mp[i] >= 0) op[i] = vp[mp[i]];
+  return out;
+}
+
+// back [S, K'] float32 in send-row order -> per-slot values [T, K], 0 for unused/dropped slots.
+Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map,
+                               const Tensor& topk_idx, int64_t E, int64_t R, int64_t transport) {
+  const Tensor back = back_in.contiguous();
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t T = idx.size(0), K = idx.size(1), L = E / R, C = send_map.size(1);
+  Tensor out = at::zeros({T, K}, at::kFloat);
+  const int64_t* mp = send_map.data_ptr<int64_t>();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* bp = back.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t BW = back.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ip[t * K + k];
+      if (e < 0) continue;
+      if (transport == kPairs) {
+        const int64_t r = mp[t * K + k];
+        if (r >= 0) op[t * K + k] = bp[r * BW];
+      } else {
+        const int64_t r = mp[t * C + e / L];
+        if (r >= 0) op[t * K + k] = bp[r * BW + k];
+      }
+    }
+  return out;
+}
+
+}  // namespace epkit

@@ -1,0 +1,97 @@
+// Layout, local validation and the count-exchange words (the "prepare" half of dispatch).
+#include "../epkit.h"
+
+#include <cmath>
+
+namespace epkit {
+
+namespace {
+
+// Error codes: reference/errors.py (Reason). Only the value checks live here; dtype, shape and
+// option checks happen in Python before this kernel is called (their result is `pre_error`).
+constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
+                  kNonfinitePayload = 14;
+
+struct Err { int64_t code = 0, a = 0, b = 0; };
+
+Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E, bool payload) {
+  const int64_t T = idx.size(0), K = idx.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T * K; ++i)
+    if (ip[i] < -1 || ip[i] >= E) return {kIndexOutOfRange, ip[i], E};
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ip[t * K + k];
+      if (e < 0) continue;
+      for (int64_t k2 = 0; k2 < k; ++k2)
+        if (ip[t * K + k2] == e) return {kDuplicateExpert, t, e};
+    }
+  const float* wp = w.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      if (!std::isfinite(wp[t * K + k])) return {kNonfiniteWeight, t, 0};
+  if (payload) {
+    const Tensor xf = x.to(at::kFloat);
+    const float* xp = xf.data_ptr<float>();
+    const int64_t H = x.size(1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h)
+        if (!std::isfinite(xp[t * H + h])) return {kNonfinitePayload, t, 0};
+  }
+  return {};
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, int64_t E,
+                                                     int64_t R) {
+  TORCH_CHECK(topk_idx.dim() == 2, "epkit.layout: topk_idx must be [T, K]");
+  TORCH_CHECK(R >= 1 && E % R == 0, "epkit.layout: num_experts must be a multiple of num_ranks");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t T = idx.size(0), K = idx.size(1), L = E / R;
+  Tensor tpe = at::zeros({E}, at::kLong), tpr = at::zeros({R}, at::kLong),
+         spr = at::zeros({R}, at::kLong), in_rank = at::zeros({T, R}, at::kBool);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  int64_t *pe = tpe.data_ptr<int64_t>(), *pr = tpr.data_ptr<int64_t>(),
+          *ps = spr.data_ptr<int64_t>();
+  bool* pin = in_rank.data_ptr<bool>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = ip[t * K + k];
+      if (e < 0) continue;
+      TORCH_CHECK(e < E, "epkit.layout: expert index ", e, " outside [-1, ", E, ")");
+      const int64_t d = e / L;
+      ++pe[e];
+      ++ps[d];
+      if (!pin[t * R + d]) { pin[t * R + d] = true; ++pr[d]; }
+    }
+  return {tpe, tpr, spr, in_rank};
+}
+
+// The word vector this rank contributes to the count exchange (see epkit.h).
+Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
+                   int64_t R, at::IntArrayRef pre_error, int64_t payload) {
+  Tensor words = at::zeros({kWordHeader + E + R}, at::kLong);
+  int64_t* w = words.data_ptr<int64_t>();
+  Err err{pre_error[0], pre_error[1], pre_error[2]};
+  if (err.code == 0) {
+    const Tensor idx = topk_idx.to(at::kLong).contiguous();
+    err = check_values(x, idx, topk_weights.contiguous(), E, payload != 0);
+    if (err.code == 0) {
+      auto [tpe, tpr, spr, in_rank] = layout_cpu(idx, E, R);
+      std::memcpy(w + kWordHeader, tpe.data_ptr<int64_t>(), E * sizeof(int64_t));
+      std::memcpy(w + kWordHeader + E, tpr.data_ptr<int64_t>(), R * sizeof(int64_t));
+    }
+    w[3] = x.size(0);
+    w[4] = x.size(1);
+    w[5] = topk_idx.size(1);
+  }
+  w[0] = err.code;
+  w[1] = err.a;
+  w[2] = err.b;
+  w[6] = pre_error.size() > 3 ? pre_error[3] : 0;  // x dtype code (reference/errors.py)
+  w[7] = payload;
+  return words;
+}
+
+}  // namespace epkit

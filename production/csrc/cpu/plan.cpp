@@ -1,0 +1,99 @@
+// The plan: everything a rank must know to allocate and move tokens, derived from the
+// all-gathered count words [R, 8 + E + R]. Identical arithmetic on every rank, so every rank
+// agrees on the error to raise and on every count, with no further collective.
+#include "../epkit.h"
+
+#include <algorithm>
+
+namespace epkit {
+
+namespace {
+constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
+}
+
+Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
+                int64_t capacity, int64_t transport) {
+  const Tensor words = words_in.contiguous();
+  TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
+              "epkit.plan: words must be [R, 8 + E + R]");
+  const int64_t R = words.size(0), L = E / R, W = words.size(1);
+  const PlanOffsets o(R, E);
+  Tensor plan = at::zeros({o.size}, at::kLong);
+  int64_t* p = plan.data_ptr<int64_t>();
+  const int64_t* g = words.data_ptr<int64_t>();
+  auto row = [&](int64_t s) { return g + s * W; };
+
+  p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = transport;
+  p[kCapacity] = capacity; p[kAlign] = align;
+
+  // 1. The error, if any: the lowest rank whose own checks failed or that disagrees with rank 0.
+  for (int64_t s = 0; s < R; ++s) {
+    const int64_t* r = row(s);
+    int64_t code = r[0], a = r[1], b = r[2];
+    if (code == 0 && s > 0) {
+      const int64_t* r0 = row(0);
+      if (r[4] != r0[4]) { code = kHiddenMismatch; a = r[4]; b = r0[4]; }
+      else if (r[6] != r0[6]) { code = kDtypeMismatch; a = r[6]; b = r0[6]; }
+      else if (r[5] != r0[5]) { code = kTopkMismatch; a = r[5]; b = r0[5]; }
+    }
+    if (code != 0) {
+      p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = s;
+      return plan;
+    }
+  }
+  p[kTopK] = row(0)[5];
+
+  // 2. Kept slots per (source, expert): capacity keeps the first C in (source, token) order.
+  auto cnt = [&](int64_t s, int64_t e) { return row(s)[kWordHeader + e]; };
+  auto tpr = [&](int64_t s, int64_t d) { return row(s)[kWordHeader + E + d]; };
+  std::vector<int64_t> kept(R * E), prefix(E, 0);
+  for (int64_t s = 0; s < R; ++s)
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t c = cnt(s, e);
+      const int64_t k = capacity < 0 ? c : std::clamp<int64_t>(capacity - prefix[e], 0, c);
+      kept[s * E + e] = k;
+      prefix[e] += c;
+    }
+
+  // 3. Rows from s to d, for every pair (uniformity and the padded chunk need all of them).
+  auto rows = [&](int64_t s, int64_t d) {
+    if (transport == kDedup) return tpr(s, d);
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; ++j) n += kept[s * E + d * L + j];
+    return n;
+  };
+  int64_t first = -1, maxchunk = 0, uniform = 1, S = 0, N = 0;
+  for (int64_t s = 0; s < R; ++s)
+    for (int64_t d = 0; d < R; ++d) {
+      const int64_t n = rows(s, d);
+      if (first < 0) first = n;
+      uniform &= (n == first);
+      maxchunk = std::max(maxchunk, n);
+      if (s == rank) { p[o.send_counts + d] = n; S += n; }
+      if (d == rank) { p[o.recv_counts + s] = n; N += n; }
+    }
+
+  // 4. This rank's experts: kept and dropped counts, padded offsets, kept per source.
+  int64_t M = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    const int64_t e = rank * L + j;
+    int64_t k = 0, used = 0;
+    for (int64_t s = 0; s < R; ++s) {
+      k += kept[s * E + e];
+      used += cnt(s, e);
+      p[o.recv_kept + s * L + j] = kept[s * E + e];
+    }
+    p[o.tokens_per_expert + j] = k;
+    p[o.dropped + j] = used - k;
+    p[o.offsets + j] = M;
+    M += (k + align - 1) / align * align;
+  }
+  p[o.offsets + L] = M;
+  for (int64_t e = 0; e < E; ++e) p[o.own_kept + e] = kept[rank * E + e];
+
+  p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
+  p[kUniform] = uniform; p[kMaxChunk] = maxchunk;
+  return plan;
+}
+
+}  // namespace epkit

@@ -1,0 +1,113 @@
+// epkit C++ kernels: shared declarations, wire format and plan layout.
+//
+// The kernels are local (one rank); the collectives live in Python over torch.distributed.
+// Arithmetic follows docs/semantics.md exactly: float32 multiplies and adds, each rounded, sums
+// from +0.0 in a fixed order; the build uses -ffp-contract=off so no FMA sneaks in.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace epkit {
+
+using at::Tensor;
+
+// ---- transports -------------------------------------------------------------------------
+constexpr int64_t kPairs = 0;  // one row per kept slot (Megatron / TE style)
+constexpr int64_t kDedup = 1;  // one row per (token, destination rank) (DeepEP style)
+
+// ---- wire format (docs/design.md) -------------------------------------------------------
+constexpr int64_t kPairsMetaBytes = 16;  // int32 t, int32 k, int32 j, float32 w
+inline int64_t dedup_meta_bytes(int64_t K) { return (4 + 8 * K + 15) / 16 * 16; }
+inline int64_t meta_bytes(int64_t transport, int64_t K) {
+  return transport == kPairs ? kPairsMetaBytes : dedup_meta_bytes(K);
+}
+
+// ---- count-exchange words (one row per rank after the all-gather) ------------------------
+// [error code, a, b, T, H, K, dtype code, payload code | tokens_per_expert (E) | tokens_per_rank (R)]
+constexpr int64_t kWordHeader = 8;
+
+// ---- plan layout (int64 vector, identical on every rank up to the rank-local parts) ------
+// header words
+enum PlanHeader : int64_t {
+  kErrCode = 0, kErrA, kErrB, kErrRank,
+  kSendRows, kRecvRows, kExpertRows, kUniform, kMaxChunk,
+  kRanks, kLocalExperts, kExperts, kTransport, kCapacity, kAlign, kTopK,
+  kPlanHeader = 16
+};
+struct PlanOffsets {
+  int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept, size;
+  PlanOffsets(int64_t R, int64_t E) {
+    const int64_t L = E / R;
+    send_counts = kPlanHeader;
+    recv_counts = send_counts + R;
+    tokens_per_expert = recv_counts + R;
+    dropped = tokens_per_expert + L;
+    offsets = dropped + L;
+    recv_kept = offsets + L + 1;
+    own_kept = recv_kept + R * L;
+    size = own_kept + E;
+  }
+};
+
+// ---- ops (CPU) ---------------------------------------------------------------------------
+std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, int64_t num_experts,
+                                                     int64_t num_ranks);
+Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                   int64_t num_experts, int64_t num_ranks, at::IntArrayRef pre_error,
+                   int64_t payload);
+Tensor plan_cpu(const Tensor& words, int64_t rank, int64_t num_experts, int64_t align,
+                int64_t capacity, int64_t transport);
+std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x, const Tensor& topk_idx,
+                                    const Tensor& topk_weights, const Tensor& plan, int64_t transport,
+                                    int64_t num_ranks, c10::SymInt send_rows);
+std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv, const Tensor& plan,
+                                                      int64_t transport, int64_t hidden,
+                                                      at::ScalarType dtype, int64_t topk,
+                                                      c10::SymInt expert_rows);
+Tensor gather_rows_cpu(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
+                       int64_t transport, bool weighted);
+Tensor reduce_tokens_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
+                         const Tensor& topk_weights, int64_t num_experts, int64_t num_ranks,
+                         int64_t transport, bool weighted, at::ScalarType out_dtype);
+Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
+std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const Tensor& recv_map,
+                                                     const Tensor& row_weight,
+                                                     const Tensor& expert_y, bool weighted);
+Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map);
+Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
+                               int64_t num_experts, int64_t num_ranks, int64_t transport);
+
+// ---- helpers -----------------------------------------------------------------------------
+// Rows are moved as bytes: a copy is bit for bit whatever the dtype.
+inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
+  std::memcpy(dst, src, static_cast<size_t>(nbytes));
+}
+template <typename T>
+inline void put(uint8_t* p, T v) { std::memcpy(p, &v, sizeof(T)); }
+template <typename T>
+inline T get(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+
+// Grain sizes for at::parallel_for: rows are wide (hidden >= 64 typically).
+constexpr int64_t kRowGrain = 16;
+
+}  // namespace epkit
+
+namespace epkit {
+// Calls f(T{}) with T = float or at::BFloat16: the two payload dtypes of the arithmetic kernels.
+template <typename F>
+inline void dispatch_float_types(at::ScalarType dt, const char* name, F&& f) {
+  if (dt == at::kFloat) f(float{});
+  else if (dt == at::kBFloat16) f(at::BFloat16{});
+  else TORCH_CHECK(false, name, ": dtype must be float32 or bfloat16, got ", dt);
+}
+// Exact widening to float32 and round-to-nearest-even narrowing.
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) { return static_cast<float>(v); }
+template <typename T> inline T narrow(float v) { return static_cast<T>(v); }
+}  // namespace epkit

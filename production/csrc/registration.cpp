@@ -1,0 +1,41 @@
+// Op schemas (TORCH_LIBRARY) and CPU kernels (TORCH_LIBRARY_IMPL). Fake kernels and autograd
+// are registered in Python (epkit/ops.py) with torch.library.register_fake / register_autograd.
+//
+// Sizes that depend on routing (rows sent, rows in the expert-major output) are SymInt
+// arguments read from the plan on the host, never computed inside a kernel, so every fake
+// kernel knows its output shapes without an unbacked size.
+#include "epkit.h"
+
+TORCH_LIBRARY(epkit, m) {
+  m.def("layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("prepare(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
+        "int[] pre_error, int payload) -> Tensor");
+  m.def("plan(Tensor words, int rank, int num_experts, int align, int capacity, int transport) -> Tensor");
+  m.def("pack(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, int num_ranks, "
+        "SymInt send_rows) -> (Tensor, Tensor)");
+  m.def("unpack(Tensor recv, Tensor plan, int transport, int hidden, ScalarType dtype, int topk, "
+        "SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gather_rows(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted) -> Tensor");
+  m.def("reduce_tokens(Tensor back, Tensor send_map, Tensor topk_idx, Tensor topk_weights, int num_experts, "
+        "int num_ranks, int transport, bool weighted, ScalarType out_dtype) -> Tensor");
+  m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
+  m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
+        "bool weighted) -> (Tensor, Tensor)");
+  m.def("gather_slot_values(Tensor values, Tensor recv_map) -> Tensor");
+  m.def("scatter_slot_values(Tensor back, Tensor send_map, Tensor topk_idx, int num_experts, "
+        "int num_ranks, int transport) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(epkit, CPU, m) {
+  m.impl("layout", &epkit::layout_cpu);
+  m.impl("prepare", &epkit::prepare_cpu);
+  m.impl("plan", &epkit::plan_cpu);
+  m.impl("pack", &epkit::pack_cpu);
+  m.impl("unpack", &epkit::unpack_cpu);
+  m.impl("gather_rows", &epkit::gather_rows_cpu);
+  m.impl("reduce_tokens", &epkit::reduce_tokens_cpu);
+  m.impl("scatter_rows", &epkit::scatter_rows_cpu);
+  m.impl("combine_backward_dest", &epkit::combine_backward_dest_cpu);
+  m.impl("gather_slot_values", &epkit::gather_slot_values_cpu);
+  m.impl("scatter_slot_values", &epkit::scatter_slot_values_cpu);
+}

@@ -1,0 +1,135 @@
+"""The all-to-all underneath dispatch and combine, in its variants (semantics: "Exchange").
+
+All variants deliver the same bytes: the concatenation, over source ranks ascending, of the
+rows each source addressed to this rank.
+
+- ``ragged``: one ``all_to_all_single`` with split sizes (gloo and NCCL both support them).
+- ``padded``: every chunk padded to the group-wide maximum, an equal-length all-to-all, unpad
+  (for a backend without split sizes).
+- ``equal``: the plan is uniform (every count the same): the split-free all-to-all.
+
+The low-level :func:`all_to_all` moves a buffer whose counts every rank already knows (the plan
+gives them); the public :func:`exchange` also exchanges the counts and is differentiable, its
+backward being the exchange with send and receive counts swapped.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from epkit.reference.errors import Reason, error
+
+VARIANTS = ("ragged", "padded", "equal")
+CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3}
+
+
+def resolve_group(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def group_name(group) -> str:
+    return resolve_group(group).group_name
+
+
+def group_from_name(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Gather ``inp [W]`` from every rank into the flat ``out [R * W]`` (gloo wants it flat)."""
+    # all_gather_single supersedes all_gather_into_tensor (deprecated in recent torch).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def all_to_all(
+    buf: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group,
+    variant: str,
+    max_chunk: int,
+    async_op: bool = False,
+):
+    """Move rows of ``buf [sum(send_counts), ...]``; returns ``[sum(recv_counts), ...]``.
+
+    ``max_chunk`` is the group-wide largest count (the padded chunk, the equal count).
+    With ``async_op`` returns ``finish``: calling it waits and returns the rows.
+    """
+    R = len(send_counts)
+    rest = tuple(buf.shape[1:])
+    buf = buf.contiguous()
+    if variant == "ragged":
+        staged = buf.new_empty((sum(recv_counts),) + rest)
+        work = dist.all_to_all_single(
+            staged, buf, list(recv_counts), list(send_counts), group=group, async_op=async_op
+        )
+    elif variant in ("equal", "padded"):
+        P = int(max_chunk)
+        src = buf
+        if variant == "padded":
+            src = buf.new_zeros((R * P,) + rest)
+            for d, chunk in enumerate(torch.split(buf, list(send_counts))):
+                src[d * P : d * P + chunk.shape[0]] = chunk
+        staged = buf.new_empty((R * P,) + rest)
+        work = dist.all_to_all_single(staged, src, group=group, async_op=async_op)
+    else:
+        raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from {VARIANTS})")
+
+    def finish() -> torch.Tensor:
+        if async_op:
+            work.wait()
+        if variant != "padded":
+            return staged
+        P = int(max_chunk)
+        return torch.cat([staged[s * P : s * P + n] for s, n in enumerate(recv_counts)])
+
+    return finish if async_op else finish()
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_counts, recv_counts, group, variant, max_chunk):
+        ctx.args = (send_counts, recv_counts, group, variant, max_chunk)
+        return all_to_all(x, send_counts, recv_counts, group, variant, max_chunk)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts, group, variant, max_chunk = ctx.args
+        return all_to_all(grad, recv_counts, send_counts, group, variant, max_chunk), *([None] * 5)
+
+
+def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") -> torch.Tensor:
+    """All-to-all of rows, differentiable.
+
+    Args:
+        x: ``[sum(send_counts), ...]`` any dtype; rows for peer ``q`` start at
+            ``sum(send_counts[:q])``.
+        send_counts: ``[R]`` ints (list or int64 tensor): rows this rank sends to each peer.
+        group: process group (default: the default group).
+        variant: ``"ragged"``, ``"padded"`` or ``"equal"`` (equal needs every count in the
+            group to be the same; otherwise :class:`epkit.InputError`).
+
+    Returns:
+        ``[sum(recv_counts), ...]``: rows from source ranks in ascending order.
+    """
+    group = resolve_group(group)
+    R = dist.get_world_size(group)
+    sc = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1)
+    if sc.numel() != R:
+        raise ValueError(f"epkit.exchange: send_counts has {sc.numel()} entries, group has {R}")
+    gathered = torch.empty(R * R, dtype=torch.int64)
+    all_gather(gathered, sc, group)
+    counts = gathered.view(R, R)  # counts[s, d]: rows s sends to d, known to every rank
+    me = dist.get_rank(group)
+    max_chunk = int(counts.max()) if counts.numel() else 0
+    if variant == "equal" and not bool((counts == counts.reshape(-1)[0]).all()):
+        raise error(me, Reason.EQUAL_NONUNIFORM)
+    if x.shape[0] != int(sc.sum()):
+        raise ValueError(f"epkit.exchange: x has {x.shape[0]} rows, send_counts sum to {int(sc.sum())}")
+    return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)

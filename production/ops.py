@@ -1,0 +1,320 @@
+"""Operator registration: fake kernels for the C++ ops, and the collective-bearing ops with
+their autograd.
+
+Two layers of ``torch.library`` ops, all in the ``epkit`` namespace:
+
+- Local kernels, schema and CPU kernel in C++ (``csrc/``): ``layout``, ``prepare``, ``plan``,
+  ``pack``, ``unpack``, ``gather_rows``, ``reduce_tokens``, ``scatter_rows``,
+  ``combine_backward_dest``, ``gather_slot_values``, ``scatter_slot_values``. Their fake kernels
+  are here; every routing-dependent size arrives as a SymInt argument, never guessed.
+- Ops that move data over a process group (Python custom ops, opaque to ``torch.compile``):
+  ``count_exchange`` (the one small all-gather that yields the plan, and the collective error),
+  ``dispatch_tokens`` / ``combine_tokens`` and their backward ops ``dispatch_tokens_backward`` /
+  ``combine_tokens_backward``. Autograd is registered with ``register_autograd``; the backward
+  passes are ops too, and ``setup_context`` only saves tensors (no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from epkit import _build
+from epkit.exchange import all_gather, all_to_all, group_from_name
+from epkit.reference.errors import error
+
+_build.load()
+C = torch.ops.epkit
+
+PAIRS, DEDUP = 0, 1
+TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
+EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto"}
+
+# Plan layout: mirrors csrc/epkit.h (PlanHeader, PlanOffsets).
+ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
+SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
+PLAN_HEADER = 16
+WORD_HEADER = 8
+
+
+def plan_size(R: int, E: int) -> int:
+    return PLAN_HEADER + 2 * R + 3 * (E // R) + 1 + R * (E // R) + E
+
+
+def plan_slices(R: int, E: int) -> dict[str, slice]:
+    L = E // R
+    at, out = PLAN_HEADER, {}
+    for name, n in (("send_counts", R), ("recv_counts", R), ("tokens_per_expert", L),
+                    ("dropped", L), ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E)):
+        out[name] = slice(at, at + n)
+        at += n
+    return out
+
+
+def meta_bytes(transport: int, K: int) -> int:
+    return 16 if transport == PAIRS else (4 + 8 * K + 15) // 16 * 16
+
+
+def row_bytes(transport: int, H: int, dtype: torch.dtype, K: int) -> int:
+    return H * dtype.itemsize + meta_bytes(transport, K)
+
+
+# ---- fake kernels of the C++ ops -------------------------------------------------------------
+
+@torch.library.register_fake("epkit::layout")
+def _(topk_idx, num_experts, num_ranks):
+    T = topk_idx.shape[0]
+    long = dict(dtype=torch.int64, device=topk_idx.device)
+    return (topk_idx.new_empty((num_experts,), **long), topk_idx.new_empty((num_ranks,), **long),
+            topk_idx.new_empty((num_ranks,), **long),
+            topk_idx.new_empty((T, num_ranks), dtype=torch.bool))
+
+
+@torch.library.register_fake("epkit::prepare")
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, pre_error, payload):
+    return topk_idx.new_empty((WORD_HEADER + num_experts + num_ranks,), dtype=torch.int64)
+
+
+@torch.library.register_fake("epkit::plan")
+def _(words, rank, num_experts, align, capacity, transport):
+    return words.new_empty((plan_size(words.shape[0], num_experts),))
+
+
+@torch.library.register_fake("epkit::pack")
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_rows):
+    T, K = topk_idx.shape
+    B = row_bytes(transport, x.shape[1], x.dtype, K)
+    cols = K if transport == PAIRS else num_ranks
+    return x.new_empty((send_rows, B), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
+
+
+@torch.library.register_fake("epkit::unpack")
+def _(recv, plan, transport, hidden, dtype, topk, expert_rows):
+    cols = 1 if transport == PAIRS else topk
+    return (recv.new_empty((expert_rows, hidden), dtype=dtype),
+            recv.new_empty((expert_rows, 3), dtype=torch.int64),
+            recv.new_empty((expert_rows,), dtype=torch.float32),
+            recv.new_empty((recv.shape[0], cols), dtype=torch.int64))
+
+
+@torch.library.register_fake("epkit::gather_rows")
+def _(expert_y, recv_map, row_weight, transport, weighted):
+    dtype = expert_y.dtype if transport == PAIRS else torch.float32
+    return expert_y.new_empty((recv_map.shape[0], expert_y.shape[1]), dtype=dtype)
+
+
+@torch.library.register_fake("epkit::reduce_tokens")
+def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype):
+    return back.new_empty((send_map.shape[0], back.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("epkit::scatter_rows")
+def _(src, send_map, send_rows):
+    return src.new_empty((send_rows, src.shape[1]))
+
+
+@torch.library.register_fake("epkit::combine_backward_dest")
+def _(recv, recv_map, row_weight, expert_y, weighted):
+    return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("epkit::gather_slot_values")
+def _(values, recv_map):
+    return values.new_empty(recv_map.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("epkit::scatter_slot_values")
+def _(back, send_map, topk_idx, num_experts, num_ranks, transport):
+    return back.new_empty(topk_idx.shape, dtype=torch.float32)
+
+
+# ---- the exchange inside the ops ----------------------------------------------------------
+
+def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int, reverse: bool):
+    """All-to-all of ``buf`` along the plan's counts (``reverse``: expert side -> source side)."""
+    R = int(plan[9])
+    sl = plan_slices(R, int(plan[11]))
+    send = plan[sl["send_counts"]].tolist()
+    recv = plan[sl["recv_counts"]].tolist()
+    if reverse:
+        send, recv = recv, send
+    variant = EXCHANGE_NAMES[exchange]
+    if variant == "auto":
+        variant = "equal" if int(plan[UNIFORM]) else "ragged"
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]))
+
+
+# ---- count exchange: the plan and the collective error --------------------------------------
+
+@torch.library.custom_op("epkit::count_exchange", mutates_args=())
+def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
+                   capacity: int, transport: int) -> torch.Tensor:
+    """All-gather every rank's count words; return this rank's plan, or raise the group's error.
+
+    Every rank computes the same error from the same gathered words, so bad input on any rank
+    raises the same :class:`epkit.InputError` on all of them, before any token moves.
+    """
+    import torch.distributed as dist
+
+    group = group_from_name(group_name)
+    R = dist.get_world_size(group)
+    gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
+    all_gather(gathered, words.contiguous(), group)
+    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport)
+    code = int(plan[ERR_CODE])
+    if code:
+        raise error(int(plan[ERR_RANK]), code, int(plan[ERR_A]), int(plan[ERR_B]))
+    return plan
+
+
+@count_exchange.register_fake
+def _(words, group_name, rank, num_experts, align, capacity, transport):
+    import torch.distributed as dist
+
+    R = dist.get_world_size(group_from_name(group_name))
+    return words.new_empty((plan_size(R, num_experts),))
+
+
+# ---- dispatch ---------------------------------------------------------------------------------
+
+@torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
+def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    plan: torch.Tensor, group_name: str, transport: int, exchange: int,
+                    send_rows: int, recv_rows: int, expert_rows: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``."""
+    R = int(plan[9])
+    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, R, send_rows)
+    recv = _move(send, plan, group_name, exchange, reverse=False)
+    expert_x, row_src, row_weight, recv_map = C.unpack(
+        recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], expert_rows)
+    return expert_x, row_src, row_weight, send_map, recv_map
+
+
+@dispatch_tokens.register_fake
+def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_rows, recv_rows,
+      expert_rows):
+    import torch.distributed as dist
+
+    R = dist.get_world_size(group_from_name(group_name))
+    T, K = topk_idx.shape
+    cols = K if transport == PAIRS else R
+    return (x.new_empty((expert_rows, x.shape[1])),
+            x.new_empty((expert_rows, 3), dtype=torch.int64),
+            x.new_empty((expert_rows,), dtype=torch.float32),
+            x.new_empty((T, cols), dtype=torch.int64),
+            x.new_empty((recv_rows, 1 if transport == PAIRS else K), dtype=torch.int64))
+
+
+@torch.library.custom_op("epkit::dispatch_tokens_backward", mutates_args=())
+def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
+                             send_map: torch.Tensor, recv_map: torch.Tensor,
+                             topk_idx: torch.Tensor, plan: torch.Tensor, group_name: str,
+                             transport: int, exchange: int, x_dtype: torch.dtype
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
+
+    grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
+    rows, unweighted; the weight gradient of each slot travels back as one float32.
+    """
+    R, E = int(plan[9]), int(plan[11])
+    empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
+    back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
+    back = _move(back_rows, plan, group_name, exchange, reverse=True)
+    grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
+    if grad_row_weight is None:
+        return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32)
+    vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
+    back_w = _move(vals, plan, group_name, exchange, reverse=True)
+    return grad_x, C.scatter_slot_values(back_w, send_map, topk_idx, E, R, transport)
+
+
+@dispatch_tokens_backward.register_fake
+def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, group_name, transport,
+      exchange, x_dtype):
+    T, K = topk_idx.shape
+    return (grad_expert_x.new_empty((T, grad_expert_x.shape[1]), dtype=x_dtype),
+            grad_expert_x.new_empty((T, K), dtype=torch.float32))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, topk_idx, topk_weights, plan, group_name, transport, exchange, *_ = inputs
+    _, _, _, send_map, recv_map = output
+    ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
+    ctx.meta = (group_name, transport, exchange, x.dtype)
+
+
+def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
+    send_map, recv_map, topk_idx, plan = ctx.saved_tensors
+    group_name, transport, exchange, x_dtype = ctx.meta
+    grad_x, grad_w = dispatch_tokens_backward(
+        grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
+        group_name, transport, exchange, x_dtype)
+    return grad_x, None, grad_w, *([None] * 7)
+
+
+dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# ---- combine ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("epkit::combine_tokens", mutates_args=())
+def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
+                   topk_weights: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
+                   plan: torch.Tensor, group_name: str, transport: int, exchange: int,
+                   weighted: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
+
+    dedup: the expert side forms each float32 partial P_d(t) and sends one row per token and
+    rank; pairs: the expert side sends each slot's row and the source forms the same partials
+    (with its own copy of the weights, bit-identical to ``row_weight``).
+    """
+    R, E = int(plan[9]), int(plan[11])
+    rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
+    back = _move(rows, plan, group_name, exchange, reverse=True)
+    return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
+                           out_dtype)
+
+
+@combine_tokens.register_fake
+def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, group_name,
+      transport, exchange, weighted, out_dtype):
+    return expert_y.new_empty((topk_idx.shape[0], expert_y.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("epkit::combine_tokens_backward", mutates_args=())
+def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
+                            row_weight: torch.Tensor, send_map: torch.Tensor,
+                            recv_map: torch.Tensor, plan: torch.Tensor, group_name: str,
+                            exchange: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``.
+
+    grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
+    the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
+    """
+    recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(plan[SEND_ROWS]))
+    recv = _move(recv_rows, plan, group_name, exchange, reverse=False)
+    return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
+
+
+@combine_tokens_backward.register_fake
+def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, exchange, weighted):
+    return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
+
+
+def _combine_setup(ctx, inputs, output):
+    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, exchange, weighted, _ = inputs
+    ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan)
+    ctx.meta = (group_name, exchange, weighted)
+
+
+def _combine_backward(ctx, grad_out):
+    expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
+    group_name, exchange, weighted = ctx.meta
+    grad_y, grad_w = combine_tokens_backward(grad_out, expert_y, row_weight, send_map, recv_map,
+                                             plan, group_name, exchange, weighted)
+    return grad_y, (grad_w if weighted else None), *([None] * 10)
+
+
+combine_tokens.register_autograd(_combine_backward, setup_context=_combine_setup)
