@@ -1,0 +1,37 @@
+"""epkit.reference: the pure-NumPy multi-rank simulator that *is* the spec.
+
+Every function takes per-rank lists (one entry per rank, ``R = len(xs)``) and returns per-rank
+lists: it simulates the whole expert-parallel group in one process. docs/semantics.md is the
+spec in prose; each module's docstring states its part exactly:
+
+    layout.py      layout                    the prepare step's counts
+    capacity.py    (kept slots)              which slots a capacity keeps
+    dispatch.py    dispatch                  expert-major output (canonical), rank-major option
+    combine.py     combine                   the ordered two-level sum
+    backward.py    dispatch_backward, combine_backward
+    arith.py       (exact float32 arithmetic shared by combine and the backward passes)
+    exchange.py    exchange                  the all-to-all variants on raw row bytes
+    transport.py   dispatch_bytes, combine_bytes; pairs / dedup carried out for real
+    mxfp8.py       quantize_mxfp8, dequantize_mxfp8
+    validate.py    the checks, and which rank an InputError names
+    fast.py        the same operations vectorized for scale (``epkit.reference.fast``)
+
+Pure NumPy and ml_dtypes; never imports torch.
+"""
+
+from . import fast
+from .backward import combine_backward, dispatch_backward
+from .combine import combine
+from .common import DispatchResult, Layout
+from .dispatch import dispatch
+from .errors import InputError, Reason
+from .exchange import exchange
+from .layout import layout
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from .transport import combine_bytes, dispatch_bytes
+
+__all__ = [
+    "InputError", "Reason", "Layout", "DispatchResult", "layout", "dispatch", "combine",
+    "dispatch_backward", "combine_backward", "exchange", "quantize_mxfp8", "dequantize_mxfp8",
+    "dispatch_bytes", "combine_bytes", "fast",
+]

@@ -76,6 +76,13 @@ class Reason(enum.IntEnum):
     NUM_EXPERTS = 22           # a: num_experts
     EXPERT_Y_DTYPE = 23        # a: dtype code
     OPTION = 24                # a: option id (see _OPTIONS), b: value id
+    IDX_NOT_2D = 25            # a: ndim
+    WEIGHTS_NOT_2D = 26        # a: ndim
+    GRAD_ROWS = 27             # a: gradient rows, b: expected rows
+    GRAD_HIDDEN = 28           # a: gradient H, b: expected H
+    GRAD_DTYPE = 29            # a: dtype code
+    STATIC_MAX = 30            # a: max_tokens_per_rank (-1 when missing)
+    ROWS_DTYPE_MISMATCH = 31   # a: this rank's expert_y / gradient dtype code, b: rank 0's
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -110,6 +117,13 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.NUM_EXPERTS: f"num_experts must be >= 1, got {a}",
         Reason.EXPERT_Y_DTYPE: f"expert_y must be float32 or bfloat16, got {dtype_name(a)}",
         Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')} (choice #{b})",
+        Reason.IDX_NOT_2D: f"topk_idx must be 2-D [T, K], got {a} dimensions",
+        Reason.WEIGHTS_NOT_2D: f"topk_weights must be 2-D [T, K], got {a} dimensions",
+        Reason.GRAD_ROWS: f"gradient has {a} rows but the operation produced {b}",
+        Reason.GRAD_HIDDEN: f"gradient has hidden size {a} but the operation has {b}",
+        Reason.GRAD_DTYPE: f"gradient must be float32 or bfloat16, got {dtype_name(a)}",
+        Reason.STATIC_MAX: f"exchange='static' needs max_tokens_per_rank >= 0, got {a}",
+        Reason.ROWS_DTYPE_MISMATCH: f"expert_y / gradient dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
     }[c]
 
 

@@ -1,0 +1,190 @@
+"""Shared vocabulary of the reference: dtypes, option names, wire sizes, the result records.
+
+Nothing here computes an operation; every module of the reference imports its names from here.
+
+dtypes
+    ``x`` is float32 or bfloat16 (``ml_dtypes.bfloat16``); the MXFP8 element is
+    ``ml_dtypes.float8_e4m3fn`` and its block scale a ``uint8`` E8M0 code. Casting float32 to
+    bfloat16 or E4M3 with ``ndarray.astype`` rounds to nearest, ties to even (ml_dtypes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ml_dtypes
+import numpy as np
+
+from .errors import DTYPE_CODES
+
+FLOAT32 = np.dtype(np.float32)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
+
+BLOCK = 32  # MXFP8 block length along H
+
+# Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
+TRANSPORTS = ("pairs", "dedup")
+EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
+PAYLOADS = ("mxfp8",)
+
+PAIRS_META_BYTES = 16  # int32 t, int32 k, int32 j, float32 w
+
+
+def dedup_meta_bytes(topk: int) -> int:
+    """``ceil16(4 + 8K)``: int32 t, K x int32 local id, K x float32 weight, zero-padded."""
+    return -(-(4 + 8 * topk) // 16) * 16
+
+
+def dtype_code(dt) -> int:
+    """The header code of a dtype (``errors.DTYPE_CODES``); 0 for a dtype outside the table."""
+    try:
+        return DTYPE_CODES.get(np.dtype(dt).name, 0)
+    except TypeError:
+        return 0
+
+
+def payload_row_bytes(hidden: int, x_dtype, payload: Optional[str]) -> int:
+    """Bytes of one token's payload on the wire: ``H * itemsize(x)``, or under MXFP8 ``H``
+    E4M3 bytes followed by ``H / 32`` scale codes."""
+    if payload == "mxfp8":
+        return hidden + hidden // BLOCK
+    return hidden * np.dtype(x_dtype).itemsize
+
+
+def padded(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align`` (0 stays 0)."""
+    return -(-n // align) * align
+
+
+@dataclass
+class Layout:
+    """What one rank learns in the prepare step (``layout``). All counts are pre-capacity.
+
+    tokens_per_expert       [E] int64      used slots of this rank per expert
+    tokens_per_rank         [R] int64      tokens of this rank with a used slot on each rank
+    slots_per_rank          [R] int64      used slots of this rank per destination rank
+    is_token_in_rank        [T, R] bool    token t has a used slot on rank d
+    recv_tokens_per_expert  [R, L] int64   row s: used slots rank s sends to each local expert
+                                           of this rank (the count exchange's result)
+    """
+
+    rank: int
+    tokens_per_expert: np.ndarray
+    tokens_per_rank: np.ndarray
+    slots_per_rank: np.ndarray
+    is_token_in_rank: np.ndarray
+    recv_tokens_per_expert: np.ndarray
+
+
+@dataclass
+class DispatchResult:
+    """One rank's dispatch result (rank ``rank`` as destination *and* as source).
+
+    As destination (expert-major, ``M`` rows):
+        expert_x            [M, H] x dtype (E4M3 under MXFP8)   segments of experts 0..L-1, padded
+        expert_scale        [M, H/32] uint8 or None              MXFP8 scale codes (0 on padding)
+        tokens_per_expert   [L] int64                            kept rows per local expert
+        expert_offsets      [L+1] int64                          padded segment starts; last is M
+        row_src             [M, 3] int64                         (s, t, k); (-1, -1, -1) on padding
+        row_weight          [M] float32                          topk_weights_s[t, k]; 0 on padding
+        dropped_per_expert  [L] int64                            slots each local expert dropped
+    Rank-major (only with ``rank_major=True``, ``N`` rows):
+        recv_x [N, H], recv_scale [N, H/32] uint8 (MXFP8 only), recv_topk_idx [N, K] int64,
+        recv_topk_weights [N, K] float32, recv_src [N, 2] int64
+    As source (this rank's own tokens, ``T = num_tokens``):
+        topk_idx [T, K] int64, topk_weights [T, K] float32, kept [T, K] bool
+    Transport runs only:
+        bytes_sent [R] int64    bytes this rank sent to each peer in the dispatch (diagonal =
+                                the local copy), padding and in-band headers included
+    """
+
+    rank: int
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    topk: int
+    num_tokens: int
+    x_dtype: np.dtype
+    align: int
+    capacity: Optional[int]
+    payload: Optional[str]
+    transport: Optional[str]
+    exchange: Optional[str]
+    expert_x: np.ndarray
+    tokens_per_expert: np.ndarray
+    expert_offsets: np.ndarray
+    row_src: np.ndarray
+    row_weight: np.ndarray
+    dropped_per_expert: np.ndarray
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    kept: np.ndarray
+    expert_scale: Optional[np.ndarray] = None
+    recv_x: Optional[np.ndarray] = None
+    recv_scale: Optional[np.ndarray] = None
+    recv_topk_idx: Optional[np.ndarray] = None
+    recv_topk_weights: Optional[np.ndarray] = None
+    recv_src: Optional[np.ndarray] = None
+    bytes_sent: Optional[np.ndarray] = None
+    max_tokens_per_rank: Optional[int] = None
+    # What a simulated transport keeps between dispatch and combine (transport.py); None for
+    # canonical runs and for the vectorized tier.
+    wire: Any = field(default=None, repr=False)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.expert_x.shape[0])
+
+
+@dataclass(frozen=True)
+class Group:
+    """Group-wide facts of one dispatch call, the same on every rank after validation."""
+
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    topk: int
+    x_dtype: np.dtype
+    align: int = 1
+    capacity: Optional[int] = None
+    payload: Optional[str] = None
+    transport: Optional[str] = None
+    exchange: Optional[str] = None
+    max_tokens_per_rank: Optional[int] = None
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def row_dtype(self) -> np.dtype:
+        """dtype of dispatched rows: x's, or E4M3 under MXFP8."""
+        return E4M3 if self.payload == "mxfp8" else self.x_dtype
+
+    @property
+    def payload_bytes(self) -> int:
+        return payload_row_bytes(self.hidden, self.x_dtype, self.payload)
+
+    def result(self, rank: int, *, topk_idx, topk_weights, kept, **arrays) -> DispatchResult:
+        """A rank's ``DispatchResult`` from its arrays (names as the record's fields)."""
+        return DispatchResult(
+            rank=rank, num_ranks=self.num_ranks, num_experts=self.num_experts, hidden=self.hidden,
+            topk=self.topk, num_tokens=int(topk_idx.shape[0]), x_dtype=self.x_dtype, align=self.align,
+            capacity=self.capacity, payload=self.payload, transport=self.transport,
+            exchange=self.exchange, max_tokens_per_rank=self.max_tokens_per_rank,
+            topk_idx=topk_idx, topk_weights=topk_weights, kept=kept, **arrays)
+
+
+def resolve_options(transport, exchange):
+    """``transport=None, exchange=None``: the canonical computation. Otherwise the production
+    defaults fill in what is missing: transport ``"dedup"``, exchange ``"auto"``."""
+    if transport is None and exchange is None:
+        return None, None
+    return ("dedup" if transport is None else transport), ("auto" if exchange is None else exchange)

@@ -1,0 +1,254 @@
+"""The vectorized tier: the same operations, the same signatures, the same bits, for scale.
+
+``epkit.reference.fast.dispatch`` etc. compute exactly what the clear tier computes (tests hold
+them equal bit for bit on hypothesis cases; ``grad_topk_weights`` too, since both use
+arith.weight_grad_dot). The whole group is handled as one concatenation of all ranks' tokens:
+global token ``g = base[s] + t`` and slot ``f = g * K + k``.
+
+dispatch
+    A stable sort of the used slots by expert puts every expert's slots in canonical order
+    (s, then t) - a slot's rank within its expert decides capacity; its padded position is
+    ``expert_offsets[j] + rank``. With ``transport`` set, the result is the canonical one (the
+    clear tier proves every transport gives it bit for bit) plus ``bytes_sent`` from the plan;
+    the same InputErrors are raised (EQUAL_NONUNIFORM, STATIC_OVERFLOW, ...).
+
+combine / dispatch_backward
+    Per token, its K slots sorted by (destination rank, k); then K passes over [G, H] arrays,
+    adding ``c * y`` into the partial sum and flushing the partial into the total when the rank
+    changes. That is arith.py's order exactly: ranks a token does not visit would only add
+    +0.0, which changes no bit.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from .arith import weight_grad_dot
+from .common import DispatchResult, Group, Layout, padded
+from .dispatch import prepare
+from .exchange import exchange  # noqa: F401  (already vectorized; re-exported for symmetry)
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8, wire_rows  # noqa: F401
+from .transport import (bytes_group, combine_bytes_of, dispatch_bytes_of, dispatch_row_bytes,
+                        plan)
+from .validate import check_layout, check_results, check_rows
+
+F32 = np.float32
+
+
+def _cat(arrays: Sequence[np.ndarray], tail) -> np.ndarray:
+    """Concatenate per-rank arrays along rows (an empty group part keeps its trailing shape)."""
+    return np.concatenate([np.asarray(a).reshape((-1,) + tuple(tail)) for a in arrays])
+
+
+def _counts(idx: List[np.ndarray], R: int, E: int):
+    """Vectorized count words: ``(tokens_per_expert [R, E], tokens_per_rank [R, R],
+    slots_per_rank [R, R], is_token_in_rank: R arrays [T, R])``."""
+    L = E // R
+    tpe, tpr, spr, itr = [], [], [], []
+    for i in idx:
+        used = i >= 0
+        dest = np.where(used, i // L, 0)
+        in_rank = np.zeros((i.shape[0], R), bool)
+        rows, cols = np.nonzero(used)
+        in_rank[rows, dest[rows, cols]] = True
+        tpe.append(np.bincount(i[used], minlength=E).astype(np.int64))
+        spr.append(np.bincount(dest[used], minlength=R).astype(np.int64))
+        tpr.append(in_rank.sum(axis=0, dtype=np.int64))
+        itr.append(in_rank)
+    return np.array(tpe).reshape(R, E), np.array(tpr).reshape(R, R), np.array(spr).reshape(R, R), itr
+
+
+def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
+    """transport.count_words, vectorized: int64 [R, E + R]."""
+    tpe, tpr, _, _ = _counts(idx, num_ranks, num_experts)
+    return np.concatenate([tpe, tpr], axis=1)
+
+
+def layout(topk_idx: Sequence[np.ndarray], num_experts: int) -> List[Layout]:
+    """layout.layout, vectorized."""
+    idx = check_layout(topk_idx, num_experts)
+    R, E = len(idx), int(num_experts)
+    L = E // R
+    tpe, tpr, spr, itr = _counts(idx, R, E)
+    recv = tpe.reshape(R, R, L)             # [s, d, j]
+    return [Layout(d, tpe[d], tpr[d], spr[d], itr[d], recv[:, d, :].copy()) for d in range(R)]
+
+
+def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
+             topk_weights: Sequence[np.ndarray], num_experts: int, align: int = 1,
+             capacity: Optional[int] = None, transport: Optional[str] = None,
+             exchange: Optional[str] = None, payload: Optional[str] = None,
+             rank_major: bool = False, max_tokens_per_rank: Optional[int] = None
+             ) -> List[DispatchResult]:
+    """dispatch.dispatch, vectorized (module docstring)."""
+    group, xs, idx, ws = prepare(xs, topk_idx, topk_weights, num_experts, align, capacity,
+                                 transport, exchange, payload, max_tokens_per_rank)
+    R, E, L, K, H = (group.num_ranks, group.num_experts, group.num_local_experts, group.topk,
+                     group.hidden)
+    bytes_sent = None
+    if group.transport is not None:
+        bytes_sent = dispatch_bytes_of(group, plan(group, count_words(idx, R, E)))
+    T = np.array([i.shape[0] for i in idx], np.int64)
+    base = np.concatenate([[0], np.cumsum(T)])
+    src = np.repeat(np.arange(R), T)                      # source rank of each global token
+    rows, scales = wire_rows(xs, group.payload)
+    G = int(base[-1])
+    rows_all = _cat(rows + [np.zeros((1, H), group.row_dtype)], (H,))      # row G: zeros
+    scales_all = None if scales is None else _cat(scales + [np.zeros((1, H // 32), np.uint8)],
+                                                  (H // 32,))
+    idx_all = _cat(idx, (K,)).ravel()
+    w_all = _cat(ws, (K,)).ravel()
+
+    # Used slots sorted by expert (stable: canonical order within an expert), capacity by rank.
+    f_used = np.flatnonzero(idx_all >= 0)
+    order = np.argsort(idx_all[f_used], kind="stable")
+    f_sorted = f_used[order]
+    e_sorted = idx_all[f_sorted]
+    used = np.bincount(e_sorted, minlength=E).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(used)])
+    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
+    keep = np.ones(len(f_sorted), bool) if group.capacity is None else rank_in_e < group.capacity
+    kept_all = np.zeros(idx_all.shape, bool)
+    kept_all[f_sorted[keep]] = True
+    kept_cnt = used if group.capacity is None else np.minimum(used, group.capacity)
+    kept = [kept_all[base[s] * K:base[s + 1] * K].reshape(-1, K) for s in range(R)]
+
+    results = []
+    for d in range(R):
+        lo, hi = start[d * L], start[(d + 1) * L]
+        sel = keep[lo:hi]
+        f, e, r_in = f_sorted[lo:hi][sel], e_sorted[lo:hi][sel], rank_in_e[lo:hi][sel]
+        tokens_per_expert = kept_cnt[d * L:(d + 1) * L].copy()
+        expert_offsets = np.concatenate([[0], np.cumsum(-(-tokens_per_expert // group.align)
+                                                        * group.align)]).astype(np.int64)
+        M = int(expert_offsets[-1])
+        m = expert_offsets[e - d * L] + r_in
+        g = f // K
+        from_row = np.full(M, G, np.int64)             # source row of each output row (G: zero)
+        from_row[m] = g
+        expert_x = np.take(rows_all, from_row, axis=0)
+        expert_scale = None if scales_all is None else np.take(scales_all, from_row, axis=0)
+        row_src = np.full((M, 3), -1, np.int64)
+        row_src[m] = np.stack([src[g], g - base[src[g]], f % K], axis=1)
+        row_weight = np.zeros(M, F32)
+        row_weight[m] = w_all[f]
+        fields = dict(expert_x=expert_x, expert_scale=expert_scale,
+                      tokens_per_expert=tokens_per_expert, expert_offsets=expert_offsets,
+                      row_src=row_src, row_weight=row_weight,
+                      dropped_per_expert=used[d * L:(d + 1) * L] - tokens_per_expert,
+                      bytes_sent=None if bytes_sent is None else bytes_sent[d])
+        if rank_major:
+            fields.update(_rank_major(group, d, idx_all.reshape(-1, K), kept_all.reshape(-1, K),
+                                      w_all.reshape(-1, K), rows_all, scales_all, src, base))
+        results.append(group.result(d, topk_idx=idx[d], topk_weights=ws[d], kept=kept[d], **fields))
+    return results
+
+
+def _rank_major(group: Group, d, idx_all, kept_all, w_all, rows_all, scales_all, src, base) -> dict:
+    L = group.num_local_experts
+    on_d = (idx_all >= 0) & (idx_all // L == d)              # [G, K] (floor division of -1 is -1)
+    g = np.flatnonzero(on_d.any(axis=1))
+    ids = np.where(on_d[g] & kept_all[g], idx_all[g] - d * L, -1)
+    return dict(recv_x=rows_all[g], recv_scale=None if scales_all is None else scales_all[g],
+                recv_topk_idx=ids.astype(np.int64),
+                recv_topk_weights=np.where(ids >= 0, w_all[g], F32(0)).astype(F32),
+                recv_src=np.stack([src[g], g - base[src[g]]], axis=1).astype(np.int64))
+
+
+def _ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weighted: bool
+                  ) -> List[np.ndarray]:
+    """combine.ordered_sums, vectorized (module docstring): R arrays [T_r, H] float32."""
+    R, K, H = len(res), res[0].topk, res[0].hidden
+    T = np.array([r.num_tokens for r in res], np.int64)
+    base = np.concatenate([[0], np.cumsum(T)])
+    G = int(base[-1])
+    ybase = np.concatenate([[0], np.cumsum([y.shape[0] for y in ys])])
+    Y = np.concatenate([y.astype(F32, copy=False) for y in ys] + [np.zeros((1, H), F32)])
+    zero_row = Y.shape[0] - 1
+    loc = np.full(G * K, zero_row, np.int64)      # row of Y holding each slot's y (zero row: none)
+    c = np.zeros(G * K, F32)
+    dest = np.full(G * K, R, np.int64)            # destination rank of each kept slot (R: none)
+    for d, r in enumerate(res):
+        valid = np.flatnonzero(r.row_src[:, 0] >= 0)
+        s, t, k = r.row_src[valid].T
+        f = (base[s] + t) * K + k
+        loc[f] = ybase[d] + valid
+        c[f] = r.row_weight[valid] if weighted else F32(1)
+        dest[f] = d
+    order = np.argsort(dest.reshape(G, K) * K + np.arange(K), axis=1, kind="stable")
+    f_of = np.arange(G)[:, None] * K + order      # slot of each position, by (rank, k)
+    partial = np.zeros((G, H), F32)
+    total = np.zeros((G, H), F32)
+    term = np.empty((G, H), F32)
+    prev = np.full(G, -1, np.int64)
+    for i in range(K):
+        f = f_of[:, i]
+        d_i = dest[f]
+        flush = ((d_i < R) & (prev >= 0) & (d_i != prev))[:, None]
+        np.add(total, partial, out=total, where=flush)
+        np.copyto(partial, F32(0), where=flush)
+        np.take(Y, loc[f], axis=0, out=term, mode="clip")
+        np.multiply(term, c[f][:, None], out=term)
+        np.add(partial, term, out=partial)
+        prev = np.where(d_i < R, d_i, prev)
+    np.add(total, partial, out=total)
+    return [total[base[r]:base[r + 1]] for r in range(R)]
+
+
+def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weighted: bool = True
+            ) -> List[np.ndarray]:
+    """combine.combine, vectorized."""
+    check_results(res)
+    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
+    return [s.astype(r.x_dtype) for s, r in zip(_ordered_sums(ys, res, weighted), res)]
+
+
+def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[DispatchResult]
+                      ) -> List[np.ndarray]:
+    """backward.dispatch_backward, vectorized."""
+    check_results(res)
+    gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
+    return [s.astype(r.x_dtype) for s, r in zip(_ordered_sums(gs, res, False), res)]
+
+
+def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.ndarray],
+                     res: Sequence[DispatchResult], weighted: bool = True):
+    """backward.combine_backward, vectorized."""
+    check_results(res)
+    gs = check_rows(grad_outs, [(r.num_tokens, r.hidden) for r in res], grad=True)
+    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
+    K, H = res[0].topk, res[0].hidden
+    base = np.concatenate([[0], np.cumsum([r.num_tokens for r in res])])
+    g_all = _cat(gs, (H,))
+    gw_all = np.zeros(int(base[-1]) * K, F32)
+    gys = []
+    for d, r in enumerate(res):
+        valid = np.flatnonzero(r.row_src[:, 0] >= 0)
+        s, t, k = r.row_src[valid].T
+        g = g_all[base[s] + t]
+        c = r.row_weight[valid] if weighted else np.ones(len(valid), F32)
+        gy = np.zeros(ys[d].shape, ys[d].dtype)
+        gy[valid] = (c[:, None] * g.astype(F32)).astype(ys[d].dtype)
+        gys.append(gy)
+        if weighted:
+            gw_all[(base[s] + t) * K + k] = weight_grad_dot(g, ys[d][valid])
+    gws = [gw_all[base[r] * K:base[r + 1] * K].reshape(-1, K) for r in range(len(res))]
+    return gys, gws
+
+
+def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
+                   exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
+    """transport.dispatch_bytes, vectorized."""
+    group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
+                             payload, max_tokens_per_rank)
+    return dispatch_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+
+
+def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
+                  exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
+    """transport.combine_bytes, vectorized."""
+    group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
+                             payload, max_tokens_per_rank)
+    return combine_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))

@@ -1,0 +1,420 @@
+"""Transports: dispatch, combine and the backward passes carried out for real, byte for byte.
+
+A transport decides what rows travel; an exchange variant (exchange.py) moves them. Every row
+is raw bytes ``payload | meta`` (little-endian), as docs/design.md's wire format says:
+
+    transport  row per                                payload           meta
+    pairs      kept slot (t, k) to rank d             H * itemsize(x)   int32 t, int32 k,
+               ordered by local expert j, then t                        int32 j, float32 w (16 B)
+    dedup      token t with a used slot on d          H * itemsize(x)   int32 t, K x int32 local id
+               (pre-capacity), ordered by t                             (-1: none / dropped / other
+                                                                        rank), K x float32 w (0
+                                                                        where the id is -1),
+                                                                        zero-padded to ceil16(4 + 8K)
+
+Under MXFP8 the payload is H E4M3 bytes followed by H / 32 scale codes (quantized at the source).
+
+The plan (``plan``) is what every rank derives from the count exchange, an all-gather of
+``[tokens_per_expert (E) | tokens_per_rank (R)]`` per rank (after the validation header,
+validate.py): kept counts ``kept[s, e]`` (capacity.kept_counts), the rows ``s -> d`` (pairs:
+``sum over e on d of kept[s, e]``; dedup: ``tokens_per_rank_s[d]``), the variant that runs and
+the static chunk ``cap`` (dedup: ``max_tokens_per_rank``; pairs: ``max_tokens_per_rank *
+min(K, L)``). The receiver builds the expert-major order from those counts alone.
+
+The way back (combine, dispatch backward) is the exchange with the counts transposed:
+
+    pairs  every kept slot's row in the order it came, in expert_y's dtype (combine) or the
+           gradient's dtype (dispatch backward); the source sums two-level (arith.py)
+    dedup  one float32 row per (token, rank): the partial sum P_d(t) (arith.partial_sum), which
+           the source adds over d ascending (arith.total_sum); bitwise equal to pairs
+
+Combine backward sends the gradient rows forward like a dispatch (pairs: one per kept slot;
+dedup: one per (token, rank), no meta: the destination knows the layout), and when weighted
+the weight gradients back as float32 (pairs: 4 bytes per row; dedup: 4K bytes per row).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+
+from .arith import partial_sum, scaled, total_sum, weight_grad_dot
+from .capacity import kept_counts
+from .common import (FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group, dedup_meta_bytes, dtype_code,
+                     resolve_options)
+from .errors import Reason, error
+from .exchange import exchange_bytes, exchange_rows, resolve
+from .expertmajor import assemble
+from .layout import local_counts
+from .mxfp8 import wire_rows
+from .rankmajor import rank_major_fields
+from .validate import check_layout, check_options
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The count exchange's result, identical on every rank.
+
+    counts [R, E] int64 pre-capacity slots per (source, expert); kept [R, E] int64 kept ones;
+    tokens_per_rank [R, R] int64 (row s: rank s's tokens_per_rank); rows [R, R] int64 rows the
+    transport sends s -> d; variant: the exchange that runs; cap: the static chunk (rows).
+    """
+
+    counts: np.ndarray
+    kept: np.ndarray
+    tokens_per_rank: np.ndarray
+    rows: np.ndarray
+    variant: str
+    cap: Optional[int]
+
+
+def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
+    """The count exchange: every rank's ``[tokens_per_expert (E) | tokens_per_rank (R)]``,
+    all-gathered into int64 [R, E + R] (``idx``: validated, int64)."""
+    return np.stack([np.concatenate(local_counts(i, num_ranks, num_experts)[:2]) for i in idx])
+
+
+def plan(group: Group, words: np.ndarray) -> Plan:
+    """Derive the plan from the gathered count words int64 [R, E + R] (``count_words``)."""
+    R, E, L = group.num_ranks, group.num_experts, group.num_local_experts
+    counts, tokens_per_rank = words[:, :E], words[:, E:]
+    kept = kept_counts(counts, group.capacity)
+    if group.transport == "pairs":
+        rows = kept.reshape(R, R, L).sum(axis=2)
+    else:
+        rows = tokens_per_rank
+    cap = None
+    if group.exchange == "static":
+        cap = group.max_tokens_per_rank
+        if group.transport == "pairs":
+            cap *= min(group.topk, L)
+    return Plan(counts, kept, tokens_per_rank, rows, resolve(group.exchange, rows), cap)
+
+
+@dataclass
+class Wire:
+    """What one rank keeps between a transport dispatch and the passes that follow.
+
+    send: per peer d, what this rank sent in order: pairs ``(t, k)`` slots; dedup tokens ``t``.
+    recv_rows: pairs [N] int64, the expert-major row each received row went to; dedup [N, K]
+    int64, the expert-major row of each received token's slot k (-1: none).
+    """
+
+    plan: Plan
+    send: List[list]
+    recv_rows: np.ndarray
+
+
+def dispatch_row_bytes(group: Group) -> int:
+    meta = PAIRS_META_BYTES if group.transport == "pairs" else dedup_meta_bytes(group.topk)
+    return group.payload_bytes + meta
+
+
+def _as_rows(rows: List[bytes], row_bytes: int) -> np.ndarray:
+    """A list of equal-length byte strings -> uint8 [n, row_bytes]."""
+    return np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), row_bytes).copy()
+
+
+def _payload(group: Group, rows, scales, t: int) -> bytes:
+    return rows[t].tobytes() + (b"" if scales is None else scales[t].tobytes())
+
+
+def _unpayload(group: Group, row: np.ndarray):
+    """payload bytes -> (x row [H], scale codes [H/32] or None)."""
+    n = group.hidden * group.row_dtype.itemsize
+    x = np.frombuffer(row[:n].tobytes(), group.row_dtype)
+    scale = np.frombuffer(row[n:group.payload_bytes].tobytes(), np.uint8) if group.payload else None
+    return x, scale
+
+
+# --- dispatch ------------------------------------------------------------------------------
+
+def _pairs_send(group: Group, s, rows, scales, idx, ws, kept):
+    L = group.num_local_experts
+    send, out = [], []
+    for d in range(group.num_ranks):
+        slots = sorted((int(idx[t, k]) - d * L, t, k) for t in range(idx.shape[0])
+                       for k in range(idx.shape[1]) if kept[t, k] and int(idx[t, k]) // L == d)
+        send.append([(t, k) for _, t, k in slots])
+        out += [_payload(group, rows, scales, t) + struct.pack("<iiif", t, k, j, ws[t, k])
+                for j, t, k in slots]
+    return send, _as_rows(out, dispatch_row_bytes(group))
+
+
+def _dedup_send(group: Group, s, rows, scales, idx, ws, kept):
+    L, K = group.num_local_experts, group.topk
+    pad = bytes(dedup_meta_bytes(K) - 4 - 8 * K)
+    send, out = [], []
+    for d in range(group.num_ranks):
+        tokens = [t for t in range(idx.shape[0]) if any(e >= 0 and e // L == d for e in idx[t])]
+        send.append(tokens)
+        for t in tokens:
+            ids = [int(idx[t, k]) - d * L if kept[t, k] and int(idx[t, k]) // L == d else -1
+                   for k in range(K)]
+            w = [float(ws[t, k]) if ids[k] >= 0 else 0.0 for k in range(K)]
+            meta = struct.pack(f"<i{K}i{K}f", t, *ids, *w) + pad
+            out.append(_payload(group, rows, scales, t) + meta)
+    return send, _as_rows(out, dispatch_row_bytes(group))
+
+
+def _pairs_receive(group: Group, d: int, got: np.ndarray, p: Plan):
+    """Received rows (s ascending; within s by j, then t) -> expert-major fields."""
+    R, L = group.num_ranks, group.num_local_experts
+    start = np.concatenate([[0], np.cumsum(p.rows[:, d])])
+    segments, which = [[] for _ in range(L)], [[] for _ in range(L)]
+    for j in range(L):
+        for s in range(R):
+            first = start[s] + p.kept[s, d * L:d * L + j].sum()
+            for i in range(first, first + p.kept[s, d * L + j]):
+                x, scale = _unpayload(group, got[i])
+                t, k, jj, w = struct.unpack("<iiif", got[i, group.payload_bytes:].tobytes())
+                assert jj == j, "pairs rows arrive grouped by local expert"
+                segments[j].append((x, scale, s, t, k, np.float32(w)))
+                which[j].append(i)
+    fields, positions = assemble(group, segments)
+    recv_rows = np.full(got.shape[0], -1, np.int64)
+    for j in range(L):
+        recv_rows[which[j]] = positions[j]
+    return fields, recv_rows
+
+
+def _dedup_receive(group: Group, d: int, got: np.ndarray, p: Plan):
+    """Received token rows (s ascending, then t) -> rank-major and expert-major fields."""
+    R, L, K, H = group.num_ranks, group.num_local_experts, group.topk, group.hidden
+    N = got.shape[0]
+    source = np.repeat(np.arange(R), p.rows[:, d])
+    recv_x = np.zeros((N, H), group.row_dtype)
+    recv_scale = np.zeros((N, H // 32), np.uint8) if group.payload else None
+    recv_src = np.zeros((N, 2), np.int64)
+    recv_topk_idx = np.zeros((N, K), np.int64)
+    recv_topk_weights = np.zeros((N, K), np.float32)
+    for n in range(N):
+        recv_x[n], scale = _unpayload(group, got[n])
+        if recv_scale is not None:
+            recv_scale[n] = scale
+        meta = struct.unpack(f"<i{K}i{K}f", got[n, group.payload_bytes:][:4 + 8 * K].tobytes())
+        recv_src[n] = (source[n], meta[0])
+        recv_topk_idx[n] = meta[1:1 + K]
+        recv_topk_weights[n] = meta[1 + K:]
+    segments, which = [[] for _ in range(L)], [[] for _ in range(L)]
+    for j in range(L):
+        for n in range(N):
+            for k in range(K):
+                if recv_topk_idx[n, k] == j:
+                    s, t = recv_src[n]
+                    segments[j].append((recv_x[n], None if recv_scale is None else recv_scale[n],
+                                        int(s), int(t), k, recv_topk_weights[n, k]))
+                    which[j].append((n, k))
+    fields, positions = assemble(group, segments)
+    recv_rows = np.full((N, K), -1, np.int64)
+    for j in range(L):
+        for (n, k), m in zip(which[j], positions[j]):
+            recv_rows[n, k] = m
+    rank_major = dict(recv_x=recv_x, recv_scale=recv_scale, recv_topk_idx=recv_topk_idx,
+                      recv_topk_weights=recv_topk_weights, recv_src=recv_src)
+    return fields, recv_rows, rank_major
+
+
+def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
+    """Dispatch through ``group.transport`` and ``group.exchange`` (inputs validated)."""
+    R, L = group.num_ranks, group.num_local_experts
+    p = plan(group, count_words(idx, R, group.num_experts))
+    rows, scales = wire_rows(xs, group.payload)
+    send_fn = _pairs_send if group.transport == "pairs" else _dedup_send
+    sends, bufs = zip(*[send_fn(group, s, rows[s], None if scales is None else scales[s],
+                                idx[s], ws[s], kept[s]) for s in range(R)])
+    received, moved = exchange_rows(list(bufs), p.rows, p.variant, p.cap)
+    results = []
+    for d in range(R):
+        if group.transport == "pairs":
+            fields, recv_rows = _pairs_receive(group, d, received[d], p)
+            if rank_major:
+                fields.update(rank_major_fields(group, d, rows, scales, idx, ws, kept))
+        else:
+            fields, recv_rows, rm = _dedup_receive(group, d, received[d], p)
+            if rank_major:
+                fields.update(rm)
+        fields["dropped_per_expert"] = (p.counts[:, d * L:(d + 1) * L].sum(axis=0)
+                                        - fields["tokens_per_expert"])
+        results.append(group.result(d, topk_idx=idx[d], topk_weights=ws[d], kept=kept[d],
+                                    bytes_sent=moved[d], wire=Wire(p, sends[d], recv_rows), **fields))
+    return results
+
+
+# --- the way back: combine and dispatch backward -------------------------------------------
+
+def _rows_of(arr: np.ndarray) -> np.ndarray:
+    """[n, ...] -> uint8 [n, bytes per row]."""
+    arr = np.ascontiguousarray(arr)
+    width = int(np.prod(arr.shape[1:], dtype=np.int64))
+    return arr.reshape(arr.shape[0], width).view(np.uint8).reshape(arr.shape[0], width * arr.itemsize)
+
+
+def _group_of(res) -> Group:
+    r = res[0]
+    return Group(r.num_ranks, r.num_experts, r.hidden, r.topk, r.x_dtype, r.align, r.capacity,
+                 r.payload, r.transport, r.exchange, r.max_tokens_per_rank)
+
+
+def reduce_back(res, ys: List[np.ndarray], weighted: bool):
+    """Combine (``ys`` = expert_y) or dispatch backward (``ys`` = gradients, unweighted)
+    through the transport of ``res``.
+
+    Returns (R float32 arrays [T_s, H] before the cast, moved [R, R] int64 bytes).
+    """
+    group = _group_of(res)
+    R, L, K, H = group.num_ranks, group.num_local_experts, group.topk, group.hidden
+    p = res[0].wire.plan
+    bufs = []
+    for d in range(R):
+        wire, y = res[d].wire, ys[d]
+        if group.transport == "pairs":                  # each kept slot's row, as it came
+            bufs.append(_rows_of(y[wire.recv_rows]))
+        else:                                           # one partial sum per (token, rank)
+            c = res[d].row_weight if weighted else np.ones_like(res[d].row_weight)
+            part = np.zeros((wire.recv_rows.shape[0], H), FLOAT32)
+            for n, slot_rows in enumerate(wire.recv_rows):
+                part[n] = partial_sum([(c[m], y[m]) for m in slot_rows if m >= 0], H)
+            bufs.append(_rows_of(part))
+    received, moved = exchange_rows(bufs, p.rows.T, p.variant, p.cap)
+    row_dtype = ys[0].dtype if group.transport == "pairs" else FLOAT32
+    outs = []
+    for s in range(R):
+        send, T = res[s].wire.send, res[s].num_tokens
+        start = np.concatenate([[0], np.cumsum(p.rows.T[:, s])])
+        got = [received[s][start[d]:start[d + 1]].copy().view(row_dtype) for d in range(R)]
+        out = np.zeros((T, H), FLOAT32)
+        if group.transport == "pairs":
+            where = {(d, t, k): got[d][i] for d in range(R) for i, (t, k) in enumerate(send[d])}
+            w = res[s].topk_weights
+            for t in range(T):
+                out[t] = total_sum([partial_sum([(w[t, k] if weighted else 1, where[d, t, k])
+                                                 for k in range(K) if (d, t, k) in where], H)
+                                    for d in range(R)], H)
+        else:
+            where = {(d, t): got[d][i] for d in range(R) for i, t in enumerate(send[d])}
+            for t in range(T):
+                out[t] = total_sum([where[d, t] for d in range(R) if (d, t) in where], H)
+        outs.append(out)
+    return outs, moved
+
+
+def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], weighted: bool):
+    """Combine backward through the transport of ``res``.
+
+    Returns (gys: R arrays [M_d, H] in y's dtype, gws: R arrays [T_s, K] float32, moved: list of
+    the [R, R] byte matrices of each exchange run).
+    """
+    group = _group_of(res)
+    R, K, H = group.num_ranks, group.topk, group.hidden
+    p = res[0].wire.plan
+    pairs = group.transport == "pairs"
+    bufs = []
+    for s in range(R):                                  # gradient rows out, like a dispatch
+        send, g = res[s].wire.send, grad_outs[s]
+        rows = [g[t] for d in range(R) for t, _ in send[d]] if pairs else \
+               [g[t] for d in range(R) for t in send[d]]
+        bufs.append(_rows_of(np.array(rows, g.dtype).reshape(len(rows), H)))
+    received, moved = exchange_rows(bufs, p.rows, p.variant, p.cap)
+    gys, back = [], []
+    for d in range(R):
+        wire, y, c = res[d].wire, ys[d], res[d].row_weight
+        g = received[d].copy().view(grad_outs[0].dtype).reshape(-1, H)
+        gy = np.zeros(y.shape, y.dtype)
+        slot_rows = wire.recv_rows.reshape(len(wire.recv_rows), 1 if pairs else K)   # pairs: one slot a row
+        gw = np.zeros(slot_rows.shape, FLOAT32)
+        for n, ms in enumerate(slot_rows):
+            for i, m in enumerate(ms):
+                if m >= 0:
+                    gy[m] = scaled(c[m] if weighted else 1, g[n], y.dtype)
+                    gw[n, i] = weight_grad_dot(g[n], y[m]) if weighted else 0
+        gys.append(gy)
+        back.append(_rows_of(gw))
+    gws = [np.zeros((r.num_tokens, K), FLOAT32) for r in res]
+    if not weighted:
+        return gys, gws, [moved]
+    received, moved_back = exchange_rows(back, p.rows.T, p.variant, p.cap)
+    for s in range(R):
+        send = res[s].wire.send
+        start = np.concatenate([[0], np.cumsum(p.rows.T[:, s])])
+        for d in range(R):
+            vals = received[s][start[d]:start[d + 1]].copy().view(FLOAT32).reshape(-1, 1 if pairs else K)
+            for i, entry in enumerate(send[d]):
+                if pairs:
+                    t, k = entry
+                    gws[s][t, k] = vals[i, 0]
+                else:
+                    for k in range(K):      # slot k of token t lives on d and was kept
+                        if res[s].kept[entry, k] and res[s].topk_idx[entry, k] // group.num_local_experts == d:
+                            gws[s][entry, k] = vals[i, k]
+    return gys, gws, [moved, moved_back]
+
+
+# --- byte accounting -----------------------------------------------------------------------
+
+def bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity, payload,
+                 max_tokens_per_rank):
+    """Validate the byte-accounting arguments; return ``(Group, idx int64 list)``."""
+    transport, exchange = resolve_options(transport or "dedup", exchange)
+    R = len(topk_idx)
+    check_options(R, align=1, capacity=capacity, num_experts=num_experts, transport=transport,
+                  exchange=exchange, payload=payload, max_tokens_per_rank=max_tokens_per_rank)
+    dtype = np.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise error(0, Reason.X_DTYPE, dtype_code(dtype))
+    idx = check_layout(topk_idx, num_experts)
+    for r in range(1, R):
+        if idx[r].shape[1] != idx[0].shape[1]:
+            raise error(r, Reason.TOPK_MISMATCH, idx[r].shape[1], idx[0].shape[1])
+    if payload == "mxfp8" and hidden % 32:
+        raise error(0, Reason.HIDDEN_NOT_MULT32, hidden)
+    if exchange == "static":
+        for r in range(R):
+            if idx[r].shape[0] > max_tokens_per_rank:
+                raise error(r, Reason.STATIC_OVERFLOW, idx[r].shape[0], max_tokens_per_rank)
+    group = Group(R, int(num_experts), int(hidden), idx[0].shape[1], dtype, 1,
+                  None if capacity is None else int(capacity), payload, transport, exchange,
+                  None if max_tokens_per_rank is None else int(max_tokens_per_rank))
+    return group, idx
+
+
+def dispatch_bytes_of(group: Group, p: Plan) -> np.ndarray:
+    """The dispatch's [R, R] byte matrix for a plan."""
+    return exchange_bytes(p.rows, dispatch_row_bytes(group), p.variant, p.cap)
+
+
+def combine_bytes_of(group: Group, p: Plan) -> np.ndarray:
+    """The combine's [R, R] byte matrix for a plan (``group.x_dtype`` = expert_y's dtype)."""
+    row_bytes = (group.hidden * group.x_dtype.itemsize if group.transport == "pairs"
+                 else 4 * group.hidden)
+    return exchange_bytes(p.rows.T, row_bytes, p.variant, p.cap)
+
+
+def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
+                   exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
+    """Bytes rank s sends to rank d in a dispatch ([R, R] int64; diagonal = the local copy).
+
+    Args: topk_idx: R arrays [T_r, K] integer; hidden: H; dtype: x's dtype; the rest as
+    ``dispatch``. Checks (raising ``InputError``): options, dtype, routing per rank, K agreement,
+    ``H % 32`` under MXFP8, ``T_r <= max_tokens_per_rank`` under the static exchange, and a
+    uniform plan for ``exchange="equal"``.
+    """
+    group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
+                             payload, max_tokens_per_rank)
+    return dispatch_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+
+
+def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
+                  exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
+    """Bytes rank a sends to rank b in the combine ([R, R] int64), ``dtype`` = expert_y's dtype.
+
+    pairs: ``H * itemsize(dtype)`` per kept slot; dedup: ``4 H`` (a float32 partial sum) per
+    (token, rank). The counts are the dispatch's, transposed. ``payload`` does not change the
+    combine (it travels unquantized); it is checked like in ``dispatch_bytes``.
+    """
+    group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
+                             payload, max_tokens_per_rank)
+    return combine_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
