@@ -110,28 +110,30 @@ class Dispatcher:
     def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
         """Checks that need no tensor values: options, dtypes, shapes (reference/validate.py order)."""
         E, R = self.num_experts, dist.get_world_size(self.group)
-        cap = -1 if self.capacity is None else int(self.capacity)
+        if self.align < 1:
+            return Reason.ALIGN, self.align, 0
+        if self.capacity is not None and int(self.capacity) < 0:
+            return Reason.CAPACITY, int(self.capacity), 0
         if E < 1:
             return Reason.NUM_EXPERTS, E, 0
         if E % R:
             return Reason.EXPERTS_NOT_DIVISIBLE, E, R
-        if self.align < 1:
-            return Reason.ALIGN, self.align, 0
-        if self.capacity is not None and cap < 0:
-            return Reason.CAPACITY, cap, 0
         if x.dtype not in (torch.float32, torch.bfloat16):
             return Reason.X_DTYPE, _dtype_code(x.dtype), 0
-        if x.dim() != 2:
-            return Reason.X_NOT_2D, x.dim(), 0
         if topk_idx.dtype not in _INT_DTYPES:
             return Reason.INDEX_DTYPE, _dtype_code(topk_idx.dtype), 0
-        if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
-            return Reason.IDX_SHAPE, (topk_idx.shape[0] if topk_idx.dim() else 0), x.shape[0]
         if topk_weights.dtype != torch.float32:
             return Reason.WEIGHTS_DTYPE, _dtype_code(topk_weights.dtype), 0
+        if x.dim() != 2:
+            return Reason.X_NOT_2D, x.dim(), 0
+        if topk_idx.dim() != 2:
+            return Reason.IDX_NOT_2D, topk_idx.dim(), 0
+        if topk_idx.shape[0] != x.shape[0]:
+            return Reason.IDX_SHAPE, topk_idx.shape[0], x.shape[0]
+        if topk_weights.dim() != 2:
+            return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
         if tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            shape = tuple(topk_weights.shape) + (0, 0)
-            return Reason.WEIGHTS_SHAPE, shape[0], shape[1]
+            return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
         return Reason.OK, 0, 0
 
     # -- dispatch ---------------------------------------------------------------------------------

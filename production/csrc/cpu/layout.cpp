@@ -19,13 +19,17 @@ Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E,
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * K; ++i)
     if (ip[i] < -1 || ip[i] >= E) return {kIndexOutOfRange, ip[i], E};
-  for (int64_t t = 0; t < T; ++t)
+  // The first row naming an expert twice; reported with the smallest such expert.
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t dup = -1;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ip[t * K + k];
       if (e < 0) continue;
       for (int64_t k2 = 0; k2 < k; ++k2)
-        if (ip[t * K + k2] == e) return {kDuplicateExpert, t, e};
+        if (ip[t * K + k2] == e && (dup < 0 || e < dup)) dup = e;
     }
+    if (dup >= 0) return {kDuplicateExpert, t, dup};
+  }
   const float* wp = w.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k)

@@ -26,20 +26,20 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = transport;
   p[kCapacity] = capacity; p[kAlign] = align;
 
-  // 1. The error, if any: the lowest rank whose own checks failed or that disagrees with rank 0.
-  for (int64_t s = 0; s < R; ++s) {
+  // 1. The error, if any: the lowest rank whose own checks failed; else the lowest rank whose
+  //    H, x dtype or K (in that order) differs from rank 0's (reference/validate.py).
+  auto fail = [&](int64_t s, int64_t code, int64_t a, int64_t b) {
+    p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = s;
+    return plan;
+  };
+  for (int64_t s = 0; s < R; ++s)
+    if (row(s)[0] != 0) return fail(s, row(s)[0], row(s)[1], row(s)[2]);
+  const int64_t* r0 = row(0);
+  for (int64_t s = 1; s < R; ++s) {
     const int64_t* r = row(s);
-    int64_t code = r[0], a = r[1], b = r[2];
-    if (code == 0 && s > 0) {
-      const int64_t* r0 = row(0);
-      if (r[4] != r0[4]) { code = kHiddenMismatch; a = r[4]; b = r0[4]; }
-      else if (r[6] != r0[6]) { code = kDtypeMismatch; a = r[6]; b = r0[6]; }
-      else if (r[5] != r0[5]) { code = kTopkMismatch; a = r[5]; b = r0[5]; }
-    }
-    if (code != 0) {
-      p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = s;
-      return plan;
-    }
+    if (r[4] != r0[4]) return fail(s, kHiddenMismatch, r[4], r0[4]);
+    if (r[6] != r0[6]) return fail(s, kDtypeMismatch, r[6], r0[6]);
+    if (r[5] != r0[5]) return fail(s, kTopkMismatch, r[5], r0[5]);
   }
   p[kTopK] = row(0)[5];
 

@@ -1,0 +1,65 @@
+"""Functions run on every rank of the test group (see group.py): NumPy in, NumPy out."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import epkit
+
+BF16 = ml_dtypes.bfloat16
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == BF16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)  # exact widening back
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy().astype(BF16)
+    return t.numpy().copy()
+
+
+def forward_backward(group, rank, x, idx, w, grad_out, opts):
+    """dispatch -> y = where(padding, NaN, expert_x * 2) in y_dtype -> combine -> backward."""
+    xt = to_torch(x).requires_grad_(True)
+    wt = to_torch(w).requires_grad_(True)
+    idx_t = to_torch(idx)
+    d = epkit.dispatch(xt, idx_t, wt, num_experts=opts["E"], group=group, align=opts["align"],
+                       capacity=opts["capacity"], transport=opts["transport"],
+                       exchange=opts["exchange"])
+    ydt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts["y_dtype"]]
+    pad = (d.row_src[:, 0] < 0).unsqueeze(1)
+    y = torch.where(pad, torch.tensor(float("nan")), d.expert_x.float() * 2.0).to(ydt)
+    out = epkit.combine(y, d, weighted=opts["weighted"])
+    out.backward(to_torch(grad_out).to(out.dtype))
+    return {
+        "expert_x": to_numpy(d.expert_x), "tokens_per_expert": to_numpy(d.tokens_per_expert),
+        "expert_offsets": to_numpy(d.expert_offsets), "row_src": to_numpy(d.row_src),
+        "row_weight": to_numpy(d.row_weight), "dropped_per_expert": to_numpy(d.dropped_per_expert),
+        "bytes_sent": to_numpy(d.bytes_sent), "out": to_numpy(out),
+        "grad_x": to_numpy(xt.grad), "grad_w": to_numpy(wt.grad),
+    }
+
+
+def dispatch_only(group, rank, x, idx, w, opts):
+    d = epkit.dispatch(to_torch(x), to_torch(idx), to_torch(w), group=group, **opts)
+    return to_numpy(d.expert_x), to_numpy(d.bytes_sent)
+
+
+def raises_input_error(group, rank, x, idx, w, opts):
+    """Returns the InputError's (rank, code, message) or None, then proves the group usable."""
+    try:
+        epkit.dispatch(to_torch(x), to_torch(idx), to_torch(w), group=group, **opts)
+        got = None
+    except epkit.InputError as exc:
+        got = (exc.rank, int(exc.code), str(exc))
+    R = torch.distributed.get_world_size(group)
+    E = R * 2
+    ok = epkit.dispatch(torch.ones(2, 4), torch.tensor([[0, E - 1], [1, -1]]), torch.ones(2, 2),
+                        num_experts=E, group=group)
+    return got, int(ok.tokens_per_expert.sum())

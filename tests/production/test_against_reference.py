@@ -1,0 +1,82 @@
+"""Production equals the reference, bit for bit, over real gloo groups (issue 3).
+
+Every output of dispatch, combine and both backward passes is compared bitwise with
+``epkit.reference``; only ``grad_topk_weights`` is compared within the stated tolerance
+(docs/design.md item 6), since its summation order over H is free.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import rank_fns
+from cases import (assert_bitwise, assert_weight_grad, expected, group_cases,
+                   weight_grad_bound)
+
+SETTINGS = settings(max_examples=40, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow])
+
+
+def check_case(group_pool, case):
+    R, xs, idxs, ws, gouts, opts = case
+    got = group_pool.run(rank_fns.forward_backward, R, xs, idxs, ws, gouts, [opts] * R)
+    want = expected(xs, idxs, ws, gouts, opts)
+    bounds = weight_grad_bound(gouts, [w["y"] for w in want], _res(xs, idxs, ws, opts),
+                               xs[0].shape[1])
+    for r in range(R):
+        for name in ("expert_x", "tokens_per_expert", "expert_offsets", "row_src", "row_weight",
+                     "dropped_per_expert", "out", "grad_x"):
+            assert_bitwise(name, got[r][name], want[r][name], r)
+        want_w = want[r]["grad_w"] if opts["weighted"] else np.zeros_like(want[r]["grad_w"])
+        assert_weight_grad(got[r]["grad_w"], want_w, bounds[r] if opts["weighted"] else {}, r)
+    return got
+
+
+def _res(xs, idxs, ws, opts):
+    from epkit import reference as ref
+
+    return ref.dispatch(xs, idxs, ws, num_experts=opts["E"], align=opts["align"],
+                        capacity=opts["capacity"])
+
+
+@SETTINGS
+@given(case=group_cases())
+def test_forward_backward_bitwise(group_pool, case):
+    check_case(group_pool, case)
+
+
+@pytest.mark.parametrize("transport", ["dedup", "pairs"])
+def test_edges(group_pool, transport):
+    """Zero tokens on a rank, every token on one expert, K == E."""
+    rng = np.random.default_rng(7)
+    R, E, H = 3, 3, 4
+    xs = [rng.standard_normal((T, H)).astype(np.float32) for T in (5, 0, 3)]
+    all_one = [np.zeros((x.shape[0], 1), np.int64) for x in xs]                # one hot expert
+    k_eq_e = [np.tile(np.arange(E), (x.shape[0], 1)) for x in xs]              # K == E
+    for idxs in (all_one, k_eq_e):
+        ws = [rng.random(i.shape).astype(np.float32) for i in idxs]
+        gouts = [rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+        opts = dict(E=E, align=2, capacity=None, transport=transport, exchange="ragged",
+                    y_dtype="float32", weighted=True)
+        check_case(group_pool, (R, xs, idxs, ws, gouts, opts))
+
+
+def test_dedup_sends_fewer_bytes_when_experts_share_a_rank(group_pool):
+    R, E, H = 2, 4, 8                      # experts 0,1 on rank 0; 2,3 on rank 1
+    xs = [np.ones((3, H), np.float32)] * R
+    idxs = [np.array([[0, 1], [2, 3], [0, 2]])] * R   # rows 0, 1 share a rank; row 2 does not
+    ws = [np.ones((3, 2), np.float32)] * R
+    sent = {}
+    for transport in ("dedup", "pairs"):
+        opts = dict(num_experts=E, transport=transport, exchange="ragged")
+        sent[transport] = [b for _, b in group_pool.run(rank_fns.dispatch_only, R, xs, idxs, ws,
+                                                        [opts] * R)]
+    for r in range(R):
+        assert sent["dedup"][r].sum() < sent["pairs"][r].sum(), sent
+        from epkit import reference as ref
+
+        for transport in ("dedup", "pairs"):
+            b = ref.dispatch_bytes(idxs, num_experts=E, hidden=H, dtype="float32",
+                                   transport=transport, exchange="ragged")
+            assert np.array_equal(sent[transport][r], b[r]), (transport, sent[transport][r], b[r])

@@ -1,0 +1,77 @@
+"""Bad input on one rank: every rank raises the same InputError naming that rank, before any
+token moves, and the group stays usable (issue 3 item 5, issue 6 item 1)."""
+
+import numpy as np
+import pytest
+
+import rank_fns
+from epkit import reference as ref
+from epkit.reference.errors import Reason
+
+R, E, H, K, T = 3, 6, 4, 2, 3
+
+
+def good():
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(R)]
+    idxs = [np.array([[0, 5], [1, -1], [2, 3]]) for _ in range(R)]
+    ws = [np.ones((T, K), np.float32) for _ in range(R)]
+    return xs, idxs, ws
+
+
+def corrupt(kind):
+    xs, idxs, ws = good()
+    m = 1  # the middle rank only
+    if kind == "out_of_range":
+        idxs[m] = idxs[m].copy(); idxs[m][1, 1] = E
+    elif kind == "below_minus_one":
+        idxs[m] = idxs[m].copy(); idxs[m][0, 0] = -2
+    elif kind == "duplicate":
+        idxs[m] = idxs[m].copy(); idxs[m][2] = [3, 3]
+    elif kind == "float_index":
+        idxs[m] = idxs[m].astype(np.float32)
+    elif kind == "nan_weight":
+        ws[m] = ws[m].copy(); ws[m][2, 0] = np.nan
+    elif kind == "inf_weight":
+        ws[m] = ws[m].copy(); ws[m][0, 1] = np.inf
+    elif kind == "hidden_mismatch":
+        xs[m] = np.zeros((T, H + 1), np.float32)
+    elif kind == "dtype_mismatch":
+        xs[m] = xs[m].astype(rank_fns.BF16)
+    elif kind == "topk_mismatch":
+        idxs[m] = idxs[m][:, :1].copy(); ws[m] = ws[m][:, :1].copy()
+    elif kind == "shape_mismatch":
+        idxs[m] = idxs[m][:2].copy(); ws[m] = ws[m][:2].copy()
+    elif kind == "weights_shape":
+        ws[m] = np.ones((T, K + 1), np.float32)
+    return xs, idxs, ws
+
+
+KINDS = ["out_of_range", "below_minus_one", "duplicate", "float_index", "nan_weight",
+         "inf_weight", "hidden_mismatch", "dtype_mismatch", "topk_mismatch", "shape_mismatch",
+         "weights_shape"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_input_on_middle_rank(group_pool, kind):
+    xs, idxs, ws = corrupt(kind)
+    with pytest.raises(ref.InputError) as want:
+        ref.dispatch(xs, idxs, ws, num_experts=E)
+    assert want.value.rank == 1
+    got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws, [dict(num_experts=E)] * R)
+    for r, (err, kept) in enumerate(got):
+        assert err is not None, f"rank {r} did not raise"
+        assert err == (1, int(want.value.code), str(want.value)), (r, err, str(want.value))
+    # The next valid call on the same group succeeded: 3 used slots per rank arrived.
+    assert sum(kept for _, kept in got) == 3 * R
+
+
+@pytest.mark.parametrize("opts,code", [
+    (dict(num_experts=5), Reason.EXPERTS_NOT_DIVISIBLE),
+    (dict(num_experts=E, align=0), Reason.ALIGN),
+    (dict(num_experts=E, capacity=-1), Reason.CAPACITY),
+])
+def test_bad_options(group_pool, opts, code):
+    xs, idxs, ws = good()
+    got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws, [opts] * R)
+    assert all(err is not None and err[0] == 0 and err[1] == int(code) for err, _ in got), got
