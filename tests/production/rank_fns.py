@@ -63,3 +63,57 @@ def raises_input_error(group, rank, x, idx, w, opts):
     ok = epkit.dispatch(torch.ones(2, 4), torch.tensor([[0, E - 1], [1, -1]]), torch.ones(2, 2),
                         num_experts=E, group=group)
     return got, int(ok.tokens_per_expert.sum())
+
+
+def opcheck_all(group, rank):
+    """torch.library.opcheck on every epkit op, with arguments taken from a real dispatch."""
+    from epkit import ops
+    from epkit.exchange import group_name
+
+    C = torch.ops.epkit
+    gname = group_name(group)
+    torch.manual_seed(0)
+    T, H, K, E = 5, 4, 2, 4
+    x = torch.randn(T, H)
+    idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1], [-1, -1]])
+    w = torch.rand(T, K)
+    checked = []
+    for transport in (ops.PAIRS, ops.DEDUP):
+        words = C.prepare(x, idx, w, E, 1, [0, 0, 0, 1], 0)
+        plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport)
+        S, N, M = plan[ops.SEND_ROWS: ops.EXPERT_ROWS + 1].tolist()
+        send, send_map = C.pack(x, idx, w, plan, transport, 1, S)
+        ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, M)
+        y = torch.randn(M, H)
+        back = C.gather_rows(y, recv_map, rw, transport, True)
+        calls = [
+            (C.layout, (idx, E, 1)),
+            (C.prepare, (x, idx, w, E, 1, [0, 0, 0, 1], 0)),
+            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport)),
+            (C.pack, (x, idx, w, plan, transport, 1, S)),
+            (C.unpack, (send, plan, transport, H, x.dtype, K, M)),
+            (C.gather_rows, (y, recv_map, rw, transport, True)),
+            (C.reduce_tokens, (back, send_map, idx, w, E, 1, transport, True, x.dtype)),
+            (C.scatter_rows, (x, send_map, S)),
+            (C.combine_backward_dest, (send_rows_like(x, send_map, S), recv_map, rw, y, True)),
+            (C.gather_slot_values, (rw, recv_map)),
+            (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
+            (C.count_exchange, (words, gname, 0, E, 2, -1, transport)),
+            (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
+                                 transport, 0, S, N, M)),
+            (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),
+                                send_map, recv_map, plan, gname, transport, 0, True, x.dtype)),
+            (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
+                                          gname, transport, 0, x.dtype)),
+            (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
+                                         plan, gname, 0, True)),
+        ]
+        for op, args in calls:
+            torch.library.opcheck(op, args)
+            checked.append(str(op))
+        x, w = x.detach(), w.detach()
+    return sorted(set(checked))
+
+
+def send_rows_like(x, send_map, S):
+    return torch.ops.epkit.scatter_rows(x, send_map, S)
