@@ -14,6 +14,8 @@ _LAZY = {
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
     "layout": "epkit.api",
+    "PendingDispatch": "epkit.lazy",
+    "PendingCombine": "epkit.lazy",
     "exchange": "epkit.exchange",
 }
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epkit import ops
+from epkit import lazy, ops
 from epkit.exchange import CODES as EXCHANGE_CODES
 from epkit.exchange import group_name, resolve_group
 from epkit.reference.errors import DTYPE_CODES, InputError, Reason, error
@@ -83,7 +83,8 @@ class Dispatcher:
         transport: ``"dedup"`` (one row per token and destination rank, the default) or
             ``"pairs"`` (one row per slot). Same result, bit for bit; dedup moves fewer bytes.
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
-            ``"padded"`` or ``"equal"``.
+            ``"padded"``, ``"equal"``, or ``"lazy"`` (the auto exchange issued asynchronously:
+            dispatch and combine return pending objects whose ``wait()`` gives the result).
     """
 
     def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
@@ -154,22 +155,28 @@ class Dispatcher:
         if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
             raise error(0, Reason.EQUAL_NONUNIFORM)
         S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
-        expert_x, row_src, row_weight, send_map, recv_map = ops.dispatch_tokens(
-            x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-            EXCHANGE_CODES[self.exchange], S, N, M)
         sl = ops.plan_slices(R, self.num_experts)
         B = ops.row_bytes(transport, x.shape[1], x.dtype, topk_idx.shape[1])
-        return Dispatch(
-            expert_x=expert_x,
-            tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
-            expert_offsets=plan[sl["offsets"]].clone(),
-            row_src=row_src,
-            row_weight=row_weight,
-            dropped_per_expert=plan[sl["dropped"]].clone(),
-            bytes_sent=plan[sl["send_counts"]] * B,
-            _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
-            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
-        )
+
+        def build(expert_x, row_src, row_weight, send_map, recv_map):
+            return Dispatch(
+                expert_x=expert_x,
+                tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
+                expert_offsets=plan[sl["offsets"]].clone(),
+                row_src=row_src,
+                row_weight=row_weight,
+                dropped_per_expert=plan[sl["dropped"]].clone(),
+                bytes_sent=plan[sl["send_counts"]] * B,
+                _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
+                _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
+            )
+
+        if self.exchange == "lazy":
+            return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
+                                       transport, M, build)
+        return build(*ops.dispatch_tokens(
+            x, topk_idx, topk_weights, plan, group_name(self.group), transport,
+            EXCHANGE_CODES[self.exchange], S, N, M))
 
     # -- combine ----------------------------------------------------------------------------------
 
@@ -182,6 +189,9 @@ class Dispatcher:
             raise error(rank, Reason.EXPERT_Y_ROWS, expert_y.shape[0] if expert_y.dim() else 0, d.num_rows)
         if expert_y.shape[1] != d.expert_x.shape[1]:
             raise error(rank, Reason.EXPERT_Y_HIDDEN, expert_y.shape[1], d.expert_x.shape[1])
+        if self.exchange == "lazy":
+            return lazy.issue_combine(expert_y, d, group_name(self.group),
+                                      ops.TRANSPORTS[self.transport], bool(weighted))
         return ops.combine_tokens(
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
             d._plan, group_name(self.group), ops.TRANSPORTS[self.transport],

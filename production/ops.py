@@ -29,11 +29,13 @@ C = torch.ops.epkit
 
 PAIRS, DEDUP = 0, 1
 TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
-EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto"}
+# "lazy" (4) issues the auto exchange asynchronously (epkit/lazy.py); its backward is synchronous.
+EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "auto"}
 
 # Plan layout: mirrors csrc/epkit.h (PlanHeader, PlanOffsets).
 ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
 SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
+RANKS, LOCAL_EXPERTS, EXPERTS = 9, 10, 11
 PLAN_HEADER = 16
 WORD_HEADER = 8
 
@@ -131,8 +133,10 @@ def _(back, send_map, topk_idx, num_experts, num_ranks, transport):
 
 # ---- the exchange inside the ops ----------------------------------------------------------
 
-def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int, reverse: bool):
-    """All-to-all of ``buf`` along the plan's counts (``reverse``: expert side -> source side)."""
+def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int, reverse: bool,
+          async_op: bool = False):
+    """All-to-all of ``buf`` along the plan's counts (``reverse``: expert side -> source side).
+    With ``async_op``, returns a callable that waits and returns the rows."""
     R = int(plan[9])
     sl = plan_slices(R, int(plan[11]))
     send = plan[sl["send_counts"]].tolist()
@@ -142,7 +146,8 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int,
     variant = EXCHANGE_NAMES[exchange]
     if variant == "auto":
         variant = "equal" if int(plan[UNIFORM]) else "ragged"
-    return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]))
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
+                      async_op=async_op)
 
 
 # ---- count exchange: the plan and the collective error --------------------------------------

@@ -14,7 +14,7 @@ DTYPES = {"float32": np.float32, "bfloat16": BF16}
 
 @st.composite
 def group_cases(draw, max_world=4, transports=("dedup", "pairs"),
-                exchanges=("ragged", "padded", "auto")):
+                exchanges=("ragged", "padded", "auto", "lazy")):
     R = draw(st.integers(1, max_world))
     L = draw(st.integers(1, 3))
     E = R * L

@@ -32,10 +32,15 @@ def forward_backward(group, rank, x, idx, w, grad_out, opts):
     d = epkit.dispatch(xt, idx_t, wt, num_experts=opts["E"], group=group, align=opts["align"],
                        capacity=opts["capacity"], transport=opts["transport"],
                        exchange=opts["exchange"])
+    if opts["exchange"] == "lazy":
+        assert not hasattr(d, "expert_x")  # nothing to read before wait()
+        d = d.wait()
     ydt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[opts["y_dtype"]]
     pad = (d.row_src[:, 0] < 0).unsqueeze(1)
     y = torch.where(pad, torch.tensor(float("nan")), d.expert_x.float() * 2.0).to(ydt)
     out = epkit.combine(y, d, weighted=opts["weighted"])
+    if opts["exchange"] == "lazy":
+        out = out.wait()
     out.backward(to_torch(grad_out).to(out.dtype))
     return {
         "expert_x": to_numpy(d.expert_x), "tokens_per_expert": to_numpy(d.tokens_per_expert),

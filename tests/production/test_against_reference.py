@@ -80,3 +80,19 @@ def test_dedup_sends_fewer_bytes_when_experts_share_a_rank(group_pool):
             b = ref.dispatch_bytes(idxs, num_experts=E, hidden=H, dtype="float32",
                                    transport=transport, exchange="ragged")
             assert np.array_equal(sent[transport][r], b[r]), (transport, sent[transport][r], b[r])
+
+
+@pytest.mark.parametrize("transport", ["dedup", "pairs"])
+def test_equal_exchange_on_a_uniform_plan(group_pool, transport):
+    """Every rank sends every rank the same number of rows: the split-free exchange."""
+    rng = np.random.default_rng(3)
+    R, E, H = 3, 6, 8
+    xs = [rng.standard_normal((4, H)).astype(np.float32) for _ in range(R)]
+    # each token: one expert on every rank (experts r*2 + t % 2), so every count is 4
+    idxs = [np.array([[2 * d + t % 2 for d in range(R)] for t in range(4)]) for _ in range(R)]
+    ws = [rng.random(i.shape).astype(np.float32) for i in idxs]
+    gouts = [rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+    for exchange in ("equal", "auto"):
+        opts = dict(E=E, align=1, capacity=None, transport=transport, exchange=exchange,
+                    y_dtype="float32", weighted=True)
+        check_case(group_pool, (R, xs, idxs, ws, gouts, opts))

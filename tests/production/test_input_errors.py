@@ -70,6 +70,7 @@ def test_bad_input_on_middle_rank(group_pool, kind):
     (dict(num_experts=5), Reason.EXPERTS_NOT_DIVISIBLE),
     (dict(num_experts=E, align=0), Reason.ALIGN),
     (dict(num_experts=E, capacity=-1), Reason.CAPACITY),
+    (dict(num_experts=E, exchange="equal"), Reason.EQUAL_NONUNIFORM),
 ])
 def test_bad_options(group_pool, opts, code):
     xs, idxs, ws = good()

@@ -1,0 +1,342 @@
+"""``epkit bench``: epkit against the plain-torch dispatcher and the bare exchange.
+
+Spawns a local gloo group (``--world-size`` processes, one thread each by default) and times,
+interleaved round by round, forward + backward of dispatch -> identity expert -> combine for:
+epkit (dedup), epkit (pairs), the plain-torch dispatcher (Megatron / torchtitan style), the same
+over the padded exchange, and the floor (bare ``all_to_all_single`` calls moving exactly epkit
+dedup's bytes). A row's figure is the median over the timed iterations of the slowest rank's
+time (see :mod:`epkit.bench_group`). Also: the lazy exchange overlapping independent compute,
+and epkit's local kernels against memcpy (:mod:`epkit.bench_kernels`).
+
+    epkit bench                          # the default workload, full report
+    epkit bench --quick --json out.json  # under 45 s on a 2-core machine
+    epkit bench --plot docs/bench.png    # adds the sweeps over tokens per rank and world size
+
+Figures of merit (in the JSON):
+    speedup_vs_naive      plain-torch median / epkit dedup median      (target >= 1.5)
+    overhead_vs_exchange  epkit dedup median / floor median            (target <= 1.3)
+    pack_vs_memcpy        pack kernel GB/s / memcpy GB/s, one thread   (target >= 0.5)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import shutil
+import sys
+import tempfile
+import time
+
+TARGETS = {"speedup_vs_naive": (">=", 1.5), "overhead_vs_exchange": ("<=", 1.3),
+           "pack_vs_memcpy": (">=", 0.5)}
+ALL_METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="epkit bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=4, help="ranks of the local gloo group")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20, help="timed iterations (at least 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (at least 1)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="10 iterations, 2 warm-up rounds, small kernel runs (under 45 s)")
+    ap.add_argument("--json", metavar="PATH", help="write every row and the ratios here")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="PNG of time against tokens per rank and against world size (runs "
+                         "the sweeps)")
+    ap.add_argument("--sweep-tokens", type=_ints, default=None,
+                    help="tokens per rank of the sweep (default 256,512,1024,2048,4096; "
+                         "with --quick: tokens/4,tokens)")
+    ap.add_argument("--sweep-world", type=_ints, default=None,
+                    help="world sizes of the sweep (default 2,4,8; with --quick: 2,world)")
+    ap.add_argument("--no-overlap", action="store_true", help="skip the lazy-exchange rows")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the local kernel rows")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds a collective may wait before the group gives up")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.iters, args.warmup = 10, 2
+    if args.iters < 10:
+        ap.error("--iters must be at least 10")
+    if args.warmup < 1:
+        ap.error("--warmup must be at least 1")
+    if args.experts % args.world_size:
+        ap.error("--experts must be a multiple of --world-size")
+    if args.sweep_tokens is None:
+        args.sweep_tokens = ([max(1, args.tokens // 4), args.tokens] if args.quick
+                             else [256, 512, 1024, 2048, 4096])
+    if args.sweep_world is None:
+        args.sweep_world = [2, args.world_size] if args.quick else [2, 4, 8]
+    bad = [w for w in args.sweep_world if args.experts % w]
+    if args.plot and bad:
+        ap.error(f"--sweep-world sizes {bad} do not divide --experts {args.experts}")
+    return args
+
+
+# ---- running a group -----------------------------------------------------------------------
+
+def run_group(world: int, cfg: dict, deadline_s: float) -> dict:
+    """Spawn ``world`` ranks (FileStore rendezvous in a private temp dir, so no port is
+    raced for), run :func:`epkit.bench_group.worker` on each, return rank 0's result."""
+    from epkit import bench_group
+    from epkit.verify.pool import _NoMainImport
+
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="epkit-bench-")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=bench_group.worker, daemon=True,
+                         args=(r, world, os.path.join(tmp, "store"), cfg, q, os.getpid()))
+             for r in range(world)]
+    result, error = None, None
+    try:
+        with _NoMainImport():
+            for p in procs:
+                p.start()
+        end = time.monotonic() + deadline_s
+        pending = world
+        while pending and error is None:
+            try:
+                rank, status, payload = q.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
+            except queue_mod.Empty:
+                if time.monotonic() > end:
+                    error = f"the group did not finish within {deadline_s:.0f} s"
+                elif any(p.exitcode not in (None, 0) for p in procs):
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                continue
+            pending -= 1
+            if status == "error":
+                error = f"rank {rank}: {payload}"
+            elif rank == 0:
+                result = payload
+        for p in procs:
+            p.join(timeout=5 if error is None else 0.5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        q.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise RuntimeError(f"epkit bench: world size {world}: {error}")
+    return result
+
+
+# ---- machine -------------------------------------------------------------------------------
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "backend": "gloo", "loadavg_start": list(os.getloadavg())}
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def table_rows(wl: dict) -> list[dict]:
+    """Flat JSON rows of one workload, with algorithmic GB/s and the ratio to epkit dedup."""
+    base = wl["rows"].get("epkit dedup", {}).get("median_ms")
+    out = []
+    for name, r in wl["rows"].items():
+        row = {"name": name, "tokens": wl["tokens"], "world_size": wl["world_size"]}
+        row.update({k: v for k, v in r.items() if k != "times_ms"})
+        row["algo_gbps"] = wl["algo_bytes"] / (r["median_ms"] * 1e-3) / 1e9
+        row["ratio_to_epkit"] = r["median_ms"] / base if base else None
+        row["times_ms"] = r["times_ms"]
+        out.append(row)
+    return out
+
+
+def format_table(rows: list[dict], title: str) -> str:
+    lines = [title,
+             f"  {'method':<20}{'median ms':>10}{'p10-p90 ms':>17}{'algo GB/s':>11}"
+             f"{'MB sent/rank':>14}{'x epkit':>9}"]
+    for r in rows:
+        spread = f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}"
+        ratio = "" if r["ratio_to_epkit"] is None else f"{r['ratio_to_epkit']:.2f}"
+        lines.append(f"  {r['name']:<20}{r['median_ms']:>10.1f}{spread:>17}"
+                     f"{r['algo_gbps']:>11.2f}{r['bytes'] / 1e6:>14.1f}{ratio:>9}")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> dict:
+    med = {r["name"]: r["median_ms"] for r in rows}
+    ep = med.get("epkit dedup")
+    out = {}
+    if ep:
+        if "plain-torch" in med:
+            out["speedup_vs_naive"] = med["plain-torch"] / ep
+        if "plain-torch padded" in med:
+            out["speedup_vs_naive_padded"] = med["plain-torch padded"] / ep
+        if "floor" in med:
+            out["overhead_vs_exchange"] = ep / med["floor"]
+        if "epkit pairs" in med:
+            out["pairs_vs_dedup"] = med["epkit pairs"] / ep
+    return out
+
+
+def target_lines(figures: dict) -> list[str]:
+    lines = []
+    for key, (op, goal) in TARGETS.items():
+        if key not in figures:
+            continue
+        v = figures[key]
+        ok = v >= goal if op == ">=" else v <= goal
+        lines.append(f"  {key:<22}{v:>7.2f}   target {op} {goal}   {'met' if ok else 'MISSED'}")
+    return lines
+
+
+def format_overlap(ov: dict) -> str:
+    lines = ["overlap (forward dispatch, no autograd; compute = "
+             f"{ov['compute_reps']} x [T,H]@[H,128] float32 matmul):"]
+    for name, r in ov["rows"].items():
+        lines.append(f"  {name:<30}{r['median_ms']:>10.1f} ms")
+    if ov["available"]:
+        lines.append(f"  lazy speedup {ov['speedup']:.2f}x, hidden fraction of the shorter "
+                     f"part {ov['hidden_fraction']:.2f}")
+    else:
+        lines.append(f"  lazy: unavailable ({ov['reason']})")
+    return "\n".join(lines)
+
+
+def format_kernels(kr: list[dict]) -> str:
+    lines = ["local kernels (one process, rank 0 of the same workload; GB/s = (read + written) / time):"]
+    for k in kr:
+        lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy {k['memcpy_gbps']:.1f} "
+                     f"GB/s (fresh dst {k['memcpy_fresh_gbps']:.1f})")
+        for name, r in k["rows"].items():
+            lines.append(f"    {name:<16}{r['median_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
+                         f"{r['vs_memcpy']:>7.2f} x memcpy")
+    return "\n".join(lines)
+
+
+def plot(path: str, results: dict, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    rows = results["rows"]
+    for name in ALL_METHODS:
+        pts = sorted((r["tokens"], r["median_ms"]) for r in rows
+                     if r["name"] == name and r["world_size"] == args.world_size)
+        if pts:
+            a.plot(*zip(*pts), marker="o", label=name)
+        pts = sorted((r["world_size"], r["median_ms"]) for r in rows
+                     if r["name"] == name and r["tokens"] == args.tokens)
+        if pts:
+            b.plot(*zip(*pts), marker="o", label=name)
+    a.set(xscale="log", yscale="log", xlabel="tokens per rank",
+          ylabel="median ms (fwd + bwd, max over ranks)",
+          title=f"{args.world_size} ranks, hidden {args.hidden}, top-{args.topk}/{args.experts}")
+    b.set(yscale="log", xlabel="world size (ranks)", ylabel="median ms",
+          title=f"{args.tokens} tokens per rank")
+    b.set_xticks(sorted({r["world_size"] for r in rows}))
+    for ax in (a, b):
+        ax.grid(True, which="both", alpha=0.3)
+    a.legend(fontsize=8)
+    fig.suptitle(f"epkit bench, gloo on {os.cpu_count()} CPU cores, {args.dtype}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    started = time.monotonic()
+    info = machine_info()
+    cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
+               iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
+               timeout=args.timeout, methods=ALL_METHODS, tokens=args.tokens,
+               token_list=[args.tokens], overlap=not args.no_overlap)
+    if args.plot:
+        cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
+    deadline = max(120.0, 4 * args.timeout)
+    print(f"epkit bench: {args.world_size} ranks (gloo, {args.threads} thread(s) each, "
+          f"{info['cores']} cores), {args.tokens} tokens/rank, hidden {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, {args.dtype}, forward + backward; "
+          f"median of {args.iters} iterations after {args.warmup} warm-up", flush=True)
+    main_run = run_group(args.world_size, cfg, deadline)
+    workloads = list(main_run["workloads"])
+    if args.plot:
+        for w in args.sweep_world:
+            if w != args.world_size:
+                sub = dict(cfg, token_list=[args.tokens], overlap=False)
+                workloads += run_group(w, sub, deadline)["workloads"]
+    rows = [r for wl in workloads for r in table_rows(wl)]
+    head = table_rows(workloads[0])
+    figures = ratios(head)
+    print()
+    print(format_table(head, f"{args.world_size} ranks, {args.tokens} tokens/rank "
+                             f"(algo GB/s: epkit dedup's {workloads[0]['algo_bytes'] / 1e6:.1f} "
+                             "MB per rank / time):"))
+    for wl in workloads[1:]:
+        print(format_table(table_rows(wl), f"{wl['world_size']} ranks, {wl['tokens']} tokens/rank:"))
+    results = {"machine": info, "config": {k: v for k, v in vars(args).items()},
+               "rows": rows, **figures}
+    if "overlap" in main_run:
+        results["overlap"] = main_run["overlap"]
+        print()
+        print(format_overlap(main_run["overlap"]))
+    if not args.no_kernels:
+        import torch
+
+        from epkit.bench_kernels import measure
+
+        threads = [1] if args.quick else sorted({1, os.cpu_count() or 1})
+        kr = [measure(args.tokens, args.hidden, args.topk, args.experts, args.world_size,
+                      getattr(torch, args.dtype), tr, th, 10 if args.quick else 30, args.seed)
+              for th in threads for tr in ("dedup", "pairs")]
+        results["kernels"] = kr
+        results["pack_vs_memcpy"] = kr[0]["rows"]["pack"]["vs_memcpy"]
+        results["pack_vs_memcpy_pairs"] = kr[1]["rows"]["pack"]["vs_memcpy"]
+        print()
+        print(format_kernels(kr))
+    results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}
+    print("\nfigures of merit:")
+    print("\n".join(target_lines(results)))
+    info["loadavg_end"] = list(os.getloadavg())
+    results["seconds"] = time.monotonic() - started
+    print(f"\n{results['seconds']:.1f} s; load average {info['loadavg_start'][0]:.2f} at start, "
+          f"{info['loadavg_end'][0]:.2f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, results, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

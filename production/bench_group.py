@@ -1,0 +1,352 @@
+"""The rank side of ``epkit bench``: one process of a local gloo group.
+
+Every rank builds its own inputs (seeded by rank), then times the contenders round by round,
+interleaved so that drift in the machine's load hits all of them alike:
+
+    epkit dedup       epkit.dispatch(transport="dedup") -> identity expert -> epkit.combine,
+                      forward and backward
+    epkit pairs       the same with transport="pairs"
+    plain-torch       the Megatron / torchtitan style dispatcher of epkit.verify.plain_torch
+    plain-torch pad   the same path with every all-to-all padded to the group-wide largest chunk
+                      (how a backend without split sizes is served)
+    floor             bare all_to_all_single calls replaying exactly the exchanges (split sizes
+                      and row widths) that one epkit dedup step makes, forward and backward
+
+A timed iteration is ``barrier; t0; step; t1``; per iteration the slowest rank's time counts
+(max over ranks), and a row's figure is the median over the timed iterations. The bytes of a
+row are what its step hands to ``all_to_all_single`` on the send side (padding and the
+diagonal local chunk included), recorded once during warm-up by wrapping the collective.
+
+Overlap (forward only, no autograd): dispatch then independent compute, against the lazy
+exchange (``exchange="lazy"``: issue, the same compute, ``wait()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import statistics
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
+
+
+# ---- recording what each step hands to all_to_all_single ----------------------------------
+
+class _Recorder:
+    """Wraps ``torch.distributed.all_to_all_single`` while active; every call is noted as
+    ``(send_rows, recv_rows, row_bytes, in_splits, out_splits)``."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.calls: list[tuple] = []
+
+    @contextlib.contextmanager
+    def active(self):
+        real = dist.all_to_all_single
+
+        def wrapped(output, input, output_split_sizes=None, input_split_sizes=None, *a, **kw):
+            row = math.prod(input.shape[1:]) * input.element_size()
+            self.calls.append((int(input.shape[0]), int(output.shape[0]), int(row),
+                               None if not input_split_sizes else [int(v) for v in input_split_sizes],
+                               None if not output_split_sizes else [int(v) for v in output_split_sizes]))
+            return real(output, input, output_split_sizes, input_split_sizes, *a, **kw)
+
+        dist.all_to_all_single = wrapped
+        try:
+            yield self
+        finally:
+            dist.all_to_all_single = real
+
+    def bytes_sent(self) -> int:
+        """Bytes handed to the collective on the send side (diagonal chunk included)."""
+        return sum(n * row for n, _, row, _, _ in self.calls)
+
+    def bytes_to_peers(self, rank: int) -> int:
+        """The same without the chunk a rank sends itself (a local copy, no traffic)."""
+        total = 0
+        for n, _, row, splits, _ in self.calls:
+            own = splits[rank] if splits else n // self.world
+            total += (n - own) * row
+        return total
+
+
+def floor_step(calls, group):
+    """Bare all_to_all_single calls replaying ``calls`` (a recorder's list), buffers made once."""
+    bufs = []
+    for n_in, n_out, row, in_s, out_s in calls:
+        bufs.append((torch.zeros((n_out, row), dtype=torch.uint8),
+                     torch.zeros((n_in, row), dtype=torch.uint8), out_s, in_s))
+
+    def step():
+        for recv, send, out_s, in_s in bufs:
+            dist.all_to_all_single(recv, send, out_s, in_s, group=group)
+
+    return step
+
+
+# ---- the contenders -------------------------------------------------------------------------
+
+def make_inputs(rank: int, T: int, H: int, K: int, E: int, dtype, seed: int):
+    """Tokens, top-k routing (distinct experts, uniform) and weights of one rank."""
+    g = torch.Generator().manual_seed(seed * 1000003 + rank)
+    x = torch.randn((T, H), generator=g).to(dtype)
+    idx = torch.rand((T, E), generator=g).topk(K, dim=1).indices
+    w = torch.rand((T, K), generator=g)
+    w = w / w.sum(dim=1, keepdim=True)
+    grad = torch.randn((T, H), generator=g).to(dtype)
+    return x, idx, w, grad
+
+
+def _train_step(dispatch, combine, x, idx, w, grad):
+    """Forward and backward of dispatch -> identity expert -> combine."""
+    def step():
+        xg = x.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+        d = dispatch(xg, idx, wg)
+        out = combine(d.expert_x, d)
+        out.backward(grad)
+        return xg.grad, wg.grad
+    return step
+
+
+def epkit_step(transport, group, E, x, idx, w, grad):
+    import epkit
+
+    return _train_step(
+        lambda a, b, c: epkit.dispatch(a, b, c, num_experts=E, group=group, transport=transport),
+        epkit.combine, x, idx, w, grad)
+
+
+def _padded_a2a_bytes(rows, out_rows, out_splits, in_splits, group):
+    """plain_torch's ``_a2a_bytes`` with the padded exchange: the group agrees on the largest
+    chunk with one 8-byte all_reduce (the adapter does not expose its gathered counts), then
+    epkit.exchange's padded all-to-all (pad, equal-length all_to_all_single, unpad)."""
+    from epkit.exchange import all_to_all
+
+    chunk = torch.tensor([max(list(in_splits) + list(out_splits) + [0])], dtype=torch.int64)
+    dist.all_reduce(chunk, op=dist.ReduceOp.MAX, group=group)
+    return all_to_all(rows, list(in_splits), list(out_splits), group, "padded", int(chunk))
+
+
+def plain_step(padded, group, E, x, idx, w, grad):
+    """The plain-torch baseline; ``padded``: the same path over the padded exchange."""
+    import inspect
+
+    from epkit.verify import plain_torch
+
+    params = inspect.signature(plain_torch.PlainTorchDispatcher).parameters
+    if padded and "exchange" in params:  # the adapter's own padded variant, when it has one
+        pt = plain_torch.PlainTorchDispatcher(group, exchange="padded")
+        padded = False
+    else:
+        pt = plain_torch.PlainTorchDispatcher(group)
+    inner = _train_step(lambda a, b, c: pt.dispatch(a, b, c, num_experts=E),
+                        lambda y, d: pt.combine(y, d), x, idx, w, grad)
+    if not padded:
+        return inner
+
+    def step():
+        real = plain_torch._a2a_bytes
+        plain_torch._a2a_bytes = _padded_a2a_bytes
+        try:
+            return inner()
+        finally:
+            plain_torch._a2a_bytes = real
+    return step
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+def _gather_max(times: list[float], group) -> list[float]:
+    """Per iteration, the slowest rank's time."""
+    t = torch.tensor(times, dtype=torch.float64)
+    from epkit.exchange import all_gather
+
+    out = torch.zeros((dist.get_world_size(group) * t.numel(),), dtype=torch.float64)
+    all_gather(out, t, group)
+    return out.view(-1, t.numel()).max(dim=0).values.tolist()
+
+
+def _reduce_max(v: int, group) -> int:
+    t = torch.tensor([v], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t)
+
+
+def interleaved(steps: dict, warmup: int, iters: int, group, record: set = frozenset()):
+    """Round by round, every step once a round; returns ``(times, recorders)``: per step the
+    per-iteration max-over-ranks seconds, and the byte recorders of the steps in ``record``
+    (made during the first warm-up round)."""
+    assert warmup >= 1, "the first round records bytes: at least one warm-up round"
+    R = dist.get_world_size(group)
+    recorders = {name: _Recorder(R) for name in steps if name in record}
+    local = {name: [] for name in steps}
+    for i in range(warmup + iters):
+        for name, step in steps.items():
+            dist.barrier(group)
+            if i == 0 and name in recorders:
+                with recorders[name].active():
+                    step()
+                continue
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            if i >= warmup:
+                local[name].append(t1 - t0)
+    return {name: _gather_max(v, group) for name, v in local.items()}, recorders
+
+
+def summarize(times: list[float]) -> dict:
+    ms = [1e3 * t for t in times]
+    q = statistics.quantiles(ms, n=10) if len(ms) >= 2 else [ms[0]] * 9
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "p10_ms": q[0],
+            "p90_ms": q[-1], "iters": len(ms)}
+
+
+def run_workload(cfg: dict, T: int, group) -> dict:
+    """Time the five contenders at ``T`` tokens per rank; rank 0's return value is the table."""
+    rank, R = dist.get_rank(group), dist.get_world_size(group)
+    dtype = getattr(torch, cfg["dtype"])
+    H, K, E = cfg["hidden"], cfg["topk"], cfg["experts"]
+    x, idx, w, grad = make_inputs(rank, T, H, K, E, dtype, cfg["seed"])
+    steps = {
+        "epkit dedup": epkit_step("dedup", group, E, x, idx, w, grad),
+        "epkit pairs": epkit_step("pairs", group, E, x, idx, w, grad),
+        "plain-torch": plain_step(False, group, E, x, idx, w, grad),
+        "plain-torch padded": plain_step(True, group, E, x, idx, w, grad),
+    }
+    steps = {k: v for k, v in steps.items() if k in cfg["methods"]}
+    # The floor replays epkit dedup's exchanges: record them first (one untimed step).
+    rec = _Recorder(R)
+    with rec.active():
+        epkit_step("dedup", group, E, x, idx, w, grad)()
+    if "floor" in cfg["methods"]:
+        steps["floor"] = floor_step(rec.calls, group)
+    times, recorders = interleaved(steps, cfg["warmup"], cfg["iters"], group, record=set(steps))
+    rows = {}
+    for name in steps:
+        r = recorders[name]
+        rows[name] = dict(summarize(times[name]),
+                          bytes=_reduce_max(r.bytes_sent(), group),
+                          bytes_to_peers=_reduce_max(r.bytes_to_peers(rank), group),
+                          exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]])
+    algo = _reduce_max(rec.bytes_sent(), group)
+    return {"tokens": T, "world_size": R, "algo_bytes": algo, "rows": rows}
+
+
+# ---- overlap: the lazy exchange ----------------------------------------------------------------
+
+def run_overlap(cfg: dict, group) -> dict:
+    """Forward dispatch with independent compute, sequential against lazy (issue, compute, wait)."""
+    import epkit
+
+    rank = dist.get_rank(group)
+    dtype = getattr(torch, cfg["dtype"])
+    H, K, E, T = cfg["hidden"], cfg["topk"], cfg["experts"], cfg["tokens"]
+    x, idx, w, _ = make_inputs(rank, T, H, K, E, dtype, cfg["seed"])
+
+    def dispatch():
+        return epkit.dispatch(x, idx, w, num_experts=E, group=group)
+
+    # Independent compute (a dense layer on the same tokens, as a shared expert would be),
+    # sized on rank 0 to take about as long as the dispatch, the same on every rank.
+    a = torch.randn((T, H))
+    b = torch.randn((H, 128))
+    c = torch.empty((T, 128))
+    with torch.no_grad():
+        for _ in range(2):
+            dispatch()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dispatch()
+        t_disp = (time.perf_counter() - t0) / 3
+        t0 = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b, out=c)
+        t_mm = (time.perf_counter() - t0) / 3
+    reps = torch.tensor([max(1, round(t_disp / max(t_mm, 1e-6)))], dtype=torch.int64)
+    dist.broadcast(reps, 0, group=group)
+    reps = int(reps)
+
+    def compute():
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+
+    def sequential():
+        d = dispatch()
+        compute()
+        return d
+
+    def lazy():
+        p = epkit.dispatch(x, idx, w, num_experts=E, group=group, exchange="lazy")
+        compute()
+        return p.wait()
+
+    available, reason = True, ""
+    try:
+        with torch.no_grad():
+            lazy()
+    except (NotImplementedError, ValueError) as exc:
+        available, reason = False, f"{type(exc).__name__}: {exc}"
+    # Every rank agrees (a mismatch would hang the next collective).
+    flag = torch.tensor([int(available)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    available = bool(int(flag))
+    steps = {"dispatch": dispatch, "compute": compute, "dispatch then compute": sequential}
+    if available:
+        steps["lazy: issue, compute, wait"] = lazy
+    with torch.no_grad():
+        times, _ = interleaved(steps, cfg["warmup"], cfg["iters"], group)
+    rows = {name: summarize(v) for name, v in times.items()}
+    out = {"available": available, "reason": reason, "compute_reps": reps, "rows": rows}
+    if available:
+        seq = rows["dispatch then compute"]["median_ms"]
+        lz = rows["lazy: issue, compute, wait"]["median_ms"]
+        hideable = min(rows["dispatch"]["median_ms"], rows["compute"]["median_ms"])
+        out["speedup"] = seq / lz
+        out["hidden_fraction"] = (seq - lz) / hideable if hideable > 0 else 0.0
+    return out
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+def _die_with_parent(parent_pid: int):
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int) -> None:
+    """Entry point of one rank (spawned by :func:`epkit.bench.run_group`)."""
+    _die_with_parent(parent_pid)
+    try:
+        torch.set_num_threads(cfg["threads"])
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
+                                world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        import epkit.ops  # noqa: F401  (loads the extension before any timing)
+
+        group = dist.group.WORLD
+        result = {"world_size": world, "workloads": []}
+        for T in cfg["token_list"]:
+            result["workloads"].append(run_workload(cfg, T, group))
+        if cfg.get("overlap"):
+            result["overlap"] = run_overlap(cfg, group)
+        queue.put((rank, "ok", result if rank == 0 else None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which ends the group
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -1,0 +1,111 @@
+"""The lazy exchange: issue the token exchange now, wait for it later.
+
+``epkit.dispatch(..., exchange="lazy")`` returns a :class:`PendingDispatch`; independent work
+placed between the call and ``wait()`` overlaps the transfer (``async_op=True`` work on gloo).
+A pending object holds no tensor of the result, so nothing can be read before ``wait()``.
+``wait()`` unpacks and returns the ordinary :class:`epkit.Dispatch`; ``epkit.combine`` on it
+returns a :class:`PendingCombine` in the same way. Autograd flows through waited results: the
+backward passes are the same ops as the eager path's (synchronous).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit import ops
+
+C = ops.C
+
+
+class _DispatchWait(torch.autograd.Function):
+    """x, topk_weights -> expert_x, row_weight; the rows already travelled, this finishes them."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, state):
+        recv = state["finish"]()
+        expert_x, row_src, row_weight, recv_map = C.unpack(
+            recv, state["plan"], state["transport"], x.shape[1], x.dtype,
+            state["topk_idx"].shape[1], state["expert_rows"])
+        ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
+        ctx.meta = (state["group_name"], state["transport"], x.dtype)
+        ctx.mark_non_differentiable(row_src, recv_map)
+        return expert_x, row_weight, row_src, recv_map
+
+    @staticmethod
+    def backward(ctx, grad_expert_x, grad_row_weight, _g_src, _g_map):
+        send_map, recv_map, topk_idx, plan = ctx.saved_tensors
+        group_name, transport, x_dtype = ctx.meta
+        grad_x, grad_w = ops.dispatch_tokens_backward(
+            grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
+            group_name, transport, 3, x_dtype)
+        return grad_x, grad_w, None
+
+
+class PendingDispatch:
+    """A dispatch in flight. ``wait()`` returns the :class:`epkit.Dispatch` (once)."""
+
+    def __init__(self, x, topk_weights, state, build):
+        self._args = (x, topk_weights, state)
+        self._build = build
+        self._done = None
+
+    def wait(self):
+        if self._done is None:
+            x, w, state = self._args
+            expert_x, row_weight, row_src, recv_map = _DispatchWait.apply(x, w, state)
+            self._done = self._build(expert_x, row_src, row_weight, state["send_map"], recv_map)
+            self._args = None
+        return self._done
+
+
+def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build):
+    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(plan[ops.RANKS]),
+                            int(plan[ops.SEND_ROWS]))
+    finish = ops._move(send, plan, group_name, 4, reverse=False, async_op=True)
+    state = dict(finish=finish, plan=plan, transport=transport, topk_idx=topk_idx,
+                 expert_rows=expert_rows, send_map=send_map, group_name=group_name)
+    return PendingDispatch(x, topk_weights, state, build)
+
+
+class _CombineWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_y, row_weight, state):
+        back = state["finish"]()
+        d = state["dispatch"]
+        out = C.reduce_tokens(back, d._send_map, d._topk_idx, d._topk_weights,
+                              int(d._plan[ops.EXPERTS]), int(d._plan[ops.RANKS]),
+                              state["transport"], state["weighted"], d._x_dtype)
+        ctx.save_for_backward(expert_y, row_weight, d._send_map, d._recv_map, d._plan)
+        ctx.meta = (state["group_name"], state["weighted"])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
+        group_name, weighted = ctx.meta
+        grad_y, grad_w = ops.combine_tokens_backward(grad_out, expert_y, row_weight, send_map,
+                                                     recv_map, plan, group_name, 3, weighted)
+        return grad_y, (grad_w if weighted else None), None
+
+
+class PendingCombine:
+    """A combine in flight. ``wait()`` returns ``out [T, H]`` (once)."""
+
+    def __init__(self, expert_y, row_weight, state):
+        self._args = (expert_y, row_weight, state)
+        self._done = None
+
+    def wait(self) -> torch.Tensor:
+        if self._done is None:
+            self._done = _CombineWait.apply(*self._args)
+            self._args = None
+        return self._done
+
+
+def issue_combine(expert_y, d, group_name, transport, weighted):
+    rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
+                         weighted)
+    finish = ops._move(rows, d._plan, group_name, 4, reverse=True, async_op=True)
+    state = dict(finish=finish, dispatch=d, transport=transport, weighted=weighted,
+                 group_name=group_name)
+    return PendingCombine(expert_y, d.row_weight, state)

@@ -1,0 +1,92 @@
+"""Grouped matrix multiply over expert-major segments.
+
+``grouped_mm(x, w, offsets)`` multiplies every segment ``x[offsets[g]:offsets[g+1]]`` by
+``w[g]``. It uses ``torch._grouped_mm`` where the installed torch has it for the device and
+dtype and the operands meet its layout rules (16-byte aligned strides), else a loop over
+segments. Both give the same rows: each segment is an ordinary matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["grouped_mm", "grouped_mm_backend"]
+
+IMPLS = ("auto", "torch", "loop")
+
+# (device type, dtype) -> bool: did a tiny torch._grouped_mm forward and backward work there?
+_PROBED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _compiling() -> bool:
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run ``torch._grouped_mm`` once, forward and backward, on tiny aligned operands."""
+    key = (device.type, dtype)
+    if key not in _PROBED:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok and not _compiling():
+            try:
+                with torch.enable_grad():
+                    a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
+                    b = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
+                    b.requires_grad_()
+                    offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
+                    y = torch._grouped_mm(a, b, offs=offs)
+                    torch.autograd.grad(y, (a, b), torch.ones_like(y))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        elif ok:
+            # Traced before any eager call: the documented support, CPU, or CUDA sm90+ bf16.
+            ok = device.type == "cpu" or (
+                device.type == "cuda" and dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(device) >= (9, 0))
+        _PROBED[key] = ok
+    return _PROBED[key]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """torch._grouped_mm wants 16-byte aligned strides (and base address, checked eagerly)."""
+    size = t.element_size()
+    if any(s != 1 and (s * size) % 16 for s in t.stride()):
+        return False
+    return _compiling() or t.data_ptr() % 16 == 0
+
+
+def grouped_mm_backend(x: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> str:
+    """``"torch"`` (``torch._grouped_mm``) or ``"loop"``: what :func:`grouped_mm` would use."""
+    if impl not in IMPLS:
+        raise ValueError(f"epkit.nn: grouped_mm impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    if x.dtype != w.dtype or not _probe(x.device, x.dtype):
+        return "loop"
+    return "torch" if _aligned(x) and _aligned(w) and (w.shape[-1] * x.element_size()) % 16 == 0 else "loop"
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Segment-wise matmul: ``out[offsets[g]:offsets[g+1]] = x[offsets[g]:offsets[g+1]] @ w[g]``.
+
+    Args:
+        x: ``[M, K]`` rows in expert-major order.
+        w: ``[G, K, N]`` one matrix per segment (a transposed view of ``[G, N, K]`` is fine).
+        offsets: ``[G+1]`` integer, segment starts and the end of the last one (an
+            ``expert_offsets`` of :class:`epkit.Dispatch`); rows at or past ``offsets[G]`` get
+            zeros (loop) or unspecified values (``torch._grouped_mm``), never read by combine.
+        impl: ``"auto"``, ``"torch"`` or ``"loop"``.
+
+    Returns:
+        ``[M, N]`` in x's dtype, differentiable in ``x`` and ``w``.
+    """
+    if grouped_mm_backend(x, w, impl) == "torch":
+        return torch._grouped_mm(x, w, offs=offsets[1:].to(device=x.device, dtype=torch.int32))
+    bounds = offsets.tolist()
+    parts = [x[a:b] @ w[g] for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    tail = x.shape[0] - bounds[-1]
+    if tail:
+        parts.append(x.new_zeros((tail, w.shape[-1])))
+    if not parts:
+        return x.new_zeros((x.shape[0], w.shape[-1]))
+    return torch.cat(parts)

@@ -1,0 +1,320 @@
+"""MoE layers: the single-process :class:`DenseMoE` and the expert-parallel
+:class:`ExpertParallelMoE` that equals it.
+
+Both layers share every piece but the token movement: the same router (linear, softmax in
+float32, top-k, weights renormalised over the top-k), the same SwiGLU experts run as one grouped
+matmul over expert-major segments, the same float32 weighted sum over ``k`` ascending. Dense
+sorts its own tokens by expert; expert-parallel lets ``epkit.dispatch`` do it across the group,
+which yields, for every expert, the same rows in the same order (source rank, then token: the
+order of the concatenated tokens). What differs is only the order of some float32 sums: see
+:class:`ExpertParallelMoE`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from epkit.nn.grouped import grouped_mm
+
+__all__ = [
+    "Router", "SwiGLU", "SwiGLUExperts", "DenseMoE", "ExpertParallelMoE", "to_expert_parallel",
+    "expert_parameters", "replicated_parameters", "sync_replicated_grads", "weighted_sum",
+]
+
+
+def _uniform_(t: torch.Tensor, fan_in: int) -> torch.Tensor:
+    bound = 1.0 / math.sqrt(fan_in)
+    with torch.no_grad():
+        return t.uniform_(-bound, bound)
+
+
+class Router(nn.Module):
+    """Top-k softmax router: ``weight [E, H]``; returns ``(topk_idx [T, K] int64,
+    topk_weights [T, K] float32)``, the weights renormalised to sum to 1 over the top-k.
+
+    Logits, softmax and weights are float32 whatever x's dtype (epkit wants float32 weights).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"epkit.nn: top_k must be in [1, {num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype))
+        _uniform_(self.weight, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        probs = logits.softmax(dim=-1)
+        weights, idx = probs.topk(self.top_k, dim=-1)
+        return idx, weights / weights.sum(dim=-1, keepdim=True)
+
+
+class SwiGLU(nn.Module):
+    """One SwiGLU MLP (the shared expert): ``w2 @ (silu(w1 @ x) * (w3 @ x))`` with
+    ``w1 [F, H]``, ``w3 [F, H]``, ``w2 [H, F]``."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(_uniform_(torch.empty(ffn_hidden, hidden, **kw), hidden))
+        self.w3 = nn.Parameter(_uniform_(torch.empty(ffn_hidden, hidden, **kw), hidden))
+        self.w2 = nn.Parameter(_uniform_(torch.empty(hidden, ffn_hidden, **kw), ffn_hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
+
+
+class SwiGLUExperts(nn.Module):
+    """``num`` SwiGLU experts applied to expert-major rows with a grouped matmul.
+
+    Parameters ``w1 [n, F, H]``, ``w3 [n, F, H]``, ``w2 [n, H, F]`` (``n = E`` in the dense
+    layer, ``L`` local experts in the expert-parallel one). ``forward(x [M, H], offsets [n+1])``
+    applies expert ``g`` to rows ``offsets[g]:offsets[g+1]``.
+    """
+
+    def __init__(self, num: int, hidden: int, ffn_hidden: int, impl: str = "auto",
+                 device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.impl = impl
+        self.w1 = nn.Parameter(_uniform_(torch.empty(num, ffn_hidden, hidden, **kw), hidden))
+        self.w3 = nn.Parameter(_uniform_(torch.empty(num, ffn_hidden, hidden, **kw), hidden))
+        self.w2 = nn.Parameter(_uniform_(torch.empty(num, hidden, ffn_hidden, **kw), ffn_hidden))
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        gmm = lambda a, w: grouped_mm(a, w.transpose(1, 2), offsets, self.impl)  # noqa: E731
+        return gmm(F.silu(gmm(x, self.w1)) * gmm(x, self.w3), self.w2)
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``sum_k weights[:, k] * y[:, k]`` for ``y [T, K, H]``: y widened to float32, one rounded
+    float32 multiply and add per term, ``k`` ascending from ``+0.0`` (epkit.combine's arithmetic
+    on one rank), cast to ``out_dtype``."""
+    out = y.new_zeros((y.shape[0], y.shape[2]), dtype=torch.float32)
+    for k in range(y.shape[1]):
+        out = out + weights[:, k : k + 1] * y[:, k].float()
+    return out.to(out_dtype)
+
+
+class _MoEBase(nn.Module):
+    def __init__(self, hidden, ffn_hidden, num_experts, top_k, shared_expert, local_experts,
+                 impl, device, dtype):
+        super().__init__()
+        self.hidden, self.ffn_hidden = hidden, ffn_hidden
+        self.num_experts, self.top_k = num_experts, top_k
+        kw = dict(device=device, dtype=dtype)
+        self.router = Router(hidden, num_experts, top_k, **kw)
+        self.experts = SwiGLUExperts(local_experts, hidden, ffn_hidden, impl, **kw)
+        self.shared_expert = SwiGLU(hidden, ffn_hidden, **kw) if shared_expert else None
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}")
+
+    def _moe(self, x2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``: routed experts (plus the shared expert)."""
+        shape = x.shape
+        return self._moe(x.reshape(-1, self.hidden)).reshape(shape)
+
+
+class DenseMoE(_MoEBase):
+    """A single-process MoE layer: the reference :class:`ExpertParallelMoE` is held to.
+
+    Args:
+        hidden: ``H``. ffn_hidden: ``F``, every expert's (and the shared expert's) inner size.
+        num_experts: ``E``. top_k: ``K`` experts per token.
+        shared_expert: add one SwiGLU every token goes through (``shared_expert.w1/w3/w2``).
+        impl: grouped matmul, ``"auto"`` / ``"torch"`` (``torch._grouped_mm``) / ``"loop"``.
+
+    Parameters: ``router.weight [E, H]``; ``experts.w1 [E, F, H]``, ``experts.w3 [E, F, H]``,
+    ``experts.w2 [E, H, F]``.
+
+    ``forward(x [..., H])``: route every token to its top-k experts, sort the ``T*K`` slots by
+    expert (stable: tokens ascending within an expert), run the experts as one grouped matmul,
+    and sum each token's expert outputs weighted, ``k`` ascending, in float32.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
+                 shared_expert: bool = False, impl: str = "auto", device=None, dtype=None):
+        super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts,
+                         impl, device, dtype)
+
+    def _moe(self, x2: torch.Tensor) -> torch.Tensor:
+        T, K = x2.shape[0], self.top_k
+        topk_idx, topk_weights = self.router(x2)
+        flat = topk_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # slot t*K+k; by expert, then token
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        y_sorted = self.experts(x2[order // K], offsets)
+        y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted).view(T, K, self.hidden)
+        out = weighted_sum(y, topk_weights, x2.dtype)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        return out
+
+
+class ExpertParallelMoE(_MoEBase):
+    """The expert-parallel twin of :class:`DenseMoE`: this rank holds experts
+    ``rank*L .. rank*L+L-1`` of ``E`` (``L = E / group size``), the router (and shared expert)
+    replicated.
+
+    Build it with :meth:`from_dense` (or directly, with the same arguments as DenseMoE plus the
+    group; then seed every rank alike so the replicated parameters agree). ``forward`` routes
+    this rank's tokens, ``epkit.dispatch``-es them, runs the local experts as a grouped matmul
+    over the expert-major rows and ``epkit.combine``-s the results. With a shared expert, its
+    computation runs between issuing the exchange and waiting for it (``exchange="lazy"``).
+
+    Parameters: the DenseMoE names, ``experts.*`` with leading dimension ``L``.
+
+    Equivalence with DenseMoE on the concatenation of every rank's tokens (no capacity; a
+    capacity drops slots the dense layer keeps):
+
+    - expert rows, their order, and so the grouped matmul, are the dense layer's, and the
+      combine's float32 arithmetic is DenseMoE's; only the order of sums differs: combine adds
+      per-rank partial sums (``(w0*y0 + w2*y2) + w1*y1`` when experts 0, 2 share a rank), the
+      input gradient adds a token's slot gradients the same two-level way, and the weight
+      gradient's dot products over ``H`` are free in order;
+    - gradients of replicated parameters (router, shared expert) are this rank's tokens' part:
+      their sum over the group is the dense gradient (:func:`sync_replicated_grads`, or DDP);
+      expert gradients are complete on their rank (the combine's backward brings every rank's
+      contribution).
+
+    Args (beyond DenseMoE's): group: the expert-parallel process group (default: WORLD);
+    align, capacity, transport, exchange, max_tokens_per_rank: passed to
+    :class:`epkit.Dispatcher`; overlap: issue the dispatch lazily and run the shared expert
+    meanwhile (when ``exchange="auto"`` and epkit has the lazy exchange).
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
+                 shared_expert: bool = False, group=None, *, align: int = 1,
+                 capacity: Optional[int] = None, transport: str = "dedup", exchange: str = "auto",
+                 max_tokens_per_rank: Optional[int] = None, overlap: bool = True,
+                 impl: str = "auto", device=None, dtype=None):
+        from epkit.exchange import resolve_group
+
+        group = resolve_group(group)
+        R, rank = dist.get_world_size(group), dist.get_rank(group)
+        if num_experts % R:
+            raise ValueError(f"epkit.nn: num_experts {num_experts} is not a multiple of the group size {R}")
+        super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts // R,
+                         impl, device, dtype)
+        self.group, self.rank, self.world_size = group, rank, R
+        self.local_experts = num_experts // R
+        self.first_expert = rank * self.local_experts
+        self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
+                                     exchange=exchange, max_tokens_per_rank=max_tokens_per_rank)
+        self.overlap = overlap
+        self._dispatcher = None
+        self._lazy_dispatcher = None
+
+    @classmethod
+    def from_dense(cls, dense: DenseMoE, group=None, **options) -> "ExpertParallelMoE":
+        """This rank's shard of ``dense``: its ``L`` experts (copied), the router and shared
+        expert (copied). ``options``: the keyword arguments of :class:`ExpertParallelMoE`."""
+        p = dense.router.weight
+        options.setdefault("impl", dense.experts.impl)
+        ep = cls(dense.hidden, dense.ffn_hidden, dense.num_experts, dense.top_k,
+                 dense.shared_expert is not None, group, device=p.device, dtype=p.dtype, **options)
+        lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
+        with torch.no_grad():
+            ep.router.weight.copy_(dense.router.weight)
+            for name in ("w1", "w3", "w2"):
+                getattr(ep.experts, name).copy_(getattr(dense.experts, name)[lo:hi])
+            if ep.shared_expert is not None:
+                ep.shared_expert.load_state_dict(dense.shared_expert.state_dict())
+        return ep
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", ranks={self.world_size}, rank={self.rank}, "
+                f"local_experts={self.local_experts}")
+
+    @property
+    def dispatcher(self):
+        """The :class:`epkit.Dispatcher` every forward uses."""
+        if self._dispatcher is None:
+            import epkit
+
+            self._dispatcher = epkit.Dispatcher(self.group, self.num_experts, **self.dispatch_options)
+        return self._dispatcher
+
+    def _lazy(self):
+        """A lazy-exchange Dispatcher for the shared-expert overlap, or None where unavailable."""
+        if not (self.overlap and self.shared_expert is not None
+                and self.dispatch_options["exchange"] == "auto"):
+            return None
+        if self._lazy_dispatcher is None:
+            from epkit.exchange import CODES
+
+            if "lazy" not in CODES:
+                return None
+            import epkit
+
+            self._lazy_dispatcher = epkit.Dispatcher(
+                self.group, self.num_experts, **{**self.dispatch_options, "exchange": "lazy"})
+        return self._lazy_dispatcher
+
+    def _moe(self, x2: torch.Tensor) -> torch.Tensor:
+        topk_idx, topk_weights = self.router(x2)
+        lazy = self._lazy()
+        if lazy is not None:
+            pending = lazy.dispatch(x2, topk_idx, topk_weights)
+            shared = self.shared_expert(x2)  # runs while the tokens travel
+            d = pending.wait()
+            return lazy.combine(self.experts(d.expert_x, d.expert_offsets), d).wait() + shared
+        d = self.dispatcher.dispatch(x2, topk_idx, topk_weights)
+        out = self.dispatcher.combine(self.experts(d.expert_x, d.expert_offsets), d)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        return out
+
+
+def to_expert_parallel(model: nn.Module, group=None, **options) -> nn.Module:
+    """Replace every :class:`DenseMoE` inside ``model`` (or ``model`` itself) by its
+    :meth:`ExpertParallelMoE.from_dense` shard; returns the model."""
+    if isinstance(model, DenseMoE):
+        return ExpertParallelMoE.from_dense(model, group, **options)
+    for name, child in model.named_children():
+        setattr(model, name, to_expert_parallel(child, group, **options))
+    return model
+
+
+def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters of every ExpertParallelMoE's local experts: sharded, not replicated."""
+    for m in model.modules():
+        if isinstance(m, ExpertParallelMoE):
+            yield from m.experts.parameters()
+
+
+def replicated_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """Every other parameter: the same on every rank of the expert-parallel group."""
+    sharded = {id(p) for p in expert_parameters(model)}
+    return (p for p in model.parameters() if id(p) not in sharded)
+
+
+def sync_replicated_grads(model: nn.Module, group=None, average: bool = False) -> None:
+    """All-reduce (sum, or mean with ``average``) the gradients of the replicated parameters
+    over ``group``; expert gradients stay as they are (already complete on their rank).
+
+    With each rank's loss scaled to its share of the global loss (say, its token sum divided by
+    the global token count), the summed gradients equal the dense model's on all the tokens.
+    """
+    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        flat /= dist.get_world_size(group)
+    for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
