@@ -16,11 +16,7 @@ Rank ``d`` holds local experts ``j = 0..L-1`` (global ``e = d * L + j``). Its ou
     row_weight        [M] float32   topk_weights_s[t, k]
     dropped_per_expert [L] int64    used slots to the expert (group-wide) minus kept ones
 
-Rank-major output (``rank_major=True``, the dedup transport's receive buffer): rows are the tokens
-(s, t) with ``is_token_in_rank_s[t, d]`` (pre-capacity: a token whose slots on d were all dropped
-still appears), ordered by s then t; ``recv_topk_idx[n, k]`` is the local expert id of slot k if
-it is used, kept and on d, else -1; ``recv_topk_weights[n, k]`` the weight where the id is >= 0,
-else 0.0; ``recv_src[n] = (s, t)``; ``recv_x`` (and ``recv_scale`` under MXFP8) the row.
+Rank-major output (``rank_major=True``): rankmajor.py.
 
 How the rows travel (``transport``, ``exchange``) is not part of the result: every combination
 gives these arrays bit for bit (transport.py carries them out for real).

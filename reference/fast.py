@@ -13,10 +13,9 @@ dispatch
     the same InputErrors are raised (EQUAL_NONUNIFORM, STATIC_OVERFLOW, ...).
 
 combine / dispatch_backward
-    Per token, its K slots sorted by (destination rank, k); then K passes over [G, H] arrays,
-    adding ``c * y`` into the partial sum and flushing the partial into the total when the rank
-    changes. That is arith.py's order exactly: ranks a token does not visit would only add
-    +0.0, which changes no bit.
+    Destination ranks in ascending order; on each, the partial sums of all its tokens at once,
+    slot by slot (k ascending), then added into the tokens' totals. That is arith.py's order
+    exactly: ranks a token does not visit would only add +0.0, which changes no bit.
 """
 
 from __future__ import annotations
@@ -26,13 +25,16 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .arith import weight_grad_dot
-from .common import DispatchResult, Group, Layout, padded
+from .common import DispatchResult, Group, Layout
 from .dispatch import prepare
-from .exchange import exchange  # noqa: F401  (already vectorized; re-exported for symmetry)
-from .mxfp8 import dequantize_mxfp8, quantize_mxfp8, wire_rows  # noqa: F401
-from .transport import (bytes_group, combine_bytes_of, dispatch_bytes_of, dispatch_row_bytes,
-                        plan)
+from .exchange import exchange
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8, wire_rows
+from .transport import bytes_group, combine_bytes_of, dispatch_bytes_of, plan
 from .validate import check_layout, check_results, check_rows
+
+# exchange, quantize_mxfp8 and dequantize_mxfp8 are vectorized already: the same functions.
+__all__ = ["layout", "dispatch", "combine", "dispatch_backward", "combine_backward",
+           "dispatch_bytes", "combine_bytes", "exchange", "quantize_mxfp8", "dequantize_mxfp8"]
 
 F32 = np.float32
 
@@ -159,41 +161,30 @@ def _rank_major(group: Group, d, idx_all, kept_all, w_all, rows_all, scales_all,
 
 def _ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weighted: bool
                   ) -> List[np.ndarray]:
-    """combine.ordered_sums, vectorized (module docstring): R arrays [T_r, H] float32."""
+    """combine.ordered_sums, vectorized: R arrays [T_r, H] float32.
+
+    Destination ranks in ascending order: rank d's kept rows sorted by (token, k); the partial
+    sums ``P_d`` of all tokens on d built in passes over the p-th slot of each token (p = 0
+    starts from +0.0); then ``total[tokens] += P_d``. The order of every add is arith.py's.
+    """
     R, K, H = len(res), res[0].topk, res[0].hidden
-    T = np.array([r.num_tokens for r in res], np.int64)
-    base = np.concatenate([[0], np.cumsum(T)])
-    G = int(base[-1])
-    ybase = np.concatenate([[0], np.cumsum([y.shape[0] for y in ys])])
-    Y = np.concatenate([y.astype(F32, copy=False) for y in ys] + [np.zeros((1, H), F32)])
-    zero_row = Y.shape[0] - 1
-    loc = np.full(G * K, zero_row, np.int64)      # row of Y holding each slot's y (zero row: none)
-    c = np.zeros(G * K, F32)
-    dest = np.full(G * K, R, np.int64)            # destination rank of each kept slot (R: none)
+    base = np.concatenate([[0], np.cumsum([r.num_tokens for r in res])]).astype(np.int64)
+    total = np.zeros((int(base[-1]), H), F32)
     for d, r in enumerate(res):
-        valid = np.flatnonzero(r.row_src[:, 0] >= 0)
-        s, t, k = r.row_src[valid].T
-        f = (base[s] + t) * K + k
-        loc[f] = ybase[d] + valid
-        c[f] = r.row_weight[valid] if weighted else F32(1)
-        dest[f] = d
-    order = np.argsort(dest.reshape(G, K) * K + np.arange(K), axis=1, kind="stable")
-    f_of = np.arange(G)[:, None] * K + order      # slot of each position, by (rank, k)
-    partial = np.zeros((G, H), F32)
-    total = np.zeros((G, H), F32)
-    term = np.empty((G, H), F32)
-    prev = np.full(G, -1, np.int64)
-    for i in range(K):
-        f = f_of[:, i]
-        d_i = dest[f]
-        flush = ((d_i < R) & (prev >= 0) & (d_i != prev))[:, None]
-        np.add(total, partial, out=total, where=flush)
-        np.copyto(partial, F32(0), where=flush)
-        np.take(Y, loc[f], axis=0, out=term, mode="clip")
-        np.multiply(term, c[f][:, None], out=term)
-        np.add(partial, term, out=partial)
-        prev = np.where(d_i < R, d_i, prev)
-    np.add(total, partial, out=total)
+        rows = np.flatnonzero(r.row_src[:, 0] >= 0)
+        g = base[r.row_src[rows, 0]] + r.row_src[rows, 1]          # global token of each row
+        order = np.lexsort((r.row_src[rows, 2], g))                  # by token, then k
+        rows, g = rows[order], g[order]
+        first = np.ones(len(g), bool)
+        first[1:] = g[1:] != g[:-1]
+        group = np.cumsum(first) - 1                                 # which token of d's
+        pos = np.arange(len(g)) - np.flatnonzero(first)[group]       # p-th slot of its token
+        c = r.row_weight[rows] if weighted else np.ones(len(rows), F32)
+        partial = np.zeros((int(first.sum()), H), F32)
+        for p in range(int(pos.max(initial=-1)) + 1):
+            sel = np.flatnonzero(pos == p)
+            partial[group[sel]] += c[sel, None] * ys[d][rows[sel]].astype(F32)
+        total[g[first]] += partial
     return [total[base[r]:base[r + 1]] for r in range(R)]
 
 
