@@ -83,8 +83,13 @@ class Dispatcher:
         transport: ``"dedup"`` (one row per token and destination rank, the default) or
             ``"pairs"`` (one row per slot). Same result, bit for bit; dedup moves fewer bytes.
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
-            ``"padded"``, ``"equal"``, or ``"lazy"`` (the auto exchange issued asynchronously:
-            dispatch and combine return pending objects whose ``wait()`` gives the result).
+            ``"padded"``, ``"equal"``, ``"lazy"`` (the auto exchange issued asynchronously:
+            dispatch and combine return pending objects whose ``wait()`` gives the result), or
+            ``"static"`` (fixed worst-case chunks sized by ``max_tokens_per_rank``, counts
+            in-band: no host reads a count; ``expert_x`` then has
+            ``R * max_tokens_per_rank * min(K, L) + L * (align - 1)`` rows, the canonical rows
+            first, zero rows after ``expert_offsets[-1]``).
+        max_tokens_per_rank: the static exchange's bound on any rank's ``T`` (required there).
     """
 
     def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
@@ -119,6 +124,9 @@ class Dispatcher:
             return Reason.NUM_EXPERTS, E, 0
         if E % R:
             return Reason.EXPERTS_NOT_DIVISIBLE, E, R
+        if self.exchange == "static" and (self.max_tokens_per_rank is None
+                                          or int(self.max_tokens_per_rank) < 0):
+            return Reason.STATIC_MAX, -1 if self.max_tokens_per_rank is None else int(self.max_tokens_per_rank), 0
         if x.dtype not in (torch.float32, torch.bfloat16):
             return Reason.X_DTYPE, _dtype_code(x.dtype), 0
         if topk_idx.dtype not in _INT_DTYPES:
@@ -148,15 +156,27 @@ class Dispatcher:
         code, a, b = self._local_error(x, topk_idx, topk_weights)
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        static = self.exchange == "static" and code == Reason.OK
+        max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
-                              [int(code), int(a), int(b), _dtype_code(x.dtype)], 0)
+                              [int(code), int(a), int(b), _dtype_code(x.dtype), max_tokens], 0)
         plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
-                                  self.align, cap, transport)
+                                  self.align, cap, transport, max_tokens)
         if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
             raise error(0, Reason.EQUAL_NONUNIFORM)
-        S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
         sl = ops.plan_slices(R, self.num_experts)
         B = ops.row_bytes(transport, x.shape[1], x.dtype, topk_idx.shape[1])
+        if static:
+            # Sizes from the configuration alone: no host read of any count (and, under
+            # torch.compile, no data-dependent shape).
+            L, K = self.num_experts // R, topk_idx.shape[1]
+            cap = max_tokens * (min(K, L) if transport == ops.PAIRS else 1)
+            S = N = R * (1 + cap)
+            M = R * max_tokens * min(K, L) + L * (self.align - 1)
+            bytes_sent = torch.full((R,), (1 + cap) * B, dtype=torch.int64)
+        else:
+            S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
+            bytes_sent = plan[sl["send_counts"]] * B
 
         def build(expert_x, row_src, row_weight, send_map, recv_map):
             return Dispatch(
@@ -166,7 +186,7 @@ class Dispatcher:
                 row_src=row_src,
                 row_weight=row_weight,
                 dropped_per_expert=plan[sl["dropped"]].clone(),
-                bytes_sent=plan[sl["send_counts"]] * B,
+                bytes_sent=bytes_sent,
                 _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
                 _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
             )

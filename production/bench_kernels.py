@@ -36,6 +36,13 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _plan(C, words, rank: int, E: int, transport: int):
+    """``epkit::plan`` with align 1, no capacity, and -1 (off) for any later option."""
+    args = [words, rank, E, 1, -1, transport]
+    n = len(C.plan.default._schema.arguments)
+    return C.plan(*args, *([-1] * (n - len(args))))
+
+
 def build(T: int, H: int, K: int, E: int, R: int, dtype, transport: str, seed: int = 0):
     """Rank 0's kernel inputs for a group of ``R`` ranks with uniform top-``K`` routing."""
     from epkit import ops
@@ -45,9 +52,10 @@ def build(T: int, H: int, K: int, E: int, R: int, dtype, transport: str, seed: i
     C = ops.C
     tr = ops.TRANSPORTS[transport]
     ranks = [make_inputs(r, T, H, K, E, dtype, seed) for r in range(R)]
-    words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(dtype)], 0)
+    # pre_error: no error, x's dtype code, no static bound (-1)
+    words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(dtype), -1], 0)
                          for x, i, w, _ in ranks])
-    plans = [C.plan(words, r, E, 1, -1, tr) for r in range(R)]
+    plans = [_plan(C, words, r, E, tr) for r in range(R)]
     sl = ops.plan_slices(R, E)
     # What every rank sends to rank 0, in source order: rank 0's receive buffer.
     chunks = []

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from epkit.reference.errors import Reason, error
 
 VARIANTS = ("ragged", "padded", "equal")
-CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4}
+CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
 
 
 def resolve_group(group):

@@ -30,13 +30,15 @@ C = torch.ops.epkit
 PAIRS, DEDUP = 0, 1
 TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
 # "lazy" (4) issues the auto exchange asynchronously (epkit/lazy.py); its backward is synchronous.
-EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "auto"}
+# "static" (5) is told apart by the plan (STATIC_CAP >= 0).
+EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "auto", 5: "equal"}
 
 # Plan layout: mirrors csrc/epkit.h (PlanHeader, PlanOffsets).
 ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
 SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
 RANKS, LOCAL_EXPERTS, EXPERTS = 9, 10, 11
-PLAN_HEADER = 16
+STATIC_CAP = 16
+PLAN_HEADER = 20
 WORD_HEADER = 8
 
 
@@ -79,7 +81,7 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, pre_error, payload):
 
 
 @torch.library.register_fake("epkit::plan")
-def _(words, rank, num_experts, align, capacity, transport):
+def _(words, rank, num_experts, align, capacity, transport, max_tokens_per_rank):
     return words.new_empty((plan_size(words.shape[0], num_experts),))
 
 
@@ -137,15 +139,20 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int,
           async_op: bool = False):
     """All-to-all of ``buf`` along the plan's counts (``reverse``: expert side -> source side).
     With ``async_op``, returns a callable that waits and returns the rows."""
-    R = int(plan[9])
-    sl = plan_slices(R, int(plan[11]))
-    send = plan[sl["send_counts"]].tolist()
-    recv = plan[sl["recv_counts"]].tolist()
-    if reverse:
-        send, recv = recv, send
-    variant = EXCHANGE_NAMES[exchange]
-    if variant == "auto":
-        variant = "equal" if int(plan[UNIFORM]) else "ragged"
+    R = int(plan[RANKS])
+    cap = int(plan[STATIC_CAP])
+    if cap >= 0:  # static: fixed chunks of 1 + cap rows, counts in-band
+        send = recv = [1 + cap] * R
+        variant = "equal"
+    else:
+        sl = plan_slices(R, int(plan[EXPERTS]))
+        send = plan[sl["send_counts"]].tolist()
+        recv = plan[sl["recv_counts"]].tolist()
+        if reverse:
+            send, recv = recv, send
+        variant = EXCHANGE_NAMES[exchange]
+        if variant == "auto":
+            variant = "equal" if int(plan[UNIFORM]) else "ragged"
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
                       async_op=async_op)
 
@@ -154,7 +161,7 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int,
 
 @torch.library.custom_op("epkit::count_exchange", mutates_args=())
 def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
-                   capacity: int, transport: int) -> torch.Tensor:
+                   capacity: int, transport: int, max_tokens_per_rank: int) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
@@ -166,7 +173,8 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group)
-    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport)
+    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport,
+                  max_tokens_per_rank)
     code = int(plan[ERR_CODE])
     if code:
         raise error(int(plan[ERR_RANK]), code, int(plan[ERR_A]), int(plan[ERR_B]))
@@ -174,7 +182,7 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
 
 
 @count_exchange.register_fake
-def _(words, group_name, rank, num_experts, align, capacity, transport):
+def _(words, group_name, rank, num_experts, align, capacity, transport, max_tokens_per_rank):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))

@@ -38,7 +38,8 @@ enum PlanHeader : int64_t {
   kErrCode = 0, kErrA, kErrB, kErrRank,
   kSendRows, kRecvRows, kExpertRows, kUniform, kMaxChunk,
   kRanks, kLocalExperts, kExperts, kTransport, kCapacity, kAlign, kTopK,
-  kPlanHeader = 16
+  kStaticCap,  // rows per chunk of the static exchange (-1: not static); chunk = 1 + cap rows
+  kPlanHeader = 20
 };
 struct PlanOffsets {
   int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept, size;
@@ -62,7 +63,7 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
                    int64_t num_experts, int64_t num_ranks, at::IntArrayRef pre_error,
                    int64_t payload);
 Tensor plan_cpu(const Tensor& words, int64_t rank, int64_t num_experts, int64_t align,
-                int64_t capacity, int64_t transport);
+                int64_t capacity, int64_t transport, int64_t max_tokens_per_rank);
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan, int64_t transport,
                                     int64_t num_ranks, c10::SymInt send_rows);
@@ -92,6 +93,10 @@ template <typename T>
 inline void put(uint8_t* p, T v) { std::memcpy(p, &v, sizeof(T)); }
 template <typename T>
 inline T get(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
+
+// The static exchange: chunk d of a buffer starts at d * (1 + cap); its first row carries the
+// chunk's row count in-band (int64 at byte 0), its data rows follow.
+inline int64_t static_cap(const int64_t* plan) { return plan[kStaticCap]; }
 
 // Grain sizes for at::parallel_for: rows are wide (hidden >= 64 typically).
 constexpr int64_t kRowGrain = 16;

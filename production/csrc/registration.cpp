@@ -10,7 +10,8 @@ TORCH_LIBRARY(epkit, m) {
   m.def("layout(Tensor topk_idx, int num_experts, int num_ranks) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("prepare(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
         "int[] pre_error, int payload) -> Tensor");
-  m.def("plan(Tensor words, int rank, int num_experts, int align, int capacity, int transport) -> Tensor");
+  m.def("plan(Tensor words, int rank, int num_experts, int align, int capacity, int transport, "
+        "int max_tokens_per_rank) -> Tensor");
   m.def("pack(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, int num_ranks, "
         "SymInt send_rows) -> (Tensor, Tensor)");
   m.def("unpack(Tensor recv, Tensor plan, int transport, int hidden, ScalarType dtype, int topk, "

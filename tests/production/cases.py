@@ -14,7 +14,7 @@ DTYPES = {"float32": np.float32, "bfloat16": BF16}
 
 @st.composite
 def group_cases(draw, max_world=4, transports=("dedup", "pairs"),
-                exchanges=("ragged", "padded", "auto", "lazy")):
+                exchanges=("ragged", "padded", "auto", "lazy", "static")):
     R = draw(st.integers(1, max_world))
     L = draw(st.integers(1, 3))
     E = R * L
@@ -44,6 +44,8 @@ def group_cases(draw, max_world=4, transports=("dedup", "pairs"),
         transport=draw(st.sampled_from(transports)), exchange=draw(st.sampled_from(exchanges)),
         y_dtype=draw(st.sampled_from(sorted(DTYPES))), weighted=draw(st.booleans()),
     )
+    if opts["exchange"] == "static":
+        opts["max_tokens_per_rank"] = max(Ts) + draw(st.integers(0, 2))
     return R, xs, idxs, ws, gouts, opts
 
 

@@ -23,7 +23,10 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map, const Tensor&
     const uint8_t* yp = static_cast<const uint8_t*>(y.data_ptr());
     uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) copy_row(op + n * nbytes, yp + mp[n] * nbytes, nbytes);
+      for (int64_t n = n0; n < n1; ++n) {
+        if (mp[n] >= 0) copy_row(op + n * nbytes, yp + mp[n] * nbytes, nbytes);
+        else std::memset(op + n * nbytes, 0, nbytes);  // static-exchange header and gap rows
+      }
     });
     return out;
   }

@@ -10,7 +10,7 @@ namespace {
 // Error codes: reference/errors.py (Reason). Only the value checks live here; dtype, shape and
 // option checks happen in Python before this kernel is called (their result is `pre_error`).
 constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
-                  kNonfinitePayload = 14;
+                  kNonfinitePayload = 14, kStaticOverflow = 20;
 
 struct Err { int64_t code = 0, a = 0, b = 0; };
 
@@ -81,6 +81,10 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
   if (err.code == 0) {
     const Tensor idx = topk_idx.to(at::kLong).contiguous();
     err = check_values(x, idx, topk_weights.contiguous(), E, payload != 0);
+    // pre_error[4]: max_tokens_per_rank of the static exchange (-1: not static).
+    const int64_t max_tokens = pre_error.size() > 4 ? pre_error[4] : -1;
+    if (err.code == 0 && max_tokens >= 0 && x.size(0) > max_tokens)
+      err = {kStaticOverflow, x.size(0), max_tokens};
     if (err.code == 0) {
       auto [tpe, tpr, spr, in_rank] = layout_cpu(idx, E, R);
       std::memcpy(w + kWordHeader, tpe.data_ptr<int64_t>(), E * sizeof(int64_t));

@@ -27,7 +27,18 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   const int64_t S = send_rows.expect_int();
   TORCH_CHECK(S == plan[kSendRows], "epkit.pack: send_rows disagrees with the plan");
 
-  Tensor send = at::empty({S, B}, at::kByte);
+  const int64_t cap = static_cap(plan);
+  // Static: gaps stay zero, and every chunk's first row carries its count in-band.
+  Tensor send = cap >= 0 ? at::zeros({S, B}, at::kByte) : at::empty({S, B}, at::kByte);
+  std::vector<int64_t> chunk_start(R, 0);  // compact start of chunk d
+  for (int64_t d = 1; d < R; ++d) chunk_start[d] = chunk_start[d - 1] + plan[o.send_counts + d - 1];
+  // Row of the i-th row of chunk d in the send buffer.
+  auto place = [&](int64_t d, int64_t i) {
+    return cap >= 0 ? d * (1 + cap) + 1 + i : chunk_start[d] + i;
+  };
+  if (cap >= 0)
+    for (int64_t d = 0; d < R; ++d)
+      put<int64_t>(send.data_ptr<uint8_t>() + d * (1 + cap) * B, plan[o.send_counts + d]);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = wt.data_ptr<float>();
   const int64_t* own_kept = plan + o.own_kept;
@@ -46,20 +57,19 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
         const int64_t r = cursor[e]++;
-        if (r < own_kept[e]) mp[t * K + k] = start[e] + r;
+        if (r < own_kept[e]) mp[t * K + k] = place(e / L, start[e] + r - chunk_start[e / L]);
       }
   } else {
     send_map = at::full({T, R}, -1, at::kLong);
     int64_t* mp = send_map.data_ptr<int64_t>();
-    std::vector<int64_t> next(R, 0);
-    for (int64_t d = 1; d < R; ++d) next[d] = next[d - 1] + plan[o.send_counts + d - 1];
+    std::vector<int64_t> next(R, 0);  // rows of chunk d so far
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
         kept[t * K + k] = cursor[e]++ < own_kept[e];
         int64_t& slot = mp[t * R + e / L];
-        if (slot < 0) slot = next[e / L]++;  // rows of rank d in token order
+        if (slot < 0) slot = place(e / L, next[e / L]++);  // rows of rank d in token order
       }
   }
 
@@ -110,7 +120,7 @@ Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map, c10::SymIn
   const Tensor src = src_in.contiguous();
   const int64_t T = src.size(0), C = send_map.size(1), S = send_rows.expect_int();
   const int64_t nbytes = src.size(1) * src.element_size();
-  Tensor out = at::empty({S, src.size(1)}, src.options());
+  Tensor out = at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
   const int64_t* mp = send_map.data_ptr<int64_t>();

@@ -12,7 +12,7 @@ constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
 }
 
 Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
-                int64_t capacity, int64_t transport) {
+                int64_t capacity, int64_t transport, int64_t max_tokens) {
   const Tensor words = words_in.contiguous();
   TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
               "epkit.plan: words must be [R, 8 + E + R]");
@@ -24,7 +24,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   auto row = [&](int64_t s) { return g + s * W; };
 
   p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = transport;
-  p[kCapacity] = capacity; p[kAlign] = align;
+  p[kCapacity] = capacity; p[kAlign] = align; p[kStaticCap] = -1;
 
   // 1. The error, if any: the lowest rank whose own checks failed; else the lowest rank whose
   //    H, x dtype or K (in that order) differs from rank 0's (reference/validate.py).
@@ -93,6 +93,16 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
 
   p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
   p[kUniform] = uniform; p[kMaxChunk] = maxchunk;
+  if (max_tokens >= 0) {
+    // Static exchange: sizes that depend only on (R, K, L, align, max_tokens), never on routing.
+    const int64_t K = p[kTopK], per = std::min(K, L);
+    const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
+    p[kStaticCap] = cap;
+    p[kSendRows] = p[kRecvRows] = R * (1 + cap);
+    p[kMaxChunk] = 1 + cap;
+    p[kUniform] = 1;
+    p[kExpertRows] = R * max_tokens * per + L * (align - 1);
+  }
   return plan;
 }
 

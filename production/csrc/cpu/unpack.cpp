@@ -35,10 +35,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   int64_t* mp = recv_map.data_ptr<int64_t>();
   const uint8_t* rb = recv.data_ptr<uint8_t>();
 
-  // Source rank of every received row (chunks arrive in rank order).
-  std::vector<int64_t> src_rank(N);
-  for (int64_t s = 0, n = 0; s < R; ++s)
-    for (int64_t i = 0; i < plan[o.recv_counts + s]; ++i) src_rank[n++] = s;
+  // The received rows that carry data, in order (`rows[n]`: buffer row of the n-th), and the
+  // source rank of each. Chunks arrive in rank order; under the static exchange chunk s sits at
+  // s * (1 + cap), its count in-band in its first row.
+  const int64_t cap = static_cap(plan);
+  std::vector<int64_t> rows, src_rank;
+  for (int64_t s = 0, at = 0; s < R; ++s) {
+    int64_t count = plan[o.recv_counts + s];
+    if (cap >= 0) {
+      at = s * (1 + cap);
+      const int64_t inband = get<int64_t>(rb + at * B);
+      TORCH_CHECK(inband == count, "epkit.unpack: chunk from rank ", s, " carries count ", inband,
+                  ", the plan says ", count);
+      ++at;
+    }
+    for (int64_t i = 0; i < count; ++i) { rows.push_back(at++); src_rank.push_back(s); }
+  }
+  const int64_t Nd = static_cast<int64_t>(rows.size());
 
   // Serial index pass: the expert-major row of every received slot.
   if (transport == kPairs) {
@@ -49,19 +62,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
     for (int64_t s = 0; s < R; ++s)
       for (int64_t j = 0; j < L; ++j) {
         const int64_t c = recv_kept[s * L + j];
-        for (int64_t i = 0; i < c; ++i) mp[n++] = base[j] + i;
+        for (int64_t i = 0; i < c; ++i, ++n) mp[rows[n]] = base[j] + i;
         base[j] += c;
       }
-    TORCH_CHECK(n == N, "epkit.unpack: received ", N, " rows, the plan says ", n);
+    TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
   } else {
     std::vector<int64_t> cursor(offsets, offsets + L);
-    for (int64_t n = 0; n < N; ++n) {
-      const uint8_t* meta = rb + n * B + payload;
+    for (int64_t n = 0; n < Nd; ++n) {
+      const uint8_t* meta = rb + rows[n] * B + payload;
       for (int64_t k = 0; k < K; ++k) {
         const int32_t j = get<int32_t>(meta + 4 + 4 * k);
         if (j < 0) continue;
         TORCH_CHECK(j < L, "epkit.unpack: corrupt local expert id ", j);
-        mp[n * K + k] = cursor[j]++;
+        mp[rows[n] * K + k] = cursor[j]++;
       }
     }
     for (int64_t j = 0; j < L; ++j)
@@ -73,13 +86,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   uint8_t* xb = static_cast<uint8_t*>(expert_x.data_ptr());
   int64_t* sp = row_src.data_ptr<int64_t>();
   float* wp = row_weight.data_ptr<float>();
-  at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, Nd, kRowGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = rb + n * B;
+      const uint8_t* row = rb + rows[n] * B;
       const uint8_t* meta = row + payload;
       const int64_t t = get<int32_t>(meta);
       for (int64_t c = 0; c < C; ++c) {
-        const int64_t m = mp[n * C + c];
+        const int64_t m = mp[rows[n] * C + c];
         if (m < 0) continue;
         copy_row(xb + m * payload, row, payload);
         sp[m * 3 + 0] = src_rank[n];
