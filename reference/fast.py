@@ -41,7 +41,7 @@ F32 = np.float32
 
 def _cat(arrays: Sequence[np.ndarray], tail) -> np.ndarray:
     """Concatenate per-rank arrays along rows (an empty group part keeps its trailing shape)."""
-    return np.concatenate([np.asarray(a).reshape((-1,) + tuple(tail)) for a in arrays])
+    return np.concatenate([np.asarray(a).reshape((len(a),) + tuple(tail)) for a in arrays])
 
 
 def _counts(idx: List[np.ndarray], R: int, E: int):
@@ -115,7 +115,7 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     kept_all = np.zeros(idx_all.shape, bool)
     kept_all[f_sorted[keep]] = True
     kept_cnt = used if group.capacity is None else np.minimum(used, group.capacity)
-    kept = [kept_all[base[s] * K:base[s + 1] * K].reshape(-1, K) for s in range(R)]
+    kept = [kept_all[base[s] * K:base[s + 1] * K].reshape(int(T[s]), K) for s in range(R)]
 
     results = []
     for d in range(R):
@@ -142,8 +142,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
                       dropped_per_expert=used[d * L:(d + 1) * L] - tokens_per_expert,
                       bytes_sent=None if bytes_sent is None else bytes_sent[d])
         if rank_major:
-            fields.update(_rank_major(group, d, idx_all.reshape(-1, K), kept_all.reshape(-1, K),
-                                      w_all.reshape(-1, K), rows_all, scales_all, src, base))
+            fields.update(_rank_major(group, d, idx_all.reshape(G, K), kept_all.reshape(G, K),
+                                      w_all.reshape(G, K), rows_all, scales_all, src, base))
         results.append(group.result(d, topk_idx=idx[d], topk_weights=ws[d], kept=kept[d], **fields))
     return results
 
@@ -225,7 +225,7 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
         gys.append(gy)
         if weighted:
             gw_all[(base[s] + t) * K + k] = weight_grad_dot(g, ys[d][valid])
-    gws = [gw_all[base[r] * K:base[r + 1] * K].reshape(-1, K) for r in range(len(res))]
+    gws = [gw_all[base[r] * K:base[r + 1] * K].reshape(res[r].num_tokens, K) for r in range(len(res))]
     return gys, gws
 
 

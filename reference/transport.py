@@ -322,7 +322,7 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
     gys, back = [], []
     for d in range(R):
         wire, y, c = res[d].wire, ys[d], res[d].row_weight
-        g = received[d].copy().view(grad_outs[0].dtype).reshape(-1, H)
+        g = received[d].copy().view(grad_outs[0].dtype).reshape(len(received[d]), H)
         gy = np.zeros(y.shape, y.dtype)
         slot_rows = wire.recv_rows.reshape(len(wire.recv_rows), 1 if pairs else K)   # pairs: one slot a row
         gw = np.zeros(slot_rows.shape, FLOAT32)
@@ -334,14 +334,15 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
         gys.append(gy)
         back.append(_rows_of(gw))
     gws = [np.zeros((r.num_tokens, K), FLOAT32) for r in res]
-    if not weighted:
+    if not weighted or K == 0:
         return gys, gws, [moved]
     received, moved_back = exchange_rows(back, p.rows.T, p.variant, p.cap)
     for s in range(R):
         send = res[s].wire.send
         start = np.concatenate([[0], np.cumsum(p.rows.T[:, s])])
         for d in range(R):
-            vals = received[s][start[d]:start[d + 1]].copy().view(FLOAT32).reshape(-1, 1 if pairs else K)
+            vals = received[s][start[d]:start[d + 1]].copy().view(FLOAT32).reshape(
+                start[d + 1] - start[d], 1 if pairs else K)
             for i, entry in enumerate(send[d]):
                 if pairs:
                     t, k = entry

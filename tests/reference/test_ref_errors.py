@@ -195,3 +195,9 @@ def test_layout_and_bytes_errors(tier):
     with pytest.raises(ref.InputError) as err:
         tier.dispatch_bytes(idx, num_experts=E, hidden=H, dtype="float16")
     assert err.value.code == Reason.X_DTYPE
+
+
+def test_every_reason_is_tested():
+    here = open(__file__).read()
+    missing = [r.name for r in Reason if r != Reason.OK and f"Reason.{r.name}" not in here]
+    assert not missing, missing
