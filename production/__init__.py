@@ -14,6 +14,8 @@ _LAZY = {
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
     "layout": "epkit.api",
+    "quantize_mxfp8": "epkit.mxfp8",
+    "dequantize_mxfp8": "epkit.mxfp8",
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
     "exchange": "epkit.exchange",

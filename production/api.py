@@ -15,12 +15,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epkit import lazy, ops
+from epkit import lazy, mxfp8, ops
 from epkit.exchange import CODES as EXCHANGE_CODES
 from epkit.exchange import group_name, resolve_group
 from epkit.reference.errors import DTYPE_CODES, InputError, Reason, error
 
-__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout"]
+__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
+           "dequantize_mxfp8"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -45,6 +46,8 @@ class Dispatch:
         dropped_per_expert: ``[L]`` int64, slots each local expert dropped under ``capacity``.
         bytes_sent: ``[R]`` int64, bytes this rank sent to each peer in the token exchange.
         expert_scale: ``[M, H // 32]`` uint8 E8M0 codes under the MXFP8 payload, else None.
+        expert_x_hp: ``[M, H]`` float32 under the MXFP8 payload: ``expert_x`` dequantized,
+            differentiable (the gradient flows back unquantized, straight-through); else None.
     """
 
     expert_x: torch.Tensor
@@ -55,6 +58,7 @@ class Dispatch:
     dropped_per_expert: torch.Tensor
     bytes_sent: torch.Tensor
     expert_scale: Optional[torch.Tensor] = None
+    expert_x_hp: Optional[torch.Tensor] = None
     # The handle combine and the backward passes reuse.
     _topk_idx: torch.Tensor = field(default=None, repr=False)
     _topk_weights: torch.Tensor = field(default=None, repr=False)
@@ -100,8 +104,10 @@ class Dispatcher:
             raise ValueError(f"epkit: transport must be one of {sorted(ops.TRANSPORTS)}, got {transport!r}")
         if exchange not in EXCHANGE_CODES:
             raise ValueError(f"epkit: exchange must be one of {sorted(EXCHANGE_CODES)}, got {exchange!r}")
-        if payload is not None:
-            raise NotImplementedError(f"epkit: payload={payload!r} is not available yet")
+        if payload not in (None, "mxfp8"):
+            raise ValueError(f"epkit: payload must be None or 'mxfp8', got {payload!r}")
+        if payload is not None and exchange == "lazy":
+            raise NotImplementedError("epkit: the MXFP8 payload has no lazy form yet")
         self.group = resolve_group(group)
         self.num_experts = int(num_experts)
         self.align = int(align)
@@ -158,14 +164,16 @@ class Dispatcher:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static" and code == Reason.OK
         max_tokens = int(self.max_tokens_per_rank) if static else -1
+        mx = self.payload == "mxfp8"
         words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
-                              [int(code), int(a), int(b), _dtype_code(x.dtype), max_tokens], 0)
+                              [int(code), int(a), int(b), _dtype_code(x.dtype), max_tokens], int(mx))
         plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
                                   self.align, cap, transport, max_tokens)
         if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
             raise error(0, Reason.EQUAL_NONUNIFORM)
         sl = ops.plan_slices(R, self.num_experts)
-        B = ops.row_bytes(transport, x.shape[1], x.dtype, topk_idx.shape[1])
+        B = ops.row_bytes(transport, x.shape[1] + x.shape[1] // 32 if mx else x.shape[1],
+                          torch.uint8 if mx else x.dtype, topk_idx.shape[1])
         if static:
             # Sizes from the configuration alone: no host read of any count (and, under
             # torch.compile, no data-dependent shape).
@@ -178,7 +186,8 @@ class Dispatcher:
             S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
             bytes_sent = plan[sl["send_counts"]] * B
 
-        def build(expert_x, row_src, row_weight, send_map, recv_map):
+        def build(expert_x, row_src, row_weight, send_map, recv_map, expert_scale=None,
+                  expert_x_hp=None):
             return Dispatch(
                 expert_x=expert_x,
                 tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
@@ -187,10 +196,17 @@ class Dispatcher:
                 row_weight=row_weight,
                 dropped_per_expert=plan[sl["dropped"]].clone(),
                 bytes_sent=bytes_sent,
+                expert_scale=expert_scale,
+                expert_x_hp=expert_x_hp,
                 _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
                 _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
             )
 
+        if mx:
+            hp, row_weight, q, scale, row_src, send_map, recv_map = mxfp8.dispatch_mxfp8(
+                x, topk_idx, topk_weights, plan, group_name(self.group), transport,
+                EXCHANGE_CODES[self.exchange], (S, N, M))
+            return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
         if self.exchange == "lazy":
             return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
                                        transport, M, build)
@@ -258,6 +274,10 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
         docs/semantics.md, bit for bit equal to ``epkit.reference.combine``.
     """
     return dispatch._config.combine(expert_y, dispatch, weighted)
+
+
+quantize_mxfp8 = mxfp8.quantize_mxfp8
+dequantize_mxfp8 = mxfp8.dequantize_mxfp8
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

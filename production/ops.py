@@ -123,6 +123,12 @@ def _(recv, recv_map, row_weight, expert_y, weighted):
     return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
 
 
+@torch.library.register_fake("epkit::quantize_mxfp8")
+def _(x):
+    T, H = x.shape
+    return x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, H // 32), dtype=torch.uint8)
+
+
 @torch.library.register_fake("epkit::gather_slot_values")
 def _(values, recv_map):
     return values.new_empty(recv_map.shape, dtype=torch.float32)

@@ -80,6 +80,7 @@ Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt s
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const Tensor& recv_map,
                                                      const Tensor& row_weight,
                                                      const Tensor& expert_y, bool weighted);
+std::tuple<Tensor, Tensor> quantize_mxfp8_cpu(const Tensor& x);
 Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map);
 Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
                                int64_t num_experts, int64_t num_ranks, int64_t transport);

@@ -157,3 +157,20 @@ def compile_step(group, rank, backend, exchange, capture_scalars):
     out_e, grads_e = run(step)
     out_c, grads_c = run(torch.compile(step, fullgraph=True, backend=backend))
     return torch.equal(out_e, out_c), all(torch.equal(a, b) for a, b in zip(grads_e, grads_c))
+
+
+def mxfp8_forward_backward(group, rank, x, idx, w, grad_out, opts):
+    """MXFP8 dispatch -> y = expert_x_hp * 2 (float32) -> combine -> backward."""
+    xt = to_torch(x).requires_grad_(True)
+    wt = to_torch(w).requires_grad_(True)
+    d = epkit.dispatch(xt, to_torch(idx), wt, num_experts=opts["E"], group=group,
+                       align=opts["align"], capacity=opts["capacity"], payload="mxfp8",
+                       transport=opts["transport"], exchange=opts["exchange"],
+                       max_tokens_per_rank=opts.get("max_tokens_per_rank"))
+    assert d.expert_x.dtype == torch.float8_e4m3fn and d.expert_scale.dtype == torch.uint8
+    out = epkit.combine(d.expert_x_hp * 2.0, d, weighted=opts["weighted"])
+    out.backward(to_torch(grad_out).to(out.dtype))
+    M = int(d.expert_offsets[-1])
+    return {"q": d.expert_x.view(torch.uint8)[:M].numpy().copy(),
+            "scale": d.expert_scale[:M].numpy().copy(), "row_src": to_numpy(d.row_src)[:M],
+            "out": to_numpy(out), "grad_x": to_numpy(xt.grad), "grad_w": to_numpy(wt.grad)}

@@ -10,7 +10,7 @@ namespace {
 // Error codes: reference/errors.py (Reason). Only the value checks live here; dtype, shape and
 // option checks happen in Python before this kernel is called (their result is `pre_error`).
 constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
-                  kNonfinitePayload = 14, kStaticOverflow = 20;
+                  kNonfinitePayload = 14, kHiddenNotMult32 = 15, kStaticOverflow = 20;
 
 struct Err { int64_t code = 0, a = 0, b = 0; };
 
@@ -35,6 +35,7 @@ Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E,
     for (int64_t k = 0; k < K; ++k)
       if (!std::isfinite(wp[t * K + k])) return {kNonfiniteWeight, t, 0};
   if (payload) {
+    if (x.size(1) % 32) return {kHiddenNotMult32, x.size(1), 0};
     const Tensor xf = x.to(at::kFloat);
     const float* xp = xf.data_ptr<float>();
     const int64_t H = x.size(1);

@@ -1,0 +1,378 @@
+"""``epkit simulate``: the reference as a traffic planner for groups far larger than one machine.
+
+No process group and no token payload: for ``R`` ranks (up to 1024 and beyond), ``E`` experts,
+top-``K``, ``T`` tokens per rank and a routing distribution, it draws the routing rank block by
+rank block, keeps only the count words every rank would all-gather
+(``[tokens_per_expert (E) | tokens_per_rank (R)]``, exactly ``reference.transport.count_words``),
+and hands them to the reference's own plan and byte accounting
+(``reference.transport.plan``, ``dispatch_bytes_of``, ``combine_bytes_of``: the functions behind
+``epkit.reference.dispatch_bytes`` / ``combine_bytes``). It prints, for pairs and dedup, the
+bytes each rank sends (max and mean), expert load imbalance, the slots a capacity factor drops,
+and a predicted dispatch and combine time from the bandwidth model below.
+
+Routing (every token names ``K`` distinct experts):
+    uniform   every expert alike
+    zipf      expert of popularity rank ``i`` (1-based) has weight ``i ** -skew``; popularity
+              ranks are a seeded random permutation of the experts (placement is not sorted by
+              load); ``K`` experts drawn one after another without replacement, each in
+              proportion to the weights of those not yet taken
+    hot       one hot expert (``--hot-expert``) is named by a fraction ``--hot-fraction`` of the
+              tokens; every other slot is uniform over the other experts
+
+Bandwidth model (documented in docs/benchmarks.md): ranks sit ``--ranks-per-node`` to a node.
+Each rank has an intra-node link of ``--intra-gbps`` and an inter-node link of ``--inter-gbps``
+(GB/s, each direction, full duplex), used at the same time. For an exchange with byte matrix
+``B[s, d]`` (the diagonal, a local copy, costs nothing), rank ``r`` needs
+``t_r = max(max(intra_out_r, intra_in_r) / intra, max(inter_out_r, inter_in_r) / inter)`` and the
+exchange ends with the slowest rank: ``t = latency + max_r t_r``. An all-to-all's duration
+under ideal scheduling; congestion, incast and message rate are not modelled.
+
+Capacity: ``--capacity-factor F`` sets ``C = ceil(F * R * T * K / E)`` slots per expert,
+group-wide (epkit's capacity: the first ``C`` slots in (source rank, token) order are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Optional, Sequence
+
+import numpy as np
+
+from epkit.reference.common import FLOAT_DTYPES, Group
+from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
+
+ROUTINGS = ("uniform", "zipf", "hot")
+_MAX_SLOTS_PER_BLOCK = 1 << 22  # routing drawn at most ~4M slots at a time (memory bound)
+
+
+# ---- routing -------------------------------------------------------------------------------
+
+def expert_weights(E: int, routing: str, skew: float, rng: np.random.Generator,
+                   hot_expert: int = 0) -> Optional[np.ndarray]:
+    """Sampling weights over experts (``None`` = uniform). ``hot``: uniform over the others."""
+    if routing == "uniform":
+        return None
+    if routing == "zipf":
+        w = np.arange(1, E + 1, dtype=np.float64) ** -float(skew)
+        return w[rng.permutation(E)]
+    if routing == "hot":
+        w = np.ones(E)
+        w[hot_expert] = 0.0
+        return w
+    raise ValueError(f"epkit simulate: routing must be one of {ROUTINGS}, got {routing!r}")
+
+
+def _draw_excluding(rng, chosen: np.ndarray, w: np.ndarray, cdf: np.ndarray) -> np.ndarray:
+    """One expert per row, in proportion to ``w`` over the experts not in that row of
+    ``chosen [n, k]``: a uniform point on the remaining mass, mapped onto the full cumulative
+    weights by stepping over the taken experts' intervals in ascending order."""
+    n, k = chosen.shape
+    taken = np.sort(chosen, axis=1)
+    x = rng.random(n) * (cdf[-1] - w[chosen].sum(axis=1))
+    start = cdf - w
+    for i in range(k):
+        c = taken[:, i]
+        x += np.where(start[c] <= x, w[c], 0.0)
+    return np.minimum(np.searchsorted(cdf, x, side="right"), len(w) - 1)
+
+
+def sample_topk(rng: np.random.Generator, n: int, E: int, K: int,
+                weights: Optional[np.ndarray] = None, max_rounds: int = 64) -> np.ndarray:
+    """``[n, K]`` int64, distinct experts per row, drawn by successive sampling without
+    replacement: expert ``k`` of a row follows the weights of the experts the row has not
+    taken yet. Uniform: column ``k`` is redrawn where it repeats an earlier column (rare when
+    ``K << E``). Weighted: drawn directly from the remaining weights (:func:`_draw_excluding`);
+    any row that rounding still lets collide is redrawn."""
+    w = None if weights is None else np.asarray(weights, np.float64)
+    avail = E if w is None else int((w > 0).sum())
+    if K > avail:
+        raise ValueError(f"epkit simulate: top-{K} needs {K} experts with weight > 0, have {avail}")
+    cdf = None if w is None else np.cumsum(w)
+    idx = np.empty((n, K), np.int64)
+
+    def draw(rows):
+        if w is None:
+            return rng.integers(0, E, len(rows), dtype=np.int64)
+        return _draw_excluding(rng, idx[rows, :k], w, cdf)
+
+    for k in range(K):
+        todo = np.arange(n)
+        col = np.empty(n, np.int64)
+        for _ in range(max_rounds):
+            col[todo] = draw(todo)
+            todo = todo[(idx[todo, :k] == col[todo, None]).any(axis=1)]
+            if not len(todo):
+                break
+        for i in todo:  # never reached in practice
+            p = np.ones(E) if w is None else w.copy()
+            p[idx[i, :k]] = 0.0
+            col[i] = rng.choice(E, p=p / p.sum())
+        idx[:, k] = col
+    return idx
+
+
+def sample_routing(rng: np.random.Generator, n: int, E: int, K: int, routing: str,
+                   weights: Optional[np.ndarray], hot_expert: int = 0,
+                   hot_fraction: float = 0.5) -> np.ndarray:
+    """``n`` tokens' routing ``[n, K]`` under ``routing`` (``weights`` from :func:`expert_weights`)."""
+    idx = sample_topk(rng, n, E, K, weights)
+    if routing == "hot":
+        idx[rng.random(n) < hot_fraction, 0] = hot_expert
+    return idx
+
+
+# ---- count words ---------------------------------------------------------------------------
+
+def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) -> np.ndarray:
+    """Count words of consecutive ranks from their concatenated routing.
+
+    Args: idx [sum(tokens), K] integer (``-1`` = unused slot); tokens: tokens of each rank.
+    Returns: int64 [len(tokens), E + R], row ``s`` = ``[tokens_per_expert | tokens_per_rank]``
+    of that rank, what ``reference.transport.count_words`` gives."""
+    n_ranks, L = len(tokens), E // R
+    idx = np.asarray(idx, np.int64)
+    K = idx.shape[1] if idx.ndim == 2 else 0
+    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))
+    used = idx >= 0
+    tpe = np.bincount((owner[:, None] * E + idx)[used], minlength=n_ranks * E)
+    dest = np.where(used, idx // L, -1)
+    first = used.copy()               # slot k is the first of its token on its rank
+    for k in range(1, K):
+        for j in range(k):
+            first[:, k] &= dest[:, k] != dest[:, j]
+    tpr = np.bincount((owner[:, None] * R + dest)[first], minlength=n_ranks * R)
+    return np.concatenate([tpe.reshape(n_ranks, E), tpr.reshape(n_ranks, R)], axis=1)
+
+
+def count_words(idx: Sequence[np.ndarray], R: int, E: int) -> np.ndarray:
+    """``reference.transport.count_words`` for given per-rank routing, vectorized."""
+    K = max((np.shape(i)[1] for i in idx if np.ndim(i) == 2), default=0)
+    cat = np.concatenate([np.asarray(i, np.int64).reshape(-1, K) for i in idx])
+    return count_words_block(cat, [len(i) for i in idx], R, E)
+
+
+def draw_count_words(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: float = 1.2,
+                     hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0) -> np.ndarray:
+    """Draw the whole group's routing rank block by rank block; keep only its count words
+    ``int64 [R, E + R]`` (the routing itself, ``R * T * K`` slots, is never held at once)."""
+    rng = np.random.default_rng(seed)
+    weights = expert_weights(E, routing, skew, rng, hot_expert)
+    block = max(1, _MAX_SLOTS_PER_BLOCK // max(1, T * K))
+    words = np.empty((R, E + R), np.int64)
+    for s0 in range(0, R, block):
+        n = min(block, R - s0)
+        idx = sample_routing(rng, n * T, E, K, routing, weights, hot_expert, hot_fraction)
+        words[s0:s0 + n] = count_words_block(idx, [T] * n, R, E)
+    return words
+
+
+# ---- traffic and the bandwidth model -----------------------------------------------------
+
+def traffic(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16", transport="dedup",
+            exchange="ragged", capacity: Optional[int] = None):
+    """``(dispatch [R, R], combine [R, R])`` bytes rank s sends rank d, from the count words,
+    through the reference's plan and byte accounting."""
+    R = words.shape[0]
+    dtype = _dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None)
+    p = plan(group, words)
+    return dispatch_bytes_of(group, p), combine_bytes_of(group, p)
+
+
+def _dtype(name: str) -> np.dtype:
+    for dt in FLOAT_DTYPES:
+        if dt.name == name:
+            return dt
+    raise ValueError(f"epkit simulate: dtype must be float32 or bfloat16, got {name!r}")
+
+
+def predict_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
+                    latency_us: float = 0.0):
+    """The bandwidth model of the module docstring: ``(t, per-rank t_r)`` seconds."""
+    R = B.shape[0]
+    node = np.arange(R) // max(1, ranks_per_node)
+    same = node[:, None] == node[None, :]
+    intra = np.where(same, B, 0).astype(np.float64)
+    np.fill_diagonal(intra, 0)
+    inter = np.where(same, 0, B).astype(np.float64)
+    t_intra = np.maximum(intra.sum(1), intra.sum(0)) / (intra_gbps * 1e9)
+    t_inter = np.maximum(inter.sum(1), inter.sum(0)) / (inter_gbps * 1e9)
+    t_r = np.maximum(t_intra, t_inter)
+    return latency_us * 1e-6 + float(t_r.max()), t_r
+
+
+def _stats(B: np.ndarray) -> dict:
+    off = B.astype(np.float64).copy()
+    np.fill_diagonal(off, 0)
+    sent = off.sum(1)
+    return {"max_bytes_per_rank": float(sent.max()), "mean_bytes_per_rank": float(sent.mean()),
+            "total_bytes": float(off.sum()),
+            "local_copy_bytes_mean": float(np.diag(B).mean())}
+
+
+def simulate(args) -> dict:
+    """Everything ``epkit simulate`` reports, as a dict (see :func:`main`)."""
+    R, E, K, T, H = args.ranks, args.experts, args.topk, args.tokens, args.hidden
+    t0 = time.perf_counter()
+    words = draw_count_words(R, E, K, T, args.routing, args.skew, args.hot_expert,
+                             args.hot_fraction, args.seed)
+    t_draw = time.perf_counter() - t0
+    counts = words[:, :E]
+    load = counts.sum(axis=0)
+    capacity = None
+    if args.capacity_factor is not None:
+        capacity = int(math.ceil(args.capacity_factor * R * T * K / E))
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+           "capacity": capacity,
+           "expert_load": {"max": int(load.max()), "mean": float(load.mean()),
+                           "min": int(load.min()),
+                           "imbalance_max_over_mean": float(load.max() / max(load.mean(), 1e-12))},
+           "transports": {}}
+    rank_load = load.reshape(R, E // R).sum(axis=1)
+    out["rank_load"] = {"max": int(rank_load.max()), "mean": float(rank_load.mean()),
+                        "imbalance_max_over_mean": float(rank_load.max() / max(rank_load.mean(), 1e-12))}
+    used = int(counts.sum())
+    mats = {}
+    for tr in ("pairs", "dedup"):
+        disp, comb = traffic(words, E, K, H, args.dtype, tr, args.exchange, capacity)
+        mats[tr] = disp
+        td, _ = predict_seconds(disp, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
+                                args.latency_us)
+        tc, _ = predict_seconds(comb, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
+                                args.latency_us)
+        out["transports"][tr] = {"dispatch": dict(_stats(disp), predicted_ms=1e3 * td),
+                                 "combine": dict(_stats(comb), predicted_ms=1e3 * tc)}
+    if capacity is not None:
+        from epkit.reference.capacity import kept_counts
+
+        kept = int(kept_counts(counts, capacity).sum())
+        out["dropped"] = {"slots": used - kept, "fraction": (used - kept) / max(used, 1)}
+    else:
+        out["dropped"] = {"slots": 0, "fraction": 0.0}
+    out["tokens_per_rank_mean_distinct_ranks"] = float(words[:, E:].sum() / (R * T)) if T else 0.0
+    out["seconds"] = {"routing_and_counts": t_draw, "total": time.perf_counter() - t0}
+    out["_matrices"] = mats
+    return out
+
+
+# ---- report --------------------------------------------------------------------------------
+
+def _mb(v: float) -> str:
+    return f"{v / 1e6:,.1f}"
+
+
+def report(res: dict) -> str:
+    c = res["config"]
+    lines = [f"epkit simulate: {c['ranks']} ranks ({c['ranks_per_node']} per node, intra "
+             f"{c['intra_gbps']} GB/s, inter {c['inter_gbps']} GB/s), {c['experts']} experts, "
+             f"top-{c['topk']}, {c['tokens']} tokens/rank, hidden {c['hidden']}, {c['dtype']}, "
+             f"routing {c['routing']}" + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
+             + (f" (expert {c['hot_expert']} in {c['hot_fraction']:.0%} of tokens)"
+                if c["routing"] == "hot" else "") + f", {c['exchange']} exchange"]
+    el, rl = res["expert_load"], res["rank_load"]
+    lines.append(f"expert load: max {el['max']:,} mean {el['mean']:,.1f} slots "
+                 f"(imbalance {el['imbalance_max_over_mean']:.2f}); rank load imbalance "
+                 f"{rl['imbalance_max_over_mean']:.2f}; a token visits "
+                 f"{res['tokens_per_rank_mean_distinct_ranks']:.2f} ranks on average")
+    if res["capacity"] is not None:
+        lines.append(f"capacity {res['capacity']:,} slots per expert (factor "
+                     f"{c['capacity_factor']}): dropped {res['dropped']['slots']:,} slots "
+                     f"({res['dropped']['fraction']:.2%})")
+    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB/rank':>13}{'mean MB/rank':>14}"
+                 f"{'predicted ms':>14}")
+    for tr, d in res["transports"].items():
+        for ph in ("dispatch", "combine"):
+            s = d[ph]
+            lines.append(f"  {tr:<10}{ph:<10}{_mb(s['max_bytes_per_rank']):>13}"
+                         f"{_mb(s['mean_bytes_per_rank']):>14}{s['predicted_ms']:>14.3f}")
+    lines.append("(bytes each rank sends to other ranks; the local copy is left out; "
+                 f"{res['seconds']['total']:.1f} s)")
+    return "\n".join(lines)
+
+
+def heatmap(path: str, B: np.ndarray, title: str, ranks_per_node: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    R = B.shape[0]
+    data = np.ma.masked_equal(B.astype(np.float64) / 1e6, 0)
+    fig, ax = plt.subplots(figsize=(6.4, 5.4))
+    norm = LogNorm(vmin=max(float(data.min()), 1e-6), vmax=max(float(data.max()), 1e-6)) \
+        if data.count() else None
+    im = ax.imshow(data, cmap="viridis", norm=norm, interpolation="nearest")
+    fig.colorbar(im, ax=ax, label="MB sent (log scale)")
+    if 1 < ranks_per_node < R and R // ranks_per_node <= 64:
+        for b in range(ranks_per_node, R, ranks_per_node):
+            ax.axhline(b - 0.5, color="white", lw=0.4, alpha=0.6)
+            ax.axvline(b - 0.5, color="white", lw=0.4, alpha=0.6)
+    ax.set(xlabel="destination rank", ylabel="source rank", title=title)
+    ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="epkit simulate", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform")
+    ap.add_argument("--skew", type=float, default=1.2, help="Zipf exponent (routing zipf)")
+    ap.add_argument("--hot-expert", type=int, default=0)
+    ap.add_argument("--hot-fraction", type=float, default=0.5,
+                    help="fraction of tokens naming the hot expert (routing hot)")
+    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per rank, each way")
+    ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per rank, each way")
+    ap.add_argument("--latency-us", type=float, default=0.0, help="fixed cost per exchange")
+    ap.add_argument("--capacity-factor", type=float, default=None)
+    ap.add_argument("--exchange", choices=["ragged", "padded"], default="ragged")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--plot", metavar="PATH", help="PNG heatmap of the rank x rank dispatch bytes")
+    ap.add_argument("--plot-transport", choices=["dedup", "pairs"], default="dedup")
+    args = ap.parse_args(argv)
+    if args.ranks < 1 or args.experts % args.ranks:
+        ap.error("--experts must be a positive multiple of --ranks")
+    if not 1 <= args.topk <= args.experts:
+        ap.error("--topk must be in [1, experts]")
+    if args.routing == "hot" and not 0 <= args.hot_expert < args.experts:
+        ap.error("--hot-expert must name an expert")
+    if args.routing == "hot" and args.topk > args.experts - 1:
+        ap.error("routing hot needs --topk < --experts")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    res = simulate(args)
+    print(report(res))
+    mats = res.pop("_matrices")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        c = res["config"]
+        heatmap(args.plot, mats[args.plot_transport],
+                f"{args.plot_transport} dispatch bytes, {c['ranks']} ranks, {c['experts']} "
+                f"experts, top-{c['topk']}, {c['tokens']} tok/rank, {c['routing']}",
+                args.ranks_per_node)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
