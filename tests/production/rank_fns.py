@@ -104,6 +104,8 @@ def opcheck_all(group, rank):
             (C.scatter_rows, (x, send_map, S)),
             (C.combine_backward_dest, (send_rows_like(x, send_map, S), recv_map, rw, y, True)),
             (C.gather_slot_values, (rw, recv_map)),
+            (C.quantize_mxfp8, (torch.randn(3, 64),)),
+            (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
             (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, -1)),
             (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
