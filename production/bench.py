@@ -66,11 +66,15 @@ def parse_args(argv):
                     help="world sizes of the sweep (default 2,4,8; with --quick: 2,world)")
     ap.add_argument("--no-overlap", action="store_true", help="skip the lazy-exchange rows")
     ap.add_argument("--no-kernels", action="store_true", help="skip the local kernel rows")
+    ap.add_argument("--kernel-reps", type=int, default=None,
+                    help="calls per kernel timing (default 30; 10 with --quick)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait before the group gives up")
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.warmup = 10, 2
+    if args.kernel_reps is None:
+        args.kernel_reps = 10 if args.quick else 30
     if args.iters < 10:
         ap.error("--iters must be at least 10")
     if args.warmup < 1:
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
 
         threads = [1] if args.quick else sorted({1, os.cpu_count() or 1})
         kr = [measure(args.tokens, args.hidden, args.topk, args.experts, args.world_size,
-                      getattr(torch, args.dtype), tr, th, 10 if args.quick else 30, args.seed)
+                      getattr(torch, args.dtype), tr, th, args.kernel_reps, args.seed)
               for th in threads for tr in ("dedup", "pairs")]
         results["kernels"] = kr
         results["pack_vs_memcpy"] = kr[0]["rows"]["pack"]["vs_memcpy"]

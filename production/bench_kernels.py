@@ -10,6 +10,10 @@ give it; then each kernel is timed on its own (median of ``reps`` calls) through
     gather_rows    combine, expert side: expert_y -> one row per received row (dedup: the
                    float32 partial sum P_d(t) of the token's slots on this rank)
     reduce_tokens  combine, source side: returned rows -> out [T, H] in the fixed order
+    scatter_rows   combine backward, source side: grad_out rows -> send rows
+    combine_backward_dest
+                   combine backward, expert side: grad_y = cast(c * g) and the weight
+                   gradient <g, y> of every expert-major row
 
 Achieved bandwidth = (bytes read + bytes written) / time, each array counted once, compared
 with ``memcpy``: ``dst.copy_(src)`` of a buffer as large as the pack's output into a
@@ -83,6 +87,8 @@ def measure(T: int, H: int, K: int, E: int, R: int, dtype, transport: str, threa
         rows = C.gather_rows(expert_x, recv_map, row_weight, tr, True)
         back = torch.randn((b["S"], H)).to(rows.dtype)   # the rows coming home: same shape
         S, N, M = b["S"], b["recv"].shape[0], b["M"]
+        grad_out = torch.randn((T, H)).to(dtype)
+        grad_recv = torch.randn((N, H)).to(dtype)        # grad_out rows as the experts get them
         route = idx.numel() * (idx.element_size() + 4)
         kernels = {
             "pack": (lambda: C.pack(x, idx, w, plan, tr, R, S),
@@ -95,6 +101,12 @@ def measure(T: int, H: int, K: int, E: int, R: int, dtype, transport: str, threa
             "reduce_tokens": (lambda: C.reduce_tokens(back, send_map, idx, w, E, R, tr, True, dtype),
                               back.numel() * back.element_size() + send_map.numel() * 8 + route
                               + T * H * isz),
+            "scatter_rows": (lambda: C.scatter_rows(grad_out, send_map, S),
+                             grad_out.numel() * isz + send_map.numel() * 8 + S * H * isz),
+            "combine_backward_dest": (
+                lambda: C.combine_backward_dest(grad_recv, recv_map, row_weight, expert_x, True),
+                grad_recv.numel() * isz + recv_map.numel() * 8 + M * 4
+                + 2 * expert_x.numel() * isz + M * 4),
         }
         out = {"transport": transport, "threads": threads, "send_bytes": send.numel(),
                "rows": {}}

@@ -1,0 +1,115 @@
+"""epkit simulate: its vectorized traffic equals the clear reference on small cases."""
+
+import json
+
+import numpy as np
+import pytest
+
+from epkit import reference as ref
+from epkit import simulate as sim
+from epkit.reference import transport
+
+
+def _routing(rng, R, E, K, unused=0.2):
+    """Per-rank routing with distinct experts per row, some -1 slots, varying T (0 included)."""
+    idx = []
+    for r in range(R):
+        T = int(rng.integers(0, 9)) if r else 0
+        rows = np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int64)
+        rows[rng.random((T, K)) < unused] = -1
+        idx.append(rows.reshape(T, K))
+    return idx
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_count_words_equal_clear_reference(seed):
+    rng = np.random.default_rng(seed)
+    R = int(rng.choice([1, 2, 3, 4]))
+    E = R * int(rng.integers(1, 5))
+    K = int(rng.integers(1, min(E, 4) + 1))
+    idx = _routing(rng, R, E, K)
+    got = sim.count_words(idx, R, E)
+    want = transport.count_words(idx, R, E)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_traffic_equals_reference_bytes(seed):
+    rng = np.random.default_rng(100 + seed)
+    R = int(rng.choice([2, 3, 4]))
+    E = R * int(rng.integers(1, 4))
+    K = int(rng.integers(1, min(E, 3) + 1))
+    idx = _routing(rng, R, E, K)
+    H, dtype = 8, str(rng.choice(["bfloat16", "float32"]))
+    tr, ex = str(rng.choice(["pairs", "dedup"])), str(rng.choice(["ragged", "padded"]))
+    cap = [None, 0, 1, 3][seed % 4]
+    words = sim.count_words(idx, R, E)
+    disp, comb = sim.traffic(words, E, K, H, dtype, tr, ex, cap)
+    kw = dict(num_experts=E, hidden=H, dtype=dtype, transport=tr, exchange=ex, capacity=cap)
+    np.testing.assert_array_equal(disp, ref.dispatch_bytes(idx, **kw))
+    np.testing.assert_array_equal(comb, ref.combine_bytes(idx, **kw))
+
+
+def test_drawn_words_match_a_direct_count():
+    # the block-wise draw keeps exactly the words of the routing it drew
+    R, E, K, T = 4, 16, 3, 50
+    for routing in sim.ROUTINGS:
+        rng = np.random.default_rng(7)
+        w = sim.expert_weights(E, routing, 1.5, rng)
+        idx = sim.sample_routing(rng, R * T, E, K, routing, w)
+        want = transport.count_words([idx[r * T:(r + 1) * T] for r in range(R)], R, E)
+        got = sim.draw_count_words(R, E, K, T, routing, skew=1.5, seed=7)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("routing", sim.ROUTINGS)
+def test_sampled_routing_is_valid(routing):
+    rng = np.random.default_rng(3)
+    E, K, n = 12, 5, 4000
+    w = sim.expert_weights(E, routing, 2.0, rng)
+    idx = sim.sample_routing(rng, n, E, K, routing, w, hot_expert=0, hot_fraction=0.3)
+    assert idx.shape == (n, K) and idx.min() >= 0 and idx.max() < E
+    s = np.sort(idx, axis=1)
+    assert (s[:, 1:] != s[:, :-1]).all()          # distinct experts per token
+    if routing == "hot":
+        frac = (idx == 0).any(axis=1).mean()
+        assert abs(frac - 0.3) < 0.04
+    if routing == "zipf":                          # first pick follows the weights
+        freq = np.bincount(idx[:, 0], minlength=E) / n
+        np.testing.assert_allclose(freq, w / w.sum(), atol=0.03)
+
+
+def test_successive_sampling_second_pick():
+    # P(second = j) = sum_i p_i * p_j / (1 - p_i), i != j: exact successive sampling
+    rng = np.random.default_rng(5)
+    w = np.array([6.0, 3.0, 1.0])
+    p = w / w.sum()
+    idx = sim.sample_topk(rng, 60000, 3, 2, w)
+    want = np.array([sum(p[i] * p[j] / (1 - p[i]) for i in range(3) if i != j) for j in range(3)])
+    np.testing.assert_allclose(np.bincount(idx[:, 1], minlength=3) / len(idx), want, atol=0.01)
+
+
+def test_bandwidth_model():
+    B = np.array([[5, 100, 40], [0, 7, 0], [0, 0, 0]], np.int64)   # ranks 0,1 on node 0
+    t, t_r = sim.predict_seconds(B, ranks_per_node=2, intra_gbps=1e-6, inter_gbps=1e-7,
+                                 latency_us=10)
+    # rank 0: intra out 100 B at 1000 B/s, inter out 40 B at 100 B/s -> max(0.1, 0.4)
+    np.testing.assert_allclose(t_r, [0.4, 0.1, 0.4])
+    assert t == pytest.approx(0.4 + 1e-5)
+
+
+def test_main_writes_json_and_heatmap(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "s.json", tmp_path / "h.png"
+    rc = sim.main(["--ranks", "8", "--experts", "32", "--tokens", "64", "--hidden", "32",
+                   "--routing", "zipf", "--capacity-factor", "1.0", "--ranks-per-node", "4",
+                   "--json", str(out), "--plot", str(png)])
+    assert rc == 0 and png.stat().st_size > 0
+    res = json.loads(out.read_text())
+    for tr in ("pairs", "dedup"):
+        for ph in ("dispatch", "combine"):
+            s = res["transports"][tr][ph]
+            assert s["max_bytes_per_rank"] >= s["mean_bytes_per_rank"] > 0
+            assert s["predicted_ms"] > 0
+    assert res["dropped"]["slots"] >= 0 and res["expert_load"]["imbalance_max_over_mean"] >= 1
+    assert "dedup" in capsys.readouterr().out
