@@ -1,0 +1,181 @@
+"""The checker on its own (no processes): results made by the reference pass; each kind of
+damage is reported with property, rank, output, first differing element and both values."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import epkit.reference as ref
+from epkit.verify.cases import TAG_GRAD_X, TAG_Y, Case, ModeSpec, valid_rows
+from epkit.verify.check import (PROPERTIES, check_case, compare_bitwise,
+                                weight_grad_tolerance)
+
+CASE = Case(world_size=3, num_experts=6, topk=3, hidden=5, tokens=(4, 0, 6), dtype="bfloat16",
+            y_dtype="float32", routing="grouped", unused_pct=0, align=2, capacity=3,
+            weighted=True, nan_padding=True, seed=11)
+
+
+def perfect_results(case: Case, static_tail: int = 0):
+    """What a correct implementation returns, computed with the reference."""
+    xs, idx, ws = case.all_inputs()
+    res = ref.dispatch(xs, idx, ws, num_experts=case.num_experts, align=case.align,
+                       capacity=case.capacity, payload=case.payload)
+    out = []
+    for r, d in enumerate(res):
+        fields = {k: getattr(d, k) for k in ("expert_x", "tokens_per_expert", "expert_offsets",
+                                             "row_src", "row_weight", "dropped_per_expert",
+                                             "expert_scale")}
+        if static_tail:
+            fields["expert_x"] = np.concatenate(
+                [d.expert_x, np.zeros((static_tail, case.hidden), d.expert_x.dtype)])
+            fields["row_src"] = np.concatenate([d.row_src, np.full((static_tail, 3), -1)])
+            fields["row_weight"] = np.concatenate([d.row_weight, np.zeros(static_tail, "f4")])
+        M = len(fields["row_src"])
+        valid = valid_rows(d.tokens_per_expert, d.expert_offsets, M)
+        out.append({"rank": r, "error": None, "dispatch": fields,
+                    "grad_expert_x": case.expert_rows(r, TAG_GRAD_X, valid, case.dtype),
+                    "expert_y": case.expert_rows(r, TAG_Y, valid, case.y_dtype),
+                    "grad_out": case.grad_out(r)})
+    m = [len(d.row_src) for d in res]
+    gx = ref.dispatch_backward([o["grad_expert_x"][:n] for o, n in zip(out, m)], res)
+    ys = [o["expert_y"][:n] for o, n in zip(out, m)]
+    outs = ref.combine(ys, res, weighted=case.weighted)
+    gys, gws = ref.combine_backward([o["grad_out"] for o in out], ys, res,
+                                    weighted=case.weighted)
+    for r, o in enumerate(out):
+        gy = gys[r]
+        if static_tail:
+            gy = np.concatenate([gy, np.zeros((static_tail, case.hidden), gy.dtype)])
+        o.update(grad_x=gx[r], out=outs[r], grad_y=gy, grad_w=gws[r] if case.weighted else None)
+    return out
+
+
+def test_reference_results_pass_every_property():
+    v = check_case(CASE, ModeSpec(), perfect_results(CASE))
+    assert v.status == {p: "passed" for p in PROPERTIES}, v.report()
+
+
+def test_a_flipped_bit_names_property_rank_output_row_col_and_values():
+    results = perfect_results(CASE)
+    out = results[2]["out"]
+    out.view(np.uint16)[1, 3] ^= 1  # one ulp of one bfloat16
+    v = check_case(CASE, ModeSpec(), results, impl="mine:factory")
+    assert v.failed_properties == ["combine"]
+    text = v.report()
+    assert "combine: rank 2, out: bfloat16 [6, 5]: first difference at row 1, col 3" in text
+    assert "got " in text and "expected " in text and "1 of 30 elements differ" in text
+    assert "replay(Case(" in text and "impl='mine:factory'" in text
+    ns = {}
+    exec("from epkit.verify import Case\ncase = " + repr(v.case), ns)  # noqa: S102
+    assert ns["case"] == CASE
+
+
+@pytest.mark.parametrize("where,prop", [
+    (("dispatch", "row_src"), "dispatch"),
+    (("dispatch", "dropped_per_expert"), "dispatch"),
+    (("grad_x",), "dispatch_backward"),
+    (("grad_y",), "combine_backward"),
+])
+def test_damage_anywhere_is_caught(where, prop):
+    results = perfect_results(CASE)
+    target = results[0]
+    for key in where[:-1]:
+        target = target[key]
+    a = np.array(target[where[-1]], copy=True)
+    a.reshape(-1).view(np.uint8)[0] ^= 0x80
+    target[where[-1]] = a
+    v = check_case(CASE, ModeSpec(), results)
+    assert prop in v.failed_properties, v.report()
+
+
+def test_signed_zero_is_a_difference_and_nan_bits_are_compared():
+    assert compare_bitwise(np.float32([0.0]), np.float32([-0.0])) is not None
+    assert compare_bitwise(np.float32([np.nan]), np.float32([np.nan])) is None
+    assert "shape [2], expected [3]" in compare_bitwise(np.zeros(2), np.zeros(3))
+    assert "dtype int32, expected int64" in compare_bitwise(np.zeros(2, "i4"), np.zeros(2, "i8"))
+    assert compare_bitwise(None, np.zeros(2)).startswith("missing")
+
+
+def test_weight_grad_within_tolerance_passes_and_outside_fails():
+    results = perfect_results(CASE)
+    good = check_case(CASE, ModeSpec(), results)
+    assert good.status["weight_grad"] == "passed"
+    bad = copy.deepcopy(results)
+    gw = bad[0]["grad_w"]
+    used = np.argwhere(gw != 0)
+    t, k = used[0]
+    gw[t, k] = np.nextafter(gw[t, k], np.float32(np.inf), dtype=np.float32)  # 1 ulp: fine
+    assert check_case(CASE, ModeSpec(), bad).status["weight_grad"] == "passed"
+    gw[t, k] *= np.float32(1.001)
+    v = check_case(CASE, ModeSpec(), bad)
+    assert v.failed_properties == ["weight_grad"]
+    assert f"token {t}, slot {k}" in v.report() and "tolerance" in v.report()
+
+
+def test_weight_grad_tolerance_formula():
+    # H = 1: exact 2 * 3 = 6, tolerance 1 * 2**-23 * 6 + 2**-126
+    class R:
+        row_src = np.array([[0, 0, 0]])
+
+    y = [np.float32([[3.0]])]
+    g = [np.float32([[2.0]])]
+    assert weight_grad_tolerance([np.float32([[6.0]])], g, y, [R], 1, 1) == {}
+    assert weight_grad_tolerance([np.float32([[6.0 + 6 * 2**-22]])], g, y, [R], 1, 1)
+    assert weight_grad_tolerance([None], g, y, [R], 1, 1)[0].startswith("missing")
+
+
+def test_static_tail_is_allowed_only_in_static_modes():
+    tail = perfect_results(CASE, static_tail=3)
+    static = ModeSpec("x/static", static=True)
+    assert not check_case(CASE, static, tail).failed
+    assert "dispatch" in check_case(CASE, ModeSpec(), tail).failed_properties
+    dirty = perfect_results(CASE, static_tail=3)
+    dirty[1]["dispatch"]["row_weight"][-1] = 1.0
+    v = check_case(CASE, static, dirty)
+    assert v.failed_properties == ["dispatch"] and "trailing static rows" in v.report()
+
+
+def _err(stage, kind="NotImplementedError", unsupported=True):
+    return {"stage": stage, "type": kind, "unsupported": unsupported, "input_error": False,
+            "message": "not yet", "traceback": "Traceback: ..."}
+
+
+def test_uniform_not_implemented_is_unsupported_from_that_stage_on():
+    results = perfect_results(CASE)
+    for r in results:
+        r["error"] = _err("combine")
+    v = check_case(CASE, ModeSpec(), results)
+    assert v.status["dispatch"] == v.status["dispatch_backward"] == "passed"
+    assert v.status["combine"] == v.status["combine_backward"] == "unsupported"
+    assert not v.failed
+
+
+def test_an_error_on_some_ranks_fails_and_shows_the_traceback():
+    results = perfect_results(CASE)
+    results[1]["error"] = _err("dispatch", "RuntimeError", unsupported=False)
+    v = check_case(CASE, ModeSpec(), results)
+    assert v.failed_properties == list(PROPERTIES)
+    assert "rank 1, stage dispatch: raised RuntimeError" in v.report()
+    assert "Traceback: ..." in v.report()
+
+
+def test_expected_input_error_must_be_raised_everywhere_with_the_same_text():
+    bad = CASE.replace(hidden=5, payload="mxfp8")  # H % 32 != 0: every rank must refuse
+    results = [{"rank": r, "error": None} for r in range(3)]
+    v = check_case(bad, ModeSpec(payload="mxfp8"), results)
+    assert v.failed_properties == ["dispatch"] and "expected an input error" in v.report()
+    try:
+        xs, idx, ws = bad.all_inputs()
+        ref.dispatch(xs, idx, ws, num_experts=6, align=2, capacity=3, payload="mxfp8")
+    except ValueError as exc:
+        text = str(exc)
+    errs = [dict(_err("dispatch", "InputError", False), input_error=True, message=text)
+            for _ in range(3)]
+    v = check_case(bad, ModeSpec(payload="mxfp8"), [{"error": e} for e in errs])
+    assert v.status["dispatch"] == "passed" and not v.failed
+    errs[2]["message"] = "epkit: rank 9: something else"
+    v = check_case(bad, ModeSpec(payload="mxfp8"), [{"error": e} for e in errs])
+    assert v.failed_properties == ["dispatch"]

@@ -1,0 +1,100 @@
+"""``epkit verify`` / ``python -m epkit.verify``: report, table, closing line, exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from epkit.verify.cli import main
+from verify_testlib import BROKEN, PLAIN
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _last_line(text):
+    return text.strip().splitlines()[-1]
+
+
+def test_plain_torch_run_passes_with_table_json_and_closing_line(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    rc = main(["--world-size", "2", "--examples", "4", "--impl", PLAIN, "--seed", "3",
+               "--no-progress", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    last = _last_line(text)
+    n = int(last.split()[0])
+    assert last == f"{n} passed, 0 failed" and n >= 16
+    assert "mode" in text and "dispatch_backward" in text and "default" in text
+    data = json.loads(out_json.read_text())
+    assert data["failed"] == 0 and data["passed"] == n and data["seed"] == 3
+    assert data["results"]["default"]["combine"]["passed"] == 4
+
+
+def test_a_broken_impl_exits_non_zero_with_a_report(capsys):
+    rc = main(["--world-size", "2", "--examples", "30", "--impl", f"{BROKEN}:weight_twice",
+               "--seed", "5", "--no-progress", "--shrink-seconds", "2"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "FAILED" in text and "first difference at" in text and "replay(Case(" in text
+    assert _last_line(text).endswith(" failed") and not _last_line(text).endswith(" 0 failed")
+
+
+def test_modes_are_listed_and_filtered(capsys):
+    assert main(["--list-modes"]) == 0
+    names = capsys.readouterr().out.split()
+    assert len(names) == 24 and "pairs/static/mxfp8" in names
+    assert main(["--list-modes", "--modes", "dedup/*,*/lazy/mxfp8", "--modes", "pairs/equal"]) == 0
+    picked = capsys.readouterr().out.split()
+    assert picked == [n for n in names if n.startswith("dedup/") or n.endswith("/lazy/mxfp8")
+                      or n == "pairs/equal"]
+    assert len(picked) == 14
+    assert main(["--modes", "nothing/*"]) == 2
+
+
+def test_nccl_outside_torchrun_says_how_to_launch(capsys, monkeypatch):
+    for var in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["--backend", "nccl", "--impl", PLAIN]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_with_a_progress_bar():
+    proc = subprocess.run(
+        [sys.executable, "-m", "epkit.verify", "--world-size", "2", "--examples", "3",
+         "--impl", PLAIN, "--seed", "1"],
+        capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _last_line(proc.stdout).endswith("passed, 0 failed")
+
+
+def test_torchrun_drives_from_rank_0_and_the_others_serve():
+    """The torchrun path (the one NCCL uses) on CPU: every process is a rank, rank 0 draws,
+    broadcasts and checks; the others serve until told to stop."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", "-m", "epkit.verify", "--backend", "gloo", "--impl", PLAIN, "--examples", "4",
+         "--seed", "2", "--no-progress"],
+        capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "world size 2 (gloo)" in proc.stdout
+    assert _last_line(proc.stdout).endswith("passed, 0 failed")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_under_torchrun():
+    import torch
+
+    n = min(torch.cuda.device_count(), 2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(n), "-m", "epkit.verify", "--backend", "nccl", "--impl", PLAIN, "--examples",
+         "5", "--seed", "4", "--no-progress"],
+        capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"world size {n} (nccl)" in proc.stdout
+    assert _last_line(proc.stdout).endswith("passed, 0 failed")

@@ -1,0 +1,107 @@
+"""Adapters: how the harness drives an implementation.
+
+Protocol (``--impl module:factory``)::
+
+    adapter = factory(group)            # group: a torch.distributed ProcessGroup
+    d = adapter.dispatch(x, topk_idx, topk_weights, *, num_experts, align, capacity)
+    #   d.expert_x, d.tokens_per_expert, d.expert_offsets, d.row_src, d.row_weight
+    #   (optional: d.dropped_per_expert, d.expert_scale); a pending handle with .wait() is
+    #   waited for
+    out = adapter.combine(expert_y, d, *, weighted)
+
+A factory may carry ``modes``: a list of :class:`~epkit.verify.cases.ModeSpec`; the harness then
+runs every mode, calling ``factory(group, **mode.kwargs)``. Without ``modes`` there is one mode,
+``default``. A call that raises ``NotImplementedError`` on every rank marks the mode (or the
+stage: dispatch, combine, a backward) *unsupported*: reported, not failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import os
+import sys
+
+from epkit.verify.cases import ModeSpec
+
+__all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_factory",
+           "TRANSPORTS", "EXCHANGES", "PAYLOADS"]
+
+TRANSPORTS = ("dedup", "pairs")
+EXCHANGES = ("auto", "ragged", "padded", "equal", "lazy", "static")
+PAYLOADS = (None, "mxfp8")
+
+
+def epkit_modes() -> list[ModeSpec]:
+    """Every transport x exchange x payload of epkit, named ``transport/exchange[/payload]``."""
+    modes = []
+    for payload, transport, exchange in itertools.product(PAYLOADS, TRANSPORTS, EXCHANGES):
+        name = f"{transport}/{exchange}" + (f"/{payload}" if payload else "")
+        kwargs = (("transport", transport), ("exchange", exchange), ("payload", payload))
+        modes.append(ModeSpec(name=name, kwargs=kwargs, payload=payload,
+                              uniform=exchange == "equal", static=exchange == "static"))
+    return modes
+
+
+class EpkitAdapter:
+    """epkit's ``dispatch`` / ``combine`` bound to a group and one mode."""
+
+    def __init__(self, group=None, *, transport="dedup", exchange="auto", payload=None,
+                 max_tokens_per_rank=None):
+        import epkit
+
+        self._epkit = epkit
+        self.group = group
+        self.options = dict(transport=transport, exchange=exchange, payload=payload)
+        if max_tokens_per_rank is not None:
+            self.options["max_tokens_per_rank"] = max_tokens_per_rank
+
+    def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
+        d = self._epkit.dispatch(x, topk_idx, topk_weights, num_experts=num_experts,
+                                 group=self.group, align=align, capacity=capacity,
+                                 **self.options)
+        return d.wait() if hasattr(d, "wait") and not hasattr(d, "expert_x") else d
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        out = self._epkit.combine(expert_y, dispatched, weighted=weighted)
+        return out.wait() if hasattr(out, "wait") and not hasattr(out, "shape") else out
+
+
+def epkit_factory(group=None, **options) -> EpkitAdapter:
+    """The default ``--impl``: epkit itself, in the mode given by ``options``."""
+    return EpkitAdapter(group, **options)
+
+
+epkit_factory.modes = epkit_modes()
+
+
+def plain_torch(group=None):
+    """The plain-torch baseline (:mod:`epkit.verify.plain_torch`), Megatron / torchtitan style."""
+    from epkit.verify.plain_torch import PlainTorchDispatcher
+
+    return PlainTorchDispatcher(group)
+
+
+def load_factory(spec: str):
+    """``"package.module:name"`` or ``"path/to/file.py:name"`` -> the factory object."""
+    mod_name, sep, attr = spec.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"--impl wants module:factory, got {spec!r}")
+    if mod_name.endswith(".py") or os.sep in mod_name:
+        path = os.path.abspath(mod_name)
+        name = "_epkit_verify_impl_" + str(abs(hash(path)))
+        module = sys.modules.get(name)
+        if module is None:
+            s = importlib.util.spec_from_file_location(name, path)
+            if s is None or s.loader is None:
+                raise ImportError(f"cannot load {path}")
+            module = importlib.util.module_from_spec(s)
+            sys.modules[name] = module
+            s.loader.exec_module(module)
+    else:
+        module = importlib.import_module(mod_name)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj

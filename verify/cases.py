@@ -1,0 +1,195 @@
+"""Whole-group test cases and the modes they run in.
+
+A :class:`Case` is small and hashable: the knobs hypothesis draws plus one integer seed. The
+arrays (tokens, routing, weights, and the expert outputs and gradients the harness feeds in) are
+made from it deterministically with NumPy, so the parent process (which runs the reference) and
+every worker rank (which runs the implementation) build the same bytes without shipping them, and
+``repr(case)`` is a complete reproducer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "STAGES", "np_dtype"]
+
+FLOAT_DTYPES = ("float32", "bfloat16")
+# What a rank does with a case, in order (worker.py); a failure names its stage.
+STAGES = ("dispatch", "dispatch_backward", "combine", "combine_backward")
+
+
+def np_dtype(name: str) -> np.dtype:
+    """NumPy dtype for a dtype name (bfloat16 / float8_e4m3fn come from ml_dtypes)."""
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    if name == "float8_e4m3fn":
+        return np.dtype(ml_dtypes.float8_e4m3fn)
+    return np.dtype(name)
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One way of running an implementation: a name for the report and the factory's kwargs.
+
+    ``kwargs`` are passed to the adapter factory (``factory(group, **kwargs)``). The flags tell
+    the harness what the mode needs and allows:
+
+    - ``payload``: ``"mxfp8"`` makes cases with ``H % 32 == 0`` and compares ``expert_x`` as
+      E4M3 plus ``expert_scale``.
+    - ``uniform``: the mode needs uniform plans (``exchange="equal"``); cases are drawn uniform.
+    - ``static``: the factory also gets ``max_tokens_per_rank=case.max_tokens``, and dispatch may
+      return extra all-padding rows after ``expert_offsets[-1]``.
+    """
+
+    name: str = "default"
+    kwargs: tuple = ()
+    payload: str | None = None
+    uniform: bool = False
+    static: bool = False
+
+    def factory_kwargs(self, case: "Case | None" = None) -> dict:
+        kw = dict(self.kwargs)
+        if self.static and case is not None:
+            kw["max_tokens_per_rank"] = case.max_tokens
+        return kw
+
+
+@dataclass(frozen=True)
+class Case:
+    """One whole-group case. ``eval(repr(case))`` (with ``Case`` imported) rebuilds it."""
+
+    world_size: int
+    num_experts: int
+    topk: int
+    hidden: int
+    tokens: tuple  # tokens per rank, len == world_size
+    dtype: str = "float32"  # x
+    y_dtype: str = "float32"  # expert_y fed to combine
+    idx_dtype: str = "int64"
+    routing: str = "random"  # "random" | "hot" | "grouped" | "uniform"
+    unused_pct: int = 20  # chance (percent) that a slot is -1 (all but "uniform" routing)
+    align: int = 1
+    capacity: int | None = None
+    weighted: bool = True
+    payload: str | None = None
+    nan_padding: bool = False  # padding rows of expert_y / grad_expert_x hold NaN
+    zero_rows: bool = False  # some token rows are +0 / -0 (exercises signed zeros, amax == 0)
+    max_tokens: int = 32  # the bound tokens were drawn under (static modes get it)
+    seed: int = 0
+
+    def __post_init__(self):
+        if len(self.tokens) != self.world_size:
+            raise ValueError("tokens must list one count per rank")
+        if self.num_experts % self.world_size:
+            raise ValueError("num_experts must be a multiple of world_size")
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world_size
+
+    def replace(self, **kw) -> "Case":
+        return dataclasses.replace(self, **kw)
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _rng(self, rank: int, tag: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, rank, tag])
+
+    def inputs(self, rank: int):
+        """(x [T, H], topk_idx [T, K], topk_weights [T, K] float32) of one rank, as NumPy."""
+        T, H, K, E, R = self.tokens[rank], self.hidden, self.topk, self.num_experts, self.world_size
+        rng = self._rng(rank, 0)
+        x = _values(rng, (T, H), self.dtype)
+        if self.zero_rows and T:
+            rows = rng.random(T) < 0.25
+            x[rows] = np.where(rng.random((int(rows.sum()), 1)) < 0.5, 0.0, -0.0).astype(x.dtype)
+        idx = np.full((T, K), -1, dtype=np.int64)
+        if self.routing == "uniform":
+            # Token t uses one expert on each of the ranks (t + j) % R, j < min(K, R): every
+            # source sends every destination the same number of tokens and of slots.
+            used = min(K, R)
+            for t in range(T):
+                ks = rng.permutation(K)[:used]
+                for j, k in enumerate(ks):
+                    d = (t + j) % R
+                    idx[t, k] = d * self.local_experts + int(rng.integers(self.local_experts))
+        else:
+            logits = np.zeros((T, E))
+            if self.routing == "hot":
+                hot = rng.choice(E, size=min(E, int(rng.integers(1, 3))), replace=False)
+                logits[:, hot] = 3.0
+            elif self.routing == "grouped":
+                # node-limited routing (DeepSeek-V3 style): each token picks its experts on
+                # one or two ranks only, so several of its slots share a rank.
+                L = self.local_experts
+                for t in range(T):
+                    ranks = rng.choice(R, size=min(R, 1 + int(rng.random() < 0.3)), replace=False)
+                    allowed = (ranks[:, None] * L + np.arange(L)[None, :]).reshape(-1)
+                    logits[t] = -np.inf
+                    logits[t, allowed] = 0.0
+            # Gumbel top-k: K distinct experts per token, drawn with weights exp(logits).
+            keys = logits + rng.gumbel(size=(T, E))
+            width = min(K, E)
+            top = np.argsort(-keys, axis=1, kind="stable")[:, :width]
+            top = np.where(np.take_along_axis(keys, top, axis=1) == -np.inf, -1, top)
+            drop = rng.random((T, width)) * 100 < self.unused_pct
+            top = np.where(drop, -1, top)
+            for t in range(T):
+                idx[t, rng.permutation(K)[:width]] = top[t]
+        idx = idx.astype(self.idx_dtype)
+        w = (rng.random((T, K)) * 2.0 - 0.5).astype(np.float32)
+        w *= np.exp2(rng.integers(-3, 4, size=(T, K))).astype(np.float32)
+        return x, idx, w
+
+    def all_inputs(self):
+        """Lists over ranks: (xs, topk_idx, topk_weights)."""
+        per = [self.inputs(r) for r in range(self.world_size)]
+        return [p[0] for p in per], [p[1] for p in per], [p[2] for p in per]
+
+    def expert_rows(self, rank: int, tag: int, valid: np.ndarray, dtype: str) -> np.ndarray:
+        """Random rows ``[len(valid), H]`` (expert_y, grad of expert_x); padding rows (where
+        ``valid`` is False) hold NaN when ``nan_padding`` and other random values otherwise."""
+        rng = self._rng(rank, tag)
+        v = _values(rng, (len(valid), self.hidden), "float32")
+        if self.nan_padding:
+            v[~valid] = np.nan
+        return v.astype(np_dtype(dtype))
+
+    def grad_out(self, rank: int) -> np.ndarray:
+        """The gradient fed to combine's output on ``rank``: [T, H] in x's dtype."""
+        return _values(self._rng(rank, 3), (self.tokens[rank], self.hidden), self.dtype)
+
+    def snippet(self, impl: str, mode: str) -> str:
+        return (
+            "from epkit.verify import Case, replay\n"
+            f"replay({self!r},\n       impl={impl!r}, mode={mode!r})"
+        )
+
+
+TAG_Y, TAG_GRAD_X = 1, 2
+
+
+def _values(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+    """Real random floats: normal, each row scaled by its own power of two, so that summation
+    order shows in the last bits."""
+    v = rng.standard_normal(shape).astype(np.float32)
+    if len(shape) == 2 and shape[0]:
+        v *= np.exp2(rng.integers(-6, 7, size=(shape[0], 1))).astype(np.float32)
+    return v.astype(np_dtype(dtype))
+
+
+def valid_rows(tokens_per_expert, expert_offsets, rows: int) -> np.ndarray:
+    """Boolean mask of the non-padding rows of an expert-major layout with ``rows`` rows.
+    Tolerates a malformed layout (that is the dispatch check's business, not this one's)."""
+    valid = np.zeros(rows, dtype=bool)
+    tpe = np.asarray(tokens_per_expert).reshape(-1)
+    off = np.asarray(expert_offsets).reshape(-1)
+    for j in range(min(len(tpe), max(len(off) - 1, 0))):
+        lo = int(np.clip(off[j], 0, rows))
+        hi = int(np.clip(off[j] + tpe[j], lo, rows))
+        valid[lo:hi] = True
+    return valid
+

@@ -1,0 +1,117 @@
+"""``epkit verify`` / ``python -m epkit.verify``: prove an implementation against the reference.
+
+Examples::
+
+    python -m epkit.verify                                  # epkit, every mode, 4 gloo ranks
+    python -m epkit.verify --world-size 3 --examples 20 --modes 'dedup/*,pairs/ragged'
+    python -m epkit.verify --impl epkit.verify.adapters:plain_torch
+    python -m epkit.verify --impl ./my_dispatcher.py:make --json report.json
+    torchrun --nproc-per-node 8 -m epkit.verify --backend nccl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
+    from epkit.verify.runner import DEFAULT_IMPL
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Property-based conformance run: an expert-parallel dispatch/combine "
+                    "implementation against epkit's NumPy reference, on a real process group.",
+    )
+    p.add_argument("--world-size", type=int, default=4,
+                   help="ranks of the local gloo group (cases use 1..N of them); under "
+                        "torchrun the job's world size is used (default 4)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="gloo: local worker processes (default); nccl: run under torchrun, "
+                        "one process per GPU")
+    p.add_argument("--examples", type=int, default=20, help="hypothesis examples per mode")
+    p.add_argument("--seed", type=int, default=None,
+                   help="hypothesis seed (default: random, printed so the run can be repeated)")
+    p.add_argument("--impl", default=DEFAULT_IMPL,
+                   help="module:factory or path/file.py:factory; factory(group) returns the "
+                        f"adapter (default {DEFAULT_IMPL})")
+    p.add_argument("--modes", action="append", default=None, metavar="PATTERNS",
+                   help="comma-separated fnmatch patterns over mode names, e.g. "
+                        "'dedup/*,*/ragged' (default: every mode)")
+    p.add_argument("--list-modes", action="store_true", help="print the modes and exit")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a case may take before its group is torn down (default 30)")
+    p.add_argument("--max-tokens", type=int, default=24, help="largest tokens per rank drawn")
+    p.add_argument("--shrink-seconds", type=float, default=20.0,
+                   help="time spent shrinking a failing case (default 20)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
+    from epkit.verify.runner import Suite, modes_of, select_modes
+
+    modes = select_modes(modes_of(args.impl), args.modes)
+    if args.list_modes:
+        for m in modes:
+            print(m.name)
+        return 0
+    if not modes:
+        print(f"epkit verify: no mode of {args.impl} matches {args.modes}", file=sys.stderr)
+        return 2
+
+    if under_torchrun():
+        runner = TorchrunGroup(args.backend, timeout=args.timeout)
+        if runner.rank != 0:
+            runner.serve()
+            runner.close()
+            return 0
+    elif args.backend == "nccl":
+        print("epkit verify: --backend nccl needs one process per GPU; launch with\n"
+              "  torchrun --nproc-per-node N -m epkit.verify --backend nccl", file=sys.stderr)
+        return 2
+    else:
+        runner = Pool(args.world_size, timeout=args.timeout)
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(modes) * args.examples, unit="case", file=sys.stderr,
+                   mininterval=0.5, dynamic_ncols=True, leave=False, delay=0.5)
+
+    def on_failure(verdict):
+        if bar is not None:
+            bar.write(verdict.report(), file=sys.stdout)
+        else:
+            print(verdict.report(), flush=True)
+
+    suite = Suite(runner, impl=args.impl, modes=modes, examples=args.examples, seed=args.seed,
+                  max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,
+                  progress=bar.update if bar is not None else None, on_failure=on_failure)
+    print(f"epkit verify: impl {args.impl}, {len(modes)} modes x {args.examples} examples, "
+          f"world size {runner.world_size} ({args.backend}), seed {suite.seed}", flush=True)
+    t0 = time.monotonic()
+    try:
+        result = suite.run()
+    finally:
+        if bar is not None:
+            bar.close()
+        runner.close()
+    print()
+    print(result.table())
+    if result.unsupported_modes:
+        print(f"unsupported: {', '.join(result.unsupported_modes)}")
+    print(f"{time.monotonic() - t0:.1f}s, seed {suite.seed}; repeat with: --seed {suite.seed}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+    print(result.summary(), flush=True)
+    return 1 if result.failed else 0

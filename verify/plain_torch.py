@@ -1,0 +1,269 @@
+"""A plain-torch expert-parallel dispatcher, written the way Megatron / torchtitan do it.
+
+The baseline the harness proves (and the benchmarks time): no extension, no custom kernels,
+only torch ops and ``torch.distributed``:
+
+1. count exchange: every rank all-gathers its per-expert slot counts (one host read of an
+   ``[R, E]`` matrix, like Megatron's ``.tolist()`` of the splits); capacity, split sizes and the
+   expert-major layout all follow from it on the host;
+2. permute: ``argsort`` the used slots by expert (stable, so tokens stay ascending), keep the
+   first ``capacity`` of each expert group-wide, gather one row per kept slot;
+3. one ``all_to_all_single`` with split sizes moves ``row | t, k, weight`` as raw bytes;
+4. chunk sort: the receive buffer is ``(source, local expert, token)``; one scatter puts every
+   row at its expert-major place (``(local expert, source, token)``), padded to ``align``;
+5. combine: the reverse all-to-all brings every expert row back to its source, which sums in
+   the spec's order: per destination rank over ``k`` ascending, then over ranks ascending, each
+   product and sum one rounded float32 operation. Every step of that sum touches each output row
+   at most once (the indices of one step are unique), so the result is bit-exact and
+   deterministic on any device, which Megatron's ``index_add`` / ``scatter_add`` combine is not.
+
+Autograd: two hand-written ``torch.autograd.Function`` s (as Megatron's ``_AllToAll``);
+dispatch's backward is the same two-level sum, unweighted; combine's backward sends
+``cast(c_k * grad_out[t])`` to the experts and computes the weight gradient at the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["PlainTorchDispatcher", "PlainDispatch"]
+
+_META = 12  # bytes of (int32 t, int32 k, float32 w) appended to every row on the wire
+
+
+def _a2a_bytes(rows: torch.Tensor, out_rows: int, out_splits, in_splits, group) -> torch.Tensor:
+    """One ``all_to_all_single`` of ``rows`` (any dtype, [n, ...]) as bytes."""
+    send = rows.contiguous()
+    shape = send.shape[1:]
+    b = send.view(torch.uint8).reshape(send.shape[0], shape.numel() * send.element_size())
+    recv = torch.empty((out_rows, b.shape[1]), dtype=torch.uint8, device=b.device)
+    dist.all_to_all_single(recv, b, list(out_splits), list(in_splits), group=group)
+    return recv.view(rows.dtype).reshape(out_rows, *shape)
+
+
+@dataclass
+class _Plan:
+    """Everything routing-dependent, computed once per dispatch and reused by the backward
+    passes and by combine."""
+
+    group: object
+    R: int
+    T: int
+    H: int
+    M: int
+    send_splits: list  # rows this rank sends to each rank
+    recv_splits: list  # rows this rank receives from each rank
+    send_t: torch.Tensor  # [n_send] token of each kept slot, in send order
+    send_k: torch.Tensor  # [n_send] top-k position
+    dest: torch.Tensor  # [n_recv] expert-major row of each received row
+    # the two-level sum at the source
+    pair_of_slot: torch.Tensor  # [n_send] index of the (token, rank) pair of each slot
+    k_steps: list  # per k: slot indices with that k (unique pairs within a step)
+    pair_t: torch.Tensor  # [P] token of each (token, rank) pair, pairs sorted by (t, rank)
+    m_steps: list  # per ordinal m: pair indices that are their token's m-th rank
+
+
+@dataclass
+class PlainDispatch:
+    expert_x: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_src: torch.Tensor
+    row_weight: torch.Tensor
+    dropped_per_expert: torch.Tensor
+    plan: _Plan
+    topk_weights: torch.Tensor
+    x_dtype: torch.dtype
+
+
+def _two_level_sum(rows: torch.Tensor, plan: _Plan, coef: torch.Tensor | None) -> torch.Tensor:
+    """[n_send, H] rows in send order -> [T, H] float32: for every token, per destination rank
+    the sum over k ascending of ``coef * row`` (float32, from +0), then the sum of those partials
+    over ranks ascending (from +0). Each step's indices are unique: one rounded add per element."""
+    z = rows.to(torch.float32)
+    if coef is not None:
+        z = z * coef[:, None]
+    n_pairs = plan.pair_t.shape[0]
+    partial = torch.zeros((n_pairs, plan.H), dtype=torch.float32, device=rows.device)
+    for sel in plan.k_steps:
+        p = plan.pair_of_slot[sel]
+        partial[p] = partial[p] + z[sel]
+    out = torch.zeros((plan.T, plan.H), dtype=torch.float32, device=rows.device)
+    for sel in plan.m_steps:
+        t = plan.pair_t[sel]
+        out[t] = out[t] + partial[sel]
+    return out
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send_meta, plan: _Plan):
+        ctx.plan = plan
+        ctx.x_dtype = x.dtype
+        payload = x[plan.send_t]
+        nbytes = plan.H * payload.element_size()
+        send = torch.cat([payload.view(torch.uint8).reshape(payload.shape[0], nbytes),
+                          send_meta], dim=1)
+        recv = _a2a_bytes(send, sum(plan.recv_splits), plan.recv_splits, plan.send_splits,
+                          plan.group)
+        expert_x = x.new_zeros((plan.M, plan.H))
+        expert_x[plan.dest] = recv[:, :nbytes].contiguous().view(x.dtype)
+        # fresh, dense storage: 4-byte aligned, so it can be viewed as int32
+        recv_meta = torch.empty((recv.shape[0], _META), dtype=torch.uint8, device=recv.device)
+        recv_meta.copy_(recv[:, nbytes:])
+        ctx.mark_non_differentiable(recv_meta)
+        return expert_x, recv_meta
+
+    @staticmethod
+    def backward(ctx, grad_expert_x, _grad_meta):
+        plan: _Plan = ctx.plan
+        if grad_expert_x is None:
+            grad_expert_x = torch.zeros((plan.M, plan.H), dtype=ctx.x_dtype)
+        rows = grad_expert_x.to(ctx.x_dtype)[plan.dest]
+        back = _a2a_bytes(rows, sum(plan.send_splits), plan.send_splits, plan.recv_splits,
+                          plan.group)
+        return _two_level_sum(back, plan, None).to(ctx.x_dtype), None, None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_y, topk_weights, plan: _Plan, weighted: bool, x_dtype):
+        rows = expert_y[plan.dest]
+        back = _a2a_bytes(rows, sum(plan.send_splits), plan.send_splits, plan.recv_splits,
+                          plan.group)
+        coef = topk_weights[plan.send_t, plan.send_k] if weighted else None
+        ctx.plan, ctx.weighted, ctx.y_dtype = plan, weighted, expert_y.dtype
+        ctx.w_shape = topk_weights.shape
+        ctx.save_for_backward(back if weighted else None, coef)
+        return _two_level_sum(back, plan, coef).to(x_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan: _Plan = ctx.plan
+        y_rows, coef = ctx.saved_tensors
+        g = grad_out.to(torch.float32)[plan.send_t]
+        gy = (g * coef[:, None] if ctx.weighted else g).to(ctx.y_dtype)
+        recv = _a2a_bytes(gy, sum(plan.recv_splits), plan.recv_splits, plan.send_splits,
+                          plan.group)
+        grad_y = torch.zeros((plan.M, plan.H), dtype=ctx.y_dtype, device=grad_out.device)
+        grad_y[plan.dest] = recv
+        grad_w = None
+        if ctx.weighted and ctx.needs_input_grad[1]:
+            grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=grad_out.device)
+            grad_w[plan.send_t, plan.send_k] = (g * y_rows.to(torch.float32)).sum(dim=1)
+        return grad_y, grad_w, None, None, None
+
+
+class PlainTorchDispatcher:
+    """``factory(group)`` -> this; the adapter protocol of :mod:`epkit.verify.adapters`."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    # -- dispatch -------------------------------------------------------------------------
+    def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
+        group = self.group
+        R = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        E = int(num_experts)
+        if E < 1 or E % R or align < 1 or (capacity is not None and capacity < 0):
+            raise ValueError("plain_torch: bad num_experts / align / capacity")
+        L = E // R
+        T, K = topk_idx.shape
+        H = x.shape[1]
+        dev = x.device
+
+        # 1. count exchange
+        flat = topk_idx.reshape(-1).to(torch.int64)
+        used = flat >= 0
+        counts = torch.bincount(flat[used], minlength=E)
+        gathered = [torch.empty_like(counts) for _ in range(R)]
+        dist.all_gather(gathered, counts, group=group)
+        cnt = torch.stack(gathered).cpu().numpy()  # [R, E]: the one host read
+        if capacity is None:
+            kept = cnt
+        else:
+            before = np.cumsum(cnt, axis=0) - cnt  # slots from lower ranks
+            kept = np.clip(capacity - before, 0, cnt)
+        send_splits = kept[me].reshape(R, L).sum(axis=1).tolist()
+        recv_c = kept[:, me * L:(me + 1) * L]  # [R(source), L]
+        recv_splits = recv_c.sum(axis=1).tolist()
+        tpe = recv_c.sum(axis=0)
+        padded = -(-tpe // align) * align
+        offsets = np.concatenate([[0], np.cumsum(padded)])
+        M = int(offsets[-1])
+        dropped = cnt[:, me * L:(me + 1) * L].sum(axis=0) - tpe
+
+        # 2. permute: used slots by expert (stable: token ascending), keep the first kept[me, e]
+        key = torch.where(used, flat, E)
+        order = torch.argsort(key, stable=True)[: int(used.sum())]
+        e_sorted = flat[order]
+        start = torch.as_tensor(np.cumsum(cnt[me]) - cnt[me], device=dev)
+        pos = torch.arange(order.shape[0], device=dev) - start[e_sorted]
+        keep = pos < torch.as_tensor(kept[me], device=dev)[e_sorted]
+        slots = order[keep]
+        send_t, send_k = slots // K, slots % K
+        send_d = flat[slots] // L
+        w_send = topk_weights.detach()[send_t, send_k].to(torch.float32)
+        meta = torch.stack([send_t.to(torch.int32), send_k.to(torch.int32),
+                            w_send.view(torch.int32)], dim=1).view(torch.uint8)
+
+        # 3./4. chunk sort: receive order (s, j, t) -> expert-major (j, s, t), padded
+        c = recv_c.reshape(-1)  # chunks in receive order (s, j)
+        in_start = np.cumsum(c) - c
+        out_start = (offsets[:-1][None, :] + np.cumsum(recv_c, axis=0) - recv_c).reshape(-1)
+        n_recv = int(c.sum())
+        dest = (torch.repeat_interleave(torch.as_tensor(out_start - in_start, device=dev),
+                                        torch.as_tensor(c, device=dev), output_size=n_recv)
+                + torch.arange(n_recv, device=dev))
+        src_rank = torch.repeat_interleave(torch.arange(R, device=dev),
+                                           torch.as_tensor(recv_splits, device=dev),
+                                           output_size=n_recv)
+
+        # the source side of the two-level sum
+        pair_key = send_t * R + send_d
+        pair_keys, pair_of_slot = torch.unique(pair_key, sorted=True, return_inverse=True)
+        pair_t = pair_keys // R
+        first = torch.searchsorted(pair_t, pair_t)  # first pair of the same token
+        m = torch.arange(pair_t.shape[0], device=dev) - first
+        k_steps = [s for s in (torch.nonzero(send_k == k).reshape(-1) for k in range(K))
+                   if s.numel()]
+        m_steps = [torch.nonzero(m == i).reshape(-1) for i in range(int(m.max()) + 1)] \
+            if m.numel() else []
+
+        plan = _Plan(group=group, R=R, T=T, H=H, M=M, send_splits=send_splits,
+                     recv_splits=recv_splits, send_t=send_t, send_k=send_k, dest=dest,
+                     pair_of_slot=pair_of_slot, k_steps=k_steps, pair_t=pair_t,
+                     m_steps=m_steps)
+        expert_x, recv_meta = _DispatchFn.apply(x, meta, plan)
+        recv_meta = recv_meta.view(torch.int32)
+        row_src = torch.full((M, 3), -1, dtype=torch.int64, device=dev)
+        row_src[dest] = torch.stack([src_rank, recv_meta[:, 0].long(), recv_meta[:, 1].long()],
+                                    dim=1)
+        row_weight = torch.zeros(M, dtype=torch.float32, device=dev)
+        row_weight[dest] = recv_meta[:, 2].contiguous().view(torch.float32)
+        i64 = dict(dtype=torch.int64, device=dev)
+        return PlainDispatch(
+            expert_x=expert_x,
+            tokens_per_expert=torch.as_tensor(tpe, **i64),
+            expert_offsets=torch.as_tensor(offsets, **i64),
+            row_src=row_src,
+            row_weight=row_weight,
+            dropped_per_expert=torch.as_tensor(dropped, **i64),
+            plan=plan,
+            topk_weights=topk_weights,
+            x_dtype=x.dtype,
+        )
+
+    # -- combine --------------------------------------------------------------------------
+    def combine(self, expert_y, dispatched: PlainDispatch, *, weighted=True):
+        plan = dispatched.plan
+        if tuple(expert_y.shape) != (plan.M, plan.H):
+            raise ValueError(f"expert_y has shape {tuple(expert_y.shape)}, the dispatch "
+                             f"produced [{plan.M}, {plan.H}]")
+        return _CombineFn.apply(expert_y, dispatched.topk_weights, plan, weighted,
+                                dispatched.x_dtype)

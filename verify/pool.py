@@ -1,0 +1,418 @@
+"""Run cases on a real process group.
+
+:class:`Pool` (the default): ``R`` local worker processes join ONE gloo group once (a FileStore
+in a private temporary directory, so no port is ever raced for) and then run case after case
+sent to them over pipes. A case of world size ``n <= R`` runs on ranks ``0..n-1`` with a
+subgroup made at start-up. A worker that dies, raises out of step with its peers, or does not
+answer within the timeout is killed with the rest of its group, and a fresh group is started
+(cheap: workers are forked from a forkserver that has torch imported already) before the next
+case. Workers die with the parent: they exit on EOF of their pipe, watch the parent's pid, and
+are daemonic.
+
+:class:`TorchrunGroup`: every process of a ``torchrun`` job is a rank (``--backend nccl`` on
+GPUs); rank 0 draws cases and broadcasts them over a gloo side group, every rank runs its part,
+and rank 0 gathers the results.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+
+from epkit.verify.cases import Case, ModeSpec
+
+__all__ = ["Pool", "TorchrunGroup", "under_torchrun"]
+
+_POOLS: "weakref.WeakSet[Pool]" = weakref.WeakSet()
+
+
+def _error(stage, kind, message) -> dict:
+    return {"stage": stage, "type": kind, "unsupported": False, "input_error": False,
+            "message": message, "traceback": ""}
+
+
+class _Executor:
+    """Per-rank state shared by both drivers: adapters cached per (impl, mode, group size)."""
+
+    def __init__(self, rank: int, groups: dict, device):
+        self.rank, self.groups, self.device = rank, groups, device
+        self.adapters: dict = {}
+
+    def execute(self, case: Case, impl: str, mode: ModeSpec) -> dict:
+        from epkit.verify.worker import make_adapter, run_rank
+
+        key = (impl, mode, case.world_size, case.max_tokens if mode.static else None)
+        adapter = self.adapters.get(key)
+        if adapter is None:
+            try:
+                adapter = make_adapter(impl, mode, case, self.groups[case.world_size])
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                import traceback
+
+                err = _error("factory", type(exc).__name__, str(exc))
+                err["unsupported"] = isinstance(exc, NotImplementedError)
+                err["traceback"] = traceback.format_exc(limit=-8)
+                return {"rank": self.rank, "error": err, "seconds": 0.0}
+            self.adapters[key] = adapter
+        return run_rank(case, mode, adapter, self.rank, self.device)
+
+
+def _watch_parent(parent_pid: int):
+    try:  # Linux: die with the process that forked us (the forkserver, or the parent itself)
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+    def watch():
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=watch, daemon=True, name="epkit-verify-watchdog").start()
+
+
+class _NoMainImport:
+    """Workers never need the parent's ``__main__`` (their code lives in this module), but
+    forkserver / spawn children re-run it as ``__mp_main__``, which breaks scripts without a
+    ``__main__`` guard. Hide it while the children are launched."""
+
+    def __enter__(self):
+        import sys
+
+        self.main = sys.modules.get("__main__")
+        self.saved = {k: getattr(self.main, k) for k in ("__spec__", "__file__")
+                      if hasattr(self.main, k)}
+        if self.main is not None:
+            self.main.__spec__ = None
+            if hasattr(self.main, "__file__"):
+                del self.main.__file__
+
+    def __exit__(self, *exc):
+        if self.main is not None:
+            for k, v in self.saved.items():
+                setattr(self.main, k, v)
+
+
+def _worker_main(rank, world, store, conn, timeout, parent_pid, threads):
+    _watch_parent(parent_pid)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    td = datetime.timedelta(seconds=timeout)
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
+                            world_size=world, timeout=td)
+    groups = {world: dist.group.WORLD}
+    for n in range(1, world):
+        groups[n] = dist.new_group(list(range(n)), timeout=td)
+    ex = _Executor(rank, groups, "cpu")
+    conn.send(("ready", rank))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, case, impl, mode = msg
+            result = ex.execute(case, impl, mode)
+            try:
+                conn.send(("result", result))
+            except (EOFError, OSError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. an output that does not pickle
+                err = _error(result["error"]["stage"] if result.get("error") else None,
+                             type(exc).__name__, f"the rank's result could not be sent: {exc}")
+                conn.send(("result", {"rank": rank, "error": err, "seconds": None}))
+    except (EOFError, OSError):  # the parent is gone
+        os._exit(0)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class Pool:
+    """``world_size`` local worker ranks on one gloo group, reused across cases.
+
+    ``run(case, impl, mode)`` returns one result dict per rank of ``case`` (see
+    :func:`epkit.verify.worker.run_rank`). Usable as a context manager and as a pytest session
+    fixture; :attr:`restarts` counts how often the group was rebuilt.
+    """
+
+    def __init__(self, world_size: int = 4, *, timeout: float = 30.0, threads: int = 1,
+                 start_method: str = "forkserver"):
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.threads = threads
+        self.start_method = start_method
+        self.restarts = 0
+        self._procs: list = []
+        self._conns: list = []
+        self._dir: str | None = None
+        self._generation = 0
+        _POOLS.add(self)
+
+    # -- life cycle -----------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return bool(self._procs)
+
+    def start(self):
+        if self._procs:
+            return self
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "epkit.verify.worker"])
+        self._dir = tempfile.mkdtemp(prefix="epkit-verify-")
+        self._generation += 1
+        store = os.path.join(self._dir, f"store{self._generation}")
+        procs, conns = [], []
+        with _NoMainImport():
+            self._launch(ctx, store, procs, conns)
+        self._procs, self._conns = procs, conns
+        self._await_ready()
+        return self
+
+    def _launch(self, ctx, store, procs, conns):
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, store, child, self.timeout, os.getpid(),
+                      self.threads),
+                daemon=True,
+                name=f"epkit-verify-rank{rank}",
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+
+    def _await_ready(self):
+        procs, conns = self._procs, self._conns
+        deadline = time.monotonic() + max(self.timeout, 60.0)
+        for rank, c in enumerate(conns):
+            remaining = deadline - time.monotonic()
+            ok = False
+            try:
+                ok = c.poll(max(remaining, 0)) and c.recv()[0] == "ready"
+            except (EOFError, OSError):
+                ok = False
+            if not ok:
+                codes = [p.exitcode for p in procs]
+                self._kill()
+                raise RuntimeError(f"epkit.verify: worker rank {rank} did not join the gloo "
+                                   f"group (exit codes {codes})")
+
+    def _kill(self):
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        self._procs, self._conns = [], []
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def restart(self):
+        """Kill every worker and start a fresh group (lazily, at the next case)."""
+        self._kill()
+        self.restarts += 1
+
+    def close(self):
+        for c in self._conns:
+            try:
+                c.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(2.0)
+        self._kill()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- running cases --------------------------------------------------------------------
+    def run(self, case: Case, impl: str, mode: ModeSpec = ModeSpec()) -> list[dict]:
+        n = case.world_size
+        if n > self.world_size:
+            raise ValueError(f"case needs {n} ranks, the pool has {self.world_size}")
+        self.start()
+        results: list = [None] * n
+        pending = {}
+        for r in range(n):
+            try:
+                self._conns[r].send(("run", case, impl, mode))
+                pending[self._conns[r]] = r
+            except (OSError, ValueError):
+                results[r] = {"rank": r, "error": _error(None, "WorkerDied", "pipe closed")}
+        sentinels = {self._procs[r].sentinel: r for r in range(n)}
+        deadline = time.monotonic() + self.timeout * 1.2 + 1.0
+        dead_at = None  # when a rank died or failed: its peers then get a short grace only
+        while pending:
+            now = time.monotonic()
+            limit = deadline if dead_at is None else min(deadline, dead_at + 2.0)
+            if now >= limit:
+                break
+            ready = mpc.wait(list(pending) + list(sentinels), timeout=limit - now)
+            for obj in ready:
+                if obj in pending:
+                    r = pending.pop(obj)
+                    try:
+                        results[r] = obj.recv()[1]
+                        if results[r].get("error"):
+                            dead_at = dead_at or time.monotonic()
+                    except (EOFError, OSError):
+                        results[r] = None
+                        dead_at = dead_at or time.monotonic()
+                elif obj in sentinels:
+                    r = sentinels.pop(obj)
+                    dead_at = dead_at or time.monotonic()
+        broken = False
+        for r in range(n):
+            if results[r] is None:
+                broken = True
+                p = self._procs[r]
+                p.join(0.5)  # a rank whose pipe hit EOF may still be on its way out
+                if not p.is_alive():
+                    msg = f"worker rank {r} died (exit code {p.exitcode})"
+                    kind = "WorkerDied"
+                else:
+                    msg = f"rank {r} gave no answer within {self.timeout:.0f}s (timeout)"
+                    kind = "Timeout"
+                results[r] = {"rank": r, "error": _error(None, kind, msg), "seconds": None}
+        if broken or not _in_step(results):
+            self.restart()
+        return results
+
+
+def _in_step(results: list[dict]) -> bool:
+    """True when the group can be trusted with the next case: no rank failed, or every rank
+    refused the case the same way before its collectives could diverge (NotImplementedError,
+    or an input error, at the same stage). Anything else rebuilds the group: a rank that
+    timed out of a collective its peer never entered leaves the group out of step."""
+    errs = [r.get("error") for r in results]
+    if all(e is None for e in errs):
+        return True
+    if any(e is None for e in errs):
+        return False
+    if len({(e["stage"], e["type"]) for e in errs}) != 1:
+        return False
+    return all(e["unsupported"] for e in errs) or all(e["input_error"] for e in errs)
+
+
+def _close_all():
+    for p in list(_POOLS):
+        try:
+            p.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+atexit.register(_close_all)
+
+
+# ------------------------------------------------------------------------------------------
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+class TorchrunGroup:
+    """The processes of a ``torchrun`` job as the group: rank 0 drives, the others serve."""
+
+    def __init__(self, backend: str = "nccl", timeout: float = 60.0):
+        import torch
+        import torch.distributed as dist
+
+        td = datetime.timedelta(seconds=timeout)
+        device = "cpu"
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            device = f"cuda:{local}"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=td)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.restarts = 0
+        # Ranks other than 0 wait here while rank 0 checks, shrinks and draws: give them long.
+        self.control = dist.new_group(backend="gloo", timeout=max(td, datetime.timedelta(
+            seconds=600)))
+        groups = {self.world_size: dist.group.WORLD}
+        for n in range(1, self.world_size):
+            groups[n] = dist.new_group(list(range(n)), timeout=td)
+        self._ex = _Executor(self.rank, groups, device)
+
+    def _round(self, msg):
+        import torch.distributed as dist
+
+        box = [msg]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        msg = box[0]
+        if msg[0] == "stop":
+            return None, True
+        _, case, impl, mode = msg
+        result = None
+        if self.rank < case.world_size:
+            result = self._ex.execute(case, impl, mode)
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0, group=self.control)
+        return (gathered[: case.world_size] if gathered else None), False
+
+    def run(self, case: Case, impl: str, mode: ModeSpec = ModeSpec()) -> list[dict]:
+        assert self.rank == 0, "only rank 0 drives"
+        if case.world_size > self.world_size:
+            raise ValueError(f"case needs {case.world_size} ranks, the job has {self.world_size}")
+        return self._round(("run", case, impl, mode))[0]
+
+    def serve(self):
+        """Ranks other than 0: run what rank 0 broadcasts until it says stop."""
+        while True:
+            _, stop = self._round(None)
+            if stop:
+                return
+
+    def close(self):
+        import torch.distributed as dist
+
+        if self.rank == 0:
+            self._round(("stop",))
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def start(self):
+        return self

@@ -1,0 +1,137 @@
+"""What one rank does with one case: drive an adapter forward and backward, return NumPy.
+
+Runs inside a pool worker (or every ``torchrun`` process). Every rank of the case's group runs
+the same stages in the same order, so the collectives inside the adapter line up; a stage that
+raises ends the case on that rank, and the error is reported with the stage's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+
+import numpy as np
+import torch
+
+from epkit.verify.adapters import load_factory
+from epkit.verify.cases import (STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype,
+                                valid_rows)
+
+__all__ = ["STAGES", "load_factory", "make_adapter", "run_rank", "to_numpy", "to_torch"]
+
+FIELDS = ("expert_x", "tokens_per_expert", "expert_offsets", "row_src", "row_weight")
+OPTIONAL_FIELDS = ("dropped_per_expert", "expert_scale")
+
+def to_torch(a: np.ndarray, device="cpu") -> torch.Tensor:
+    """NumPy (ml_dtypes included) -> torch, bit for bit."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == np_dtype("bfloat16"):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(a).to(device)
+
+
+def to_numpy(t) -> np.ndarray | None:
+    """torch (or anything array-like) -> NumPy, bit for bit; bfloat16 / float8 via ml_dtypes."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        a = np.asarray(t)
+        if a.dtype == object:
+            raise TypeError(f"expected a tensor, got {type(t).__name__}")
+        return a
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np_dtype("bfloat16"))
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(np_dtype("float8_e4m3fn"))
+    return t.numpy()
+
+
+def make_adapter(impl: str, mode: ModeSpec, case: Case, group):
+    factory = load_factory(impl)
+    kwargs = mode.factory_kwargs(case)
+    return functools.partial(factory, **kwargs)(group) if kwargs else factory(group)
+
+
+class _Stage:
+    """Records which stage is running so an exception can name it."""
+
+    def __init__(self):
+        self.name = None
+
+
+def run_rank(case: Case, mode: ModeSpec, adapter, rank: int, device="cpu") -> dict:
+    """Run ``case`` on this rank through ``adapter``; a dict of NumPy outputs and the error."""
+    out: dict = {"rank": rank, "error": None}
+    stage = _Stage()
+    t0 = time.perf_counter()
+    try:
+        _run(case, mode, adapter, rank, device, out, stage)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        out["error"] = {
+            "stage": stage.name,
+            "type": type(exc).__name__,
+            "unsupported": isinstance(exc, NotImplementedError),
+            "input_error": isinstance(exc, ValueError),
+            "message": str(exc),
+            "traceback": traceback.format_exc(limit=-8),
+        }
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _waited(obj, field=None):
+    """A pending handle (lazy exchange) is waited for; a result is returned as it is."""
+    if isinstance(obj, torch.Tensor) or (field is not None and hasattr(obj, field)):
+        return obj
+    return obj.wait() if hasattr(obj, "wait") else obj
+
+
+def _run(case, mode, adapter, rank, device, out, stage):
+    x_np, idx_np, w_np = case.inputs(rank)
+    x = to_torch(x_np, device).requires_grad_(True)
+    idx = to_torch(idx_np, device)
+    w = to_torch(w_np, device).requires_grad_(case.weighted)
+
+    stage.name = "dispatch"
+    d = adapter.dispatch(
+        x, idx, w, num_experts=case.num_experts, align=case.align, capacity=case.capacity
+    )
+    d = _waited(d, "expert_x")
+    got = {name: to_numpy(getattr(d, name)) for name in FIELDS}
+    for name in OPTIONAL_FIELDS:
+        got[name] = to_numpy(getattr(d, name, None))
+    out["dispatch"] = got
+    expert_x = d.expert_x
+    rows = int(expert_x.shape[0])
+    valid = valid_rows(got["tokens_per_expert"], got["expert_offsets"], rows)
+
+    stage.name = "dispatch_backward"
+    g = case.expert_rows(rank, TAG_GRAD_X, valid, case.dtype)
+    out["grad_expert_x"] = g
+    if expert_x.requires_grad:
+        (gx,) = torch.autograd.grad(expert_x, x, to_torch(g, device), retain_graph=True)
+        out["grad_x"] = to_numpy(gx)
+    elif case.payload is None:
+        raise AssertionError("expert_x does not require grad: dispatch is not differentiable")
+    else:
+        out["grad_x"] = "unsupported"
+
+    stage.name = "combine"
+    y_np = case.expert_rows(rank, TAG_Y, valid, case.y_dtype)
+    out["expert_y"] = y_np
+    y = to_torch(y_np, device).requires_grad_(True)
+    o = _waited(adapter.combine(y, d, weighted=case.weighted))
+    out["out"] = to_numpy(o)
+
+    stage.name = "combine_backward"
+    go = case.grad_out(rank)
+    out["grad_out"] = go
+    inputs = [y, w] if case.weighted else [y]
+    grads = torch.autograd.grad(o, inputs, to_torch(go, device), allow_unused=True)
+    out["grad_y"] = to_numpy(grads[0])
+    out["grad_w"] = to_numpy(grads[1]) if case.weighted else None
+    stage.name = None
