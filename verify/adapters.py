@@ -76,11 +76,16 @@ def epkit_factory(group=None, **options) -> EpkitAdapter:
 epkit_factory.modes = epkit_modes()
 
 
-def plain_torch(group=None):
-    """The plain-torch baseline (:mod:`epkit.verify.plain_torch`), Megatron / torchtitan style."""
+def plain_torch(group=None, exchange="ragged"):
+    """The plain-torch baseline (:mod:`epkit.verify.plain_torch`), Megatron / torchtitan style;
+    ``exchange="padded"`` pads every chunk for a backend without split sizes."""
     from epkit.verify.plain_torch import PlainTorchDispatcher
 
-    return PlainTorchDispatcher(group)
+    return PlainTorchDispatcher(group, exchange=exchange)
+
+
+plain_torch.modes = [ModeSpec("ragged"),
+                     ModeSpec("padded", kwargs=(("exchange", "padded"),))]
 
 
 def load_factory(spec: str):

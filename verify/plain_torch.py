@@ -35,14 +35,36 @@ __all__ = ["PlainTorchDispatcher", "PlainDispatch"]
 _META = 12  # bytes of (int32 t, int32 k, float32 w) appended to every row on the wire
 
 
-def _a2a_bytes(rows: torch.Tensor, out_rows: int, out_splits, in_splits, group) -> torch.Tensor:
-    """One ``all_to_all_single`` of ``rows`` (any dtype, [n, ...]) as bytes."""
+def _a2a_bytes(rows: torch.Tensor, out_rows: int, out_splits, in_splits, group,
+               chunk: int | None = None) -> torch.Tensor:
+    """One ``all_to_all_single`` of ``rows`` (any dtype, [n, ...]) as bytes: with split sizes,
+    or (``chunk``: the group-wide largest split) every chunk padded to ``chunk`` rows and an
+    equal-length all-to-all, for a backend without split sizes."""
     send = rows.contiguous()
     shape = send.shape[1:]
-    b = send.view(torch.uint8).reshape(send.shape[0], shape.numel() * send.element_size())
-    recv = torch.empty((out_rows, b.shape[1]), dtype=torch.uint8, device=b.device)
-    dist.all_to_all_single(recv, b, list(out_splits), list(in_splits), group=group)
+    width = shape.numel() * send.element_size()
+    b = send.view(torch.uint8).reshape(send.shape[0], width)
+    if chunk is None:
+        recv = torch.empty((out_rows, width), dtype=torch.uint8, device=b.device)
+        dist.all_to_all_single(recv, b, list(out_splits), list(in_splits), group=group)
+    else:
+        R = len(in_splits)
+        padded = b.new_zeros((R * chunk, width))
+        padded[_chunk_rows(in_splits, chunk, b.device)] = b
+        full = torch.empty_like(padded)
+        dist.all_to_all_single(full, padded, group=group)
+        recv = full[_chunk_rows(out_splits, chunk, b.device)]
     return recv.view(rows.dtype).reshape(out_rows, *shape)
+
+
+def _chunk_rows(splits, chunk: int, device) -> torch.Tensor:
+    """Rows of the padded buffer that hold data: chunk q's first ``splits[q]`` rows."""
+    n = torch.as_tensor(list(splits), dtype=torch.int64)
+    total = int(n.sum())
+    starts = torch.cumsum(n, 0) - n
+    pos = torch.arange(total) - torch.repeat_interleave(starts, n, output_size=total)
+    base = torch.repeat_interleave(torch.arange(len(n)) * chunk, n, output_size=total)
+    return (base + pos).to(device)
 
 
 @dataclass
@@ -65,6 +87,17 @@ class _Plan:
     k_steps: list  # per k: slot indices with that k (unique pairs within a step)
     pair_t: torch.Tensor  # [P] token of each (token, rank) pair, pairs sorted by (t, rank)
     m_steps: list  # per ordinal m: pair indices that are their token's m-th rank
+    chunk: int | None = None  # the padded exchange's chunk (group-wide largest split)
+
+    def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slot rows in send order -> this rank's received rows (the dispatch direction)."""
+        return _a2a_bytes(rows, sum(self.recv_splits), self.recv_splits, self.send_splits,
+                          self.group, self.chunk)
+
+    def to_sources(self, rows: torch.Tensor) -> torch.Tensor:
+        """Received rows -> slot rows in send order, back at their source (combine)."""
+        return _a2a_bytes(rows, sum(self.send_splits), self.send_splits, self.recv_splits,
+                          self.group, self.chunk)
 
 
 @dataclass
@@ -108,8 +141,7 @@ class _DispatchFn(torch.autograd.Function):
         nbytes = plan.H * payload.element_size()
         send = torch.cat([payload.view(torch.uint8).reshape(payload.shape[0], nbytes),
                           send_meta], dim=1)
-        recv = _a2a_bytes(send, sum(plan.recv_splits), plan.recv_splits, plan.send_splits,
-                          plan.group)
+        recv = plan.to_experts(send)
         expert_x = x.new_zeros((plan.M, plan.H))
         expert_x[plan.dest] = recv[:, :nbytes].contiguous().view(x.dtype)
         # fresh, dense storage: 4-byte aligned, so it can be viewed as int32
@@ -124,8 +156,7 @@ class _DispatchFn(torch.autograd.Function):
         if grad_expert_x is None:
             grad_expert_x = torch.zeros((plan.M, plan.H), dtype=ctx.x_dtype)
         rows = grad_expert_x.to(ctx.x_dtype)[plan.dest]
-        back = _a2a_bytes(rows, sum(plan.send_splits), plan.send_splits, plan.recv_splits,
-                          plan.group)
+        back = plan.to_sources(rows)
         return _two_level_sum(back, plan, None).to(ctx.x_dtype), None, None
 
 
@@ -133,8 +164,7 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, topk_weights, plan: _Plan, weighted: bool, x_dtype):
         rows = expert_y[plan.dest]
-        back = _a2a_bytes(rows, sum(plan.send_splits), plan.send_splits, plan.recv_splits,
-                          plan.group)
+        back = plan.to_sources(rows)
         coef = topk_weights[plan.send_t, plan.send_k] if weighted else None
         ctx.plan, ctx.weighted, ctx.y_dtype = plan, weighted, expert_y.dtype
         ctx.w_shape = topk_weights.shape
@@ -147,8 +177,7 @@ class _CombineFn(torch.autograd.Function):
         y_rows, coef = ctx.saved_tensors
         g = grad_out.to(torch.float32)[plan.send_t]
         gy = (g * coef[:, None] if ctx.weighted else g).to(ctx.y_dtype)
-        recv = _a2a_bytes(gy, sum(plan.recv_splits), plan.recv_splits, plan.send_splits,
-                          plan.group)
+        recv = plan.to_experts(gy)
         grad_y = torch.zeros((plan.M, plan.H), dtype=ctx.y_dtype, device=grad_out.device)
         grad_y[plan.dest] = recv
         grad_w = None
@@ -161,8 +190,12 @@ class _CombineFn(torch.autograd.Function):
 class PlainTorchDispatcher:
     """``factory(group)`` -> this; the adapter protocol of :mod:`epkit.verify.adapters`."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, exchange: str = "ragged"):
+        if exchange not in ("ragged", "padded"):
+            raise ValueError(f"plain_torch: exchange must be 'ragged' or 'padded', got "
+                             f"{exchange!r}")
         self.group = group
+        self.exchange = exchange
 
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
@@ -189,7 +222,9 @@ class PlainTorchDispatcher:
         else:
             before = np.cumsum(cnt, axis=0) - cnt  # slots from lower ranks
             kept = np.clip(capacity - before, 0, cnt)
-        send_splits = kept[me].reshape(R, L).sum(axis=1).tolist()
+        rows = kept.reshape(R, R, L).sum(axis=2)  # [source, destination] rows on the wire
+        send_splits = rows[me].tolist()
+        chunk = int(rows.max(initial=0)) if self.exchange == "padded" else None
         recv_c = kept[:, me * L:(me + 1) * L]  # [R(source), L]
         recv_splits = recv_c.sum(axis=1).tolist()
         tpe = recv_c.sum(axis=0)
@@ -238,7 +273,7 @@ class PlainTorchDispatcher:
         plan = _Plan(group=group, R=R, T=T, H=H, M=M, send_splits=send_splits,
                      recv_splits=recv_splits, send_t=send_t, send_k=send_k, dest=dest,
                      pair_of_slot=pair_of_slot, k_steps=k_steps, pair_t=pair_t,
-                     m_steps=m_steps)
+                     m_steps=m_steps, chunk=chunk)
         expert_x, recv_meta = _DispatchFn.apply(x, meta, plan)
         recv_meta = recv_meta.view(torch.int32)
         row_src = torch.full((M, 3), -1, dtype=torch.int64, device=dev)

@@ -62,12 +62,9 @@ class FlatIndexAdd(PlainTorchDispatcher):
     baseline's (only the forward sum is wrong)."""
 
     def combine(self, expert_y, dispatched, *, weighted=True):
-        from epkit.verify.plain_torch import _a2a_bytes
-
         right = super().combine(expert_y, dispatched, weighted=weighted)
         plan = dispatched.plan
-        rows = _a2a_bytes(expert_y.detach()[plan.dest], sum(plan.send_splits),
-                          plan.send_splits, plan.recv_splits, plan.group).to(torch.float32)
+        rows = plan.to_sources(expert_y.detach()[plan.dest]).to(torch.float32)
         if weighted:
             rows = rows * dispatched.topk_weights.detach()[plan.send_t, plan.send_k][:, None]
         flat = torch.zeros((plan.T, plan.H), dtype=torch.float32)

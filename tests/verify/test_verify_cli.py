@@ -27,11 +27,12 @@ def test_plain_torch_run_passes_with_table_json_and_closing_line(tmp_path, capsy
     assert rc == 0, text
     last = _last_line(text)
     n = int(last.split()[0])
-    assert last == f"{n} passed, 0 failed" and n >= 16
-    assert "mode" in text and "dispatch_backward" in text and "default" in text
+    assert last == f"{n} passed, 0 failed" and n >= 32
+    assert "mode" in text and "dispatch_backward" in text and "padded" in text
     data = json.loads(out_json.read_text())
     assert data["failed"] == 0 and data["passed"] == n and data["seed"] == 3
-    assert data["results"]["default"]["combine"]["passed"] == 4
+    assert data["results"]["ragged"]["combine"]["passed"] == 4
+    assert data["results"]["padded"]["dispatch"]["passed"] == 4
 
 
 def test_a_broken_impl_exits_non_zero_with_a_report(capsys):

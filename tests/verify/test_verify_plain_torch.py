@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epkit.verify.cases import Case, ModeSpec
+from epkit.verify.adapters import plain_torch
+from epkit.verify.cases import Case
 from epkit.verify.check import check_case
 from epkit.verify.runner import Suite
 from verify_testlib import PLAIN
 
 
 def test_plain_torch_passes_a_property_run(pool):
-    res = Suite(pool, impl=PLAIN, examples=60, seed=1234, shrink_seconds=5).run()
+    res = Suite(pool, impl=PLAIN, examples=50, seed=1234, shrink_seconds=5).run()
     assert res.failed == 0, "\n".join(v.report() for v in res.failures)
-    assert res.tallies["default"]["combine"].passed >= 50
+    assert [m.name for m in res.modes] == ["ragged", "padded"]
+    for mode in ("ragged", "padded"):
+        assert res.tallies[mode]["combine"].passed == 50
 
 
 EDGES = {
@@ -31,13 +34,14 @@ EDGES = {
 }
 
 
+@pytest.mark.parametrize("mode", plain_torch.modes, ids=lambda m: m.name)
 @pytest.mark.parametrize("name", list(EDGES))
-def test_plain_torch_edges(pool, name):
+def test_plain_torch_edges(pool, name, mode):
     kw = dict(world_size=3, num_experts=6, topk=4, hidden=12, tokens=(5, 0, 4), seed=3,
               weighted=True)
     kw.update(EDGES[name])
     case = Case(**kw)
-    v = check_case(case, ModeSpec(), pool.run(case, PLAIN), PLAIN)
+    v = check_case(case, mode, pool.run(case, PLAIN, mode), PLAIN)
     assert not v.failed, v.report()
     assert v.status["combine"] == "passed"
 
@@ -45,8 +49,6 @@ def test_plain_torch_edges(pool, name):
 def test_plain_torch_single_process_group(tmp_path):
     """The adapter on a one-rank group in this very process (no pool): shapes and grads."""
     import torch.distributed as dist
-
-    from epkit.verify.adapters import plain_torch
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
