@@ -160,6 +160,9 @@ class Dispatcher:
         transport = ops.TRANSPORTS[self.transport]
         cap = -1 if self.capacity is None else int(self.capacity)
         code, a, b = self._local_error(x, topk_idx, topk_weights)
+        if transport == ops.DEDUP and topk_idx.dim() == 2 and topk_idx.shape[1] > 255:
+            raise ValueError("epkit: the dedup transport carries k in 8 bits (K <= 255); "
+                             f"got K = {topk_idx.shape[1]}: use transport='pairs'")
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static" and code == Reason.OK
@@ -168,23 +171,25 @@ class Dispatcher:
         words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
                               [int(code), int(a), int(b), _dtype_code(x.dtype), max_tokens], int(mx))
         plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
-                                  self.align, cap, transport, max_tokens)
+                                  self.align, cap, transport, EXCHANGE_CODES[self.exchange],
+                                  max_tokens)
         if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
             raise error(0, Reason.EQUAL_NONUNIFORM)
         sl = ops.plan_slices(R, self.num_experts)
-        B = ops.row_bytes(transport, x.shape[1] + x.shape[1] // 32 if mx else x.shape[1],
-                          torch.uint8 if mx else x.dtype, topk_idx.shape[1])
         if static:
             # Sizes from the configuration alone: no host read of any count (and, under
-            # torch.compile, no data-dependent shape).
-            L, K = self.num_experts // R, topk_idx.shape[1]
-            cap = max_tokens * (min(K, L) if transport == ops.PAIRS else 1)
-            S = N = R * (1 + cap)
-            M = R * max_tokens * min(K, L) + L * (self.align - 1)
-            bytes_sent = torch.full((R,), (1 + cap) * B, dtype=torch.int64)
+            # torch.compile, no data-dependent shape). docs/design.md, wire format.
+            L, K, H = self.num_experts // R, topk_idx.shape[1], x.shape[1]
+            P = H + H // 32 if mx else H * x.element_size()
+            per = min(K, L)
+            rows = max_tokens * (per if transport == ops.PAIRS else 1)  # data rows per chunk
+            chunk = ops.dispatch_chunk_bytes(transport, P, 1 + rows, 1 + max_tokens * per)
+            SB, N = R * chunk, R * (1 + rows)
+            M = R * max_tokens * per + L * (self.align - 1)
         else:
-            S, N, M = plan[ops.SEND_ROWS : ops.EXPERT_ROWS + 1].tolist()
-            bytes_sent = plan[sl["send_counts"]] * B
+            # The one host read of a dispatch (on CPU the plan is host memory already).
+            SB, N, M = plan[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
+        bytes_sent = plan[sl["send_bytes"]].clone()
 
         def build(expert_x, row_src, row_weight, send_map, recv_map, expert_scale=None,
                   expert_x_hp=None):
@@ -205,14 +210,14 @@ class Dispatcher:
         if mx:
             hp, row_weight, q, scale, row_src, send_map, recv_map = mxfp8.dispatch_mxfp8(
                 x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-                EXCHANGE_CODES[self.exchange], (S, N, M))
+                EXCHANGE_CODES[self.exchange], (SB, N, M))
             return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
         if self.exchange == "lazy":
             return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
                                        transport, M, build)
         return build(*ops.dispatch_tokens(
             x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-            EXCHANGE_CODES[self.exchange], S, N, M))
+            EXCHANGE_CODES[self.exchange], SB, N, M))
 
     # -- combine ----------------------------------------------------------------------------------
 

@@ -54,7 +54,8 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="10 iterations, 2 warm-up rounds, small kernel runs (under 45 s)")
+                    help="10 iterations, 2 warm-up rounds, no padded plain-torch row, no overlap "
+                         "rows, kernels at one thread (under 45 s)")
     ap.add_argument("--json", metavar="PATH", help="write every row and the ratios here")
     ap.add_argument("--plot", metavar="PATH",
                     help="PNG of time against tokens per rank and against world size (runs "
@@ -64,6 +65,10 @@ def parse_args(argv):
                          "with --quick: tokens/4,tokens)")
     ap.add_argument("--sweep-world", type=_ints, default=None,
                     help="world sizes of the sweep (default 2,4,8; with --quick: 2,world)")
+    ap.add_argument("--methods", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+                    default=None, help="comma list of rows (default all; with --quick all but "
+                                       "'plain-torch padded')")
+    ap.add_argument("--overlap", action="store_true", help="run the lazy-exchange rows with --quick")
     ap.add_argument("--no-overlap", action="store_true", help="skip the lazy-exchange rows")
     ap.add_argument("--no-kernels", action="store_true", help="skip the local kernel rows")
     ap.add_argument("--kernel-reps", type=int, default=None,
@@ -73,6 +78,13 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.warmup = 10, 2
+    if args.methods is None:
+        args.methods = [m for m in ALL_METHODS if not (args.quick and m == "plain-torch padded")]
+    unknown = sorted(set(args.methods) - set(ALL_METHODS))
+    if unknown or "epkit dedup" not in args.methods:
+        ap.error(f"--methods: choose from {', '.join(ALL_METHODS)} (epkit dedup always); got {unknown}")
+    if args.quick and not args.overlap:
+        args.no_overlap = True
     if args.kernel_reps is None:
         args.kernel_reps = 10 if args.quick else 30
     if args.iters < 10:
@@ -280,7 +292,7 @@ def main(argv=None) -> int:
     info = machine_info()
     cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
-               timeout=args.timeout, methods=ALL_METHODS, tokens=args.tokens,
+               timeout=args.timeout, methods=tuple(args.methods), tokens=args.tokens,
                token_list=[args.tokens], overlap=not args.no_overlap)
     if args.plot:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]

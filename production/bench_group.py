@@ -124,42 +124,14 @@ def epkit_step(transport, group, E, x, idx, w, grad):
         epkit.combine, x, idx, w, grad)
 
 
-def _padded_a2a_bytes(rows, out_rows, out_splits, in_splits, group):
-    """plain_torch's ``_a2a_bytes`` with the padded exchange: the group agrees on the largest
-    chunk with one 8-byte all_reduce (the adapter does not expose its gathered counts), then
-    epkit.exchange's padded all-to-all (pad, equal-length all_to_all_single, unpad)."""
-    from epkit.exchange import all_to_all
-
-    chunk = torch.tensor([max(list(in_splits) + list(out_splits) + [0])], dtype=torch.int64)
-    dist.all_reduce(chunk, op=dist.ReduceOp.MAX, group=group)
-    return all_to_all(rows, list(in_splits), list(out_splits), group, "padded", int(chunk))
-
-
 def plain_step(padded, group, E, x, idx, w, grad):
-    """The plain-torch baseline; ``padded``: the same path over the padded exchange."""
-    import inspect
+    """The plain-torch baseline; ``padded``: the same path over its padded exchange (every
+    chunk padded to the group-wide largest split, known from its count gather)."""
+    from epkit.verify.plain_torch import PlainTorchDispatcher
 
-    from epkit.verify import plain_torch
-
-    params = inspect.signature(plain_torch.PlainTorchDispatcher).parameters
-    if padded and "exchange" in params:  # the adapter's own padded variant, when it has one
-        pt = plain_torch.PlainTorchDispatcher(group, exchange="padded")
-        padded = False
-    else:
-        pt = plain_torch.PlainTorchDispatcher(group)
-    inner = _train_step(lambda a, b, c: pt.dispatch(a, b, c, num_experts=E),
-                        lambda y, d: pt.combine(y, d), x, idx, w, grad)
-    if not padded:
-        return inner
-
-    def step():
-        real = plain_torch._a2a_bytes
-        plain_torch._a2a_bytes = _padded_a2a_bytes
-        try:
-            return inner()
-        finally:
-            plain_torch._a2a_bytes = real
-    return step
+    pt = PlainTorchDispatcher(group, exchange="padded" if padded else "ragged")
+    return _train_step(lambda a, b, c: pt.dispatch(a, b, c, num_experts=E),
+                       lambda y, d: pt.combine(y, d), x, idx, w, grad)
 
 
 # ---- timing ----------------------------------------------------------------------------------

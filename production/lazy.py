@@ -25,7 +25,7 @@ class _DispatchWait(torch.autograd.Function):
         recv = state["finish"]()
         expert_x, row_src, row_weight, recv_map = C.unpack(
             recv, state["plan"], state["transport"], x.shape[1], x.dtype,
-            state["topk_idx"].shape[1], state["expert_rows"])
+            state["topk_idx"].shape[1], int(state["plan"][ops.RECV_ROWS]), state["expert_rows"])
         ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
         ctx.mark_non_differentiable(row_src, recv_map)
@@ -60,8 +60,8 @@ class PendingDispatch:
 
 def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build):
     send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(plan[ops.RANKS]),
-                            int(plan[ops.SEND_ROWS]))
-    finish = ops._move(send, plan, group_name, 4, reverse=False, async_op=True)
+                            int(plan[ops.SEND_BYTES]))
+    finish = ops._move_dispatch(send, plan, group_name, async_op=True)
     state = dict(finish=finish, plan=plan, transport=transport, topk_idx=topk_idx,
                  expert_rows=expert_rows, send_map=send_map, group_name=group_name)
     return PendingDispatch(x, topk_weights, state, build)
@@ -105,7 +105,7 @@ class PendingCombine:
 def issue_combine(expert_y, d, group_name, transport, weighted):
     rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
                          weighted)
-    finish = ops._move(rows, d._plan, group_name, 4, reverse=True, async_op=True)
+    finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True)
     state = dict(finish=finish, dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

@@ -29,39 +29,36 @@ C = torch.ops.epkit
 
 PAIRS, DEDUP = 0, 1
 TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
-# "lazy" (4) issues the auto exchange asynchronously (epkit/lazy.py); its backward is synchronous.
-# "static" (5) is told apart by the plan (STATIC_CAP >= 0).
-EXCHANGE_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "auto", 5: "equal"}
 
 # Plan layout: mirrors csrc/epkit.h (PlanHeader, PlanOffsets).
 ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
 SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
 RANKS, LOCAL_EXPERTS, EXPERTS = 9, 10, 11
-STATIC_CAP = 16
-PLAN_HEADER = 20
+STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES = range(16, 23)
+PLAN_HEADER = 24
+VARIANT_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "static"}
 WORD_HEADER = 8
 
 
 def plan_size(R: int, E: int) -> int:
-    return PLAN_HEADER + 2 * R + 3 * (E // R) + 1 + R * (E // R) + E
+    return PLAN_HEADER + 6 * R + 3 * (E // R) + 1 + R * (E // R) + E
 
 
 def plan_slices(R: int, E: int) -> dict[str, slice]:
     L = E // R
     at, out = PLAN_HEADER, {}
     for name, n in (("send_counts", R), ("recv_counts", R), ("tokens_per_expert", L),
-                    ("dropped", L), ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E)):
+                    ("dropped", L), ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E),
+                    ("send_bytes", R), ("recv_bytes", R), ("send_slots", R), ("recv_slots", R)):
         out[name] = slice(at, at + n)
         at += n
     return out
 
 
-def meta_bytes(transport: int, K: int) -> int:
-    return 16 if transport == PAIRS else (4 + 8 * K + 15) // 16 * 16
-
-
-def row_bytes(transport: int, H: int, dtype: torch.dtype, K: int) -> int:
-    return H * dtype.itemsize + meta_bytes(transport, K)
+def dispatch_chunk_bytes(transport: int, P: int, rows: int, slots: int) -> int:
+    """Bytes of one dispatch chunk (docs/design.md wire format): pairs rows of ``P + 16``;
+    dedup token rows of ``P + 8`` plus slot rows of 8."""
+    return rows * (P + 16) if transport == PAIRS else rows * (P + 8) + slots * 8
 
 
 # ---- fake kernels of the C++ ops -------------------------------------------------------------
@@ -81,25 +78,24 @@ def _(x, topk_idx, topk_weights, num_experts, num_ranks, pre_error, payload):
 
 
 @torch.library.register_fake("epkit::plan")
-def _(words, rank, num_experts, align, capacity, transport, max_tokens_per_rank):
+def _(words, rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank):
     return words.new_empty((plan_size(words.shape[0], num_experts),))
 
 
 @torch.library.register_fake("epkit::pack")
-def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_rows):
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes):
     T, K = topk_idx.shape
-    B = row_bytes(transport, x.shape[1], x.dtype, K)
     cols = K if transport == PAIRS else num_ranks
-    return x.new_empty((send_rows, B), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
+    return x.new_empty((send_bytes,), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
 
 
 @torch.library.register_fake("epkit::unpack")
-def _(recv, plan, transport, hidden, dtype, topk, expert_rows):
+def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
     cols = 1 if transport == PAIRS else topk
     return (recv.new_empty((expert_rows, hidden), dtype=dtype),
             recv.new_empty((expert_rows, 3), dtype=torch.int64),
             recv.new_empty((expert_rows,), dtype=torch.float32),
-            recv.new_empty((recv.shape[0], cols), dtype=torch.int64))
+            recv.new_empty((recv_rows, cols), dtype=torch.int64))
 
 
 @torch.library.register_fake("epkit::gather_rows")
@@ -141,13 +137,15 @@ def _(back, send_map, topk_idx, num_experts, num_ranks, transport):
 
 # ---- the exchange inside the ops ----------------------------------------------------------
 
-def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int, reverse: bool,
+def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
           async_op: bool = False):
-    """All-to-all of ``buf`` along the plan's counts (``reverse``: expert side -> source side).
-    With ``async_op``, returns a callable that waits and returns the rows."""
+    """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
+    ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
+    and returns the rows."""
     R = int(plan[RANKS])
+    variant = VARIANT_NAMES[int(plan[VARIANT])]
     cap = int(plan[STATIC_CAP])
-    if cap >= 0:  # static: fixed chunks of 1 + cap rows, counts in-band
+    if variant == "static":  # fixed chunks of 1 + cap rows, counts in-band
         send = recv = [1 + cap] * R
         variant = "equal"
     else:
@@ -156,10 +154,19 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int,
         recv = plan[sl["recv_counts"]].tolist()
         if reverse:
             send, recv = recv, send
-        variant = EXCHANGE_NAMES[exchange]
-        if variant == "auto":
-            variant = "equal" if int(plan[UNIFORM]) else "ragged"
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
+                      async_op=async_op)
+
+
+def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False):
+    """The dispatch exchange: ``buf`` holds this rank's chunks back to back as bytes, already in
+    the variant's layout (pack pads), so only ragged needs split sizes."""
+    R = int(plan[RANKS])
+    sl = plan_slices(R, int(plan[EXPERTS]))
+    send = plan[sl["send_bytes"]].tolist()
+    recv = plan[sl["recv_bytes"]].tolist()
+    variant = "ragged" if int(plan[VARIANT]) == 0 else "equal"
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant, send[0] if R else 0,
                       async_op=async_op)
 
 
@@ -167,7 +174,8 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, exchange: int,
 
 @torch.library.custom_op("epkit::count_exchange", mutates_args=())
 def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
-                   capacity: int, transport: int, max_tokens_per_rank: int) -> torch.Tensor:
+                   capacity: int, transport: int, exchange: int,
+                   max_tokens_per_rank: int) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
@@ -179,7 +187,7 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group)
-    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport,
+    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport, exchange,
                   max_tokens_per_rank)
     code = int(plan[ERR_CODE])
     if code:
@@ -188,7 +196,8 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
 
 
 @count_exchange.register_fake
-def _(words, group_name, rank, num_experts, align, capacity, transport, max_tokens_per_rank):
+def _(words, group_name, rank, num_experts, align, capacity, transport, exchange,
+      max_tokens_per_rank):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -200,19 +209,19 @@ def _(words, group_name, rank, num_experts, align, capacity, transport, max_toke
 @torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
 def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     plan: torch.Tensor, group_name: str, transport: int, exchange: int,
-                    send_rows: int, recv_rows: int, expert_rows: int
+                    send_bytes: int, recv_rows: int, expert_rows: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``."""
-    R = int(plan[9])
-    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, R, send_rows)
-    recv = _move(send, plan, group_name, exchange, reverse=False)
+    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(plan[RANKS]),
+                            send_bytes)
+    recv = _move_dispatch(send, plan, group_name)
     expert_x, row_src, row_weight, recv_map = C.unpack(
-        recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], expert_rows)
+        recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
     return expert_x, row_src, row_weight, send_map, recv_map
 
 
 @dispatch_tokens.register_fake
-def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_rows, recv_rows,
+def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_bytes, recv_rows,
       expert_rows):
     import torch.distributed as dist
 
@@ -237,15 +246,15 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
-    R, E = int(plan[9]), int(plan[11])
+    R, E = int(plan[RANKS]), int(plan[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
-    back = _move(back_rows, plan, group_name, exchange, reverse=True)
+    back = _move(back_rows, plan, group_name, reverse=True)
     grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32)
     vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
-    back_w = _move(vals, plan, group_name, exchange, reverse=True)
+    back_w = _move(vals, plan, group_name, reverse=True)
     return grad_x, C.scatter_slot_values(back_w, send_map, topk_idx, E, R, transport)
 
 
@@ -289,9 +298,9 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     rank; pairs: the expert side sends each slot's row and the source forms the same partials
     (with its own copy of the weights, bit-identical to ``row_weight``).
     """
-    R, E = int(plan[9]), int(plan[11])
+    R, E = int(plan[RANKS]), int(plan[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
-    back = _move(rows, plan, group_name, exchange, reverse=True)
+    back = _move(rows, plan, group_name, reverse=True)
     return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
                            out_dtype)
 
@@ -313,7 +322,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
     recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(plan[SEND_ROWS]))
-    recv = _move(recv_rows, plan, group_name, exchange, reverse=False)
+    recv = _move(recv_rows, plan, group_name, reverse=False)
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 

@@ -23,10 +23,7 @@ constexpr int64_t kDedup = 1;  // one row per (token, destination rank) (DeepEP 
 
 // ---- wire format (docs/design.md) -------------------------------------------------------
 constexpr int64_t kPairsMetaBytes = 16;  // int32 t, int32 k, int32 j, float32 w
-inline int64_t dedup_meta_bytes(int64_t K) { return (4 + 8 * K + 15) / 16 * 16; }
-inline int64_t meta_bytes(int64_t transport, int64_t K) {
-  return transport == kPairs ? kPairsMetaBytes : dedup_meta_bytes(K);
-}
+
 
 // ---- count-exchange words (one row per rank after the all-gather) ------------------------
 // [error code, a, b, T, H, K, dtype code, payload code | tokens_per_expert (E) | tokens_per_rank (R)]
@@ -39,10 +36,22 @@ enum PlanHeader : int64_t {
   kSendRows, kRecvRows, kExpertRows, kUniform, kMaxChunk,
   kRanks, kLocalExperts, kExperts, kTransport, kCapacity, kAlign, kTopK,
   kStaticCap,  // rows per chunk of the static exchange (-1: not static); chunk = 1 + cap rows
-  kPlanHeader = 20
+  kVariant,      // the exchange that runs: kRagged, kPadded, kEqual, kStatic
+  kPayloadBytes, // P: bytes of one token's payload
+  kTokCap,       // dispatch chunks of fixed layout: rows of the token (pairs: slot) section
+  kSlotCap,      // ... rows of the dedup slot section (headers included; -1 when ragged)
+  kSendBytes, kRecvBytes,  // the dispatch exchange, in bytes
+  kPlanHeader = 24
 };
+enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };
+// Requested exchange codes (epkit/exchange.py CODES).
+enum Requested : int64_t { kReqRagged = 0, kReqPadded = 1, kReqEqual = 2, kReqAuto = 3,
+                           kReqLazy = 4, kReqStatic = 5 };
+constexpr int64_t kSlotRowBytes = 8;    // dedup slot row: int32 (k << 24 | j), float32 w
+constexpr int64_t kDedupTokMeta = 8;    // dedup token row meta: int32 t, int32 n
 struct PlanOffsets {
-  int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept, size;
+  int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept,
+      send_bytes, recv_bytes, send_slots, recv_slots, size;
   PlanOffsets(int64_t R, int64_t E) {
     const int64_t L = E / R;
     send_counts = kPlanHeader;
@@ -52,7 +61,11 @@ struct PlanOffsets {
     offsets = dropped + L;
     recv_kept = offsets + L + 1;
     own_kept = recv_kept + R * L;
-    size = own_kept + E;
+    send_bytes = own_kept + E;
+    recv_bytes = send_bytes + R;
+    send_slots = recv_bytes + R;
+    recv_slots = send_slots + R;
+    size = recv_slots + R;
   }
 };
 
@@ -63,13 +76,15 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
                    int64_t num_experts, int64_t num_ranks, at::IntArrayRef pre_error,
                    int64_t payload);
 Tensor plan_cpu(const Tensor& words, int64_t rank, int64_t num_experts, int64_t align,
-                int64_t capacity, int64_t transport, int64_t max_tokens_per_rank);
+                int64_t capacity, int64_t transport, int64_t exchange,
+                int64_t max_tokens_per_rank);
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan, int64_t transport,
                                     int64_t num_ranks, c10::SymInt send_rows);
 std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv, const Tensor& plan,
                                                       int64_t transport, int64_t hidden,
                                                       at::ScalarType dtype, int64_t topk,
+                                                      c10::SymInt recv_rows,
                                                       c10::SymInt expert_rows);
 Tensor gather_rows_cpu(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
                        int64_t transport, bool weighted);

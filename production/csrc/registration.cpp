@@ -11,11 +11,11 @@ TORCH_LIBRARY(epkit, m) {
   m.def("prepare(Tensor x, Tensor topk_idx, Tensor topk_weights, int num_experts, int num_ranks, "
         "int[] pre_error, int payload) -> Tensor");
   m.def("plan(Tensor words, int rank, int num_experts, int align, int capacity, int transport, "
-        "int max_tokens_per_rank) -> Tensor");
+        "int exchange, int max_tokens_per_rank) -> Tensor");
   m.def("pack(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, int num_ranks, "
-        "SymInt send_rows) -> (Tensor, Tensor)");
+        "SymInt send_bytes) -> (Tensor, Tensor)");
   m.def("unpack(Tensor recv, Tensor plan, int transport, int hidden, ScalarType dtype, int topk, "
-        "SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
+        "SymInt recv_rows, SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted) -> Tensor");
   m.def("reduce_tokens(Tensor back, Tensor send_map, Tensor topk_idx, Tensor topk_weights, int num_experts, "
         "int num_ranks, int transport, bool weighted, ScalarType out_dtype) -> Tensor");

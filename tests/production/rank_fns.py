@@ -86,19 +86,20 @@ def opcheck_all(group, rank):
     checked = []
     for transport in (ops.PAIRS, ops.DEDUP):
         words = C.prepare(x, idx, w, E, 1, [0, 0, 0, 1], 0)
-        plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport, -1)
-        S, N, M = plan[ops.SEND_ROWS: ops.EXPERT_ROWS + 1].tolist()
-        send, send_map = C.pack(x, idx, w, plan, transport, 1, S)
-        ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, M)
+        plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport, 0, -1)
+        SB, S, N, M = plan[[ops.SEND_BYTES, ops.SEND_ROWS, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
+        send, send_map = C.pack(x, idx, w, plan, transport, 1, SB)
+        ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, N, M)
         y = torch.randn(M, H)
         back = C.gather_rows(y, recv_map, rw, transport, True)
         calls = [
             (C.layout, (idx, E, 1)),
             (C.prepare, (x, idx, w, E, 1, [0, 0, 0, 1], 0)),
-            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, -1)),
-            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, T)),
-            (C.pack, (x, idx, w, plan, transport, 1, S)),
-            (C.unpack, (send, plan, transport, H, x.dtype, K, M)),
+            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, 0, -1)),
+            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, 1, -1)),
+            (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, 5, T)),
+            (C.pack, (x, idx, w, plan, transport, 1, SB)),
+            (C.unpack, (send, plan, transport, H, x.dtype, K, N, M)),
             (C.gather_rows, (y, recv_map, rw, transport, True)),
             (C.reduce_tokens, (back, send_map, idx, w, E, 1, transport, True, x.dtype)),
             (C.scatter_rows, (x, send_map, S)),
@@ -107,9 +108,9 @@ def opcheck_all(group, rank):
             (C.quantize_mxfp8, (torch.randn(3, 64),)),
             (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
             (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
-            (C.count_exchange, (words, gname, 0, E, 2, -1, transport, -1)),
+            (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
             (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
-                                 transport, 0, S, N, M)),
+                                 transport, 0, SB, N, M)),
             (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),
                                 send_map, recv_map, plan, gname, transport, 0, True, x.dtype)),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,

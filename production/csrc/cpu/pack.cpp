@@ -13,7 +13,7 @@ namespace epkit {
 
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan_t,
-                                    int64_t transport, int64_t num_ranks, c10::SymInt send_rows) {
+                                    int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
@@ -22,32 +22,49 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   TORCH_CHECK(num_ranks == R, "epkit.pack: num_ranks disagrees with the plan");
   const PlanOffsets o(R, E);
   const int64_t T = idx.size(0), K = idx.size(1);
-  const int64_t payload = x.size(1) * x.element_size();
-  const int64_t B = payload + meta_bytes(transport, K);
-  const int64_t S = send_rows.expect_int();
-  TORCH_CHECK(S == plan[kSendRows], "epkit.pack: send_rows disagrees with the plan");
-
-  const int64_t cap = static_cap(plan);
-  // Static: gaps stay zero, and every chunk's first row carries its count in-band.
-  Tensor send = cap >= 0 ? at::zeros({S, B}, at::kByte) : at::empty({S, B}, at::kByte);
-  std::vector<int64_t> chunk_start(R, 0);  // compact start of chunk d
-  for (int64_t d = 1; d < R; ++d) chunk_start[d] = chunk_start[d - 1] + plan[o.send_counts + d - 1];
-  // Row of the i-th row of chunk d in the send buffer.
-  auto place = [&](int64_t d, int64_t i) {
-    return cap >= 0 ? d * (1 + cap) + 1 + i : chunk_start[d] + i;
-  };
-  if (cap >= 0)
-    for (int64_t d = 0; d < R; ++d)
-      put<int64_t>(send.data_ptr<uint8_t>() + d * (1 + cap) * B, plan[o.send_counts + d]);
-  const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = wt.data_ptr<float>();
+  const int64_t P = x.size(1) * x.element_size();
+  TORCH_CHECK(P == plan[kPayloadBytes], "epkit.pack: payload of ", P, " bytes, the plan says ",
+              plan[kPayloadBytes]);
+  const bool pairs = transport == kPairs;
+  const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
+  const int64_t SB = send_bytes.expect_int();
+  TORCH_CHECK(SB == plan[kSendBytes], "epkit.pack: send_bytes disagrees with the plan");
+  const int64_t cap = static_cap(plan), tokcap = plan[kTokCap], slotcap = plan[kSlotCap];
   const int64_t* own_kept = plan + o.own_kept;
 
-  // Serial index pass (integers only): which slots are kept, and where each row goes.
+  // Chunk d: [token (pairs: slot) section | dedup slot section], each a run of fixed-size rows;
+  // under the static exchange each section opens with a header row carrying its count in-band.
+  Tensor send = tokcap >= 0 ? at::zeros({SB}, at::kByte) : at::empty({SB}, at::kByte);
+  uint8_t* sb = send.data_ptr<uint8_t>();
+  std::vector<int64_t> chunk(R + 1, 0), slot_sec(R), row_start(R, 0);
+  for (int64_t d = 0; d < R; ++d) {
+    chunk[d + 1] = chunk[d] + plan[o.send_bytes + d];
+    const int64_t tok_rows = tokcap >= 0 ? tokcap : plan[o.send_counts + d];
+    slot_sec[d] = chunk[d] + tok_rows * B + (cap >= 0 ? kSlotRowBytes : 0);
+    if (d > 0) row_start[d] = row_start[d - 1] + plan[o.send_counts + d - 1];
+    if (cap >= 0) {
+      put<int64_t>(sb + chunk[d], plan[o.send_counts + d]);
+      if (!pairs) put<int64_t>(sb + slot_sec[d] - kSlotRowBytes, plan[o.send_slots + d]);
+    }
+  }
+  const int64_t hdr = cap >= 0 ? 1 : 0;
+  // Byte offset of data row i of chunk d; and its row in the row space that combine and the
+  // backward passes exchange (compact, or static chunks of 1 + cap rows).
+  auto byte_of = [&](int64_t d, int64_t i) { return chunk[d] + (hdr + i) * B; };
+  auto row_of = [&](int64_t d, int64_t i) {
+    return cap >= 0 ? d * (1 + cap) + 1 + i : row_start[d] + i;
+  };
+
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = wt.data_ptr<float>();
+  // Serial index pass (integers only): kept slots, and the row of each slot (pairs) or of each
+  // (token, rank) with the start of its slot rows (dedup).
   std::vector<int64_t> cursor(E, 0);
   std::vector<uint8_t> kept(T * K, 0);
+  std::vector<int64_t> slot_at;  // dedup: [T, R] index of the first slot row of (t, d)
+  std::vector<int64_t> local(R, 0);  // rows of chunk d so far
   Tensor send_map;
-  if (transport == kPairs) {
+  if (pairs) {
     send_map = at::full({T, K}, -1, at::kLong);
     int64_t* mp = send_map.data_ptr<int64_t>();
     std::vector<int64_t> start(E + 1, 0);
@@ -57,56 +74,62 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
         const int64_t r = cursor[e]++;
-        if (r < own_kept[e]) mp[t * K + k] = place(e / L, start[e] + r - chunk_start[e / L]);
+        if (r < own_kept[e]) mp[t * K + k] = start[e] + r - start[e / L * L];  // index in chunk
       }
   } else {
     send_map = at::full({T, R}, -1, at::kLong);
     int64_t* mp = send_map.data_ptr<int64_t>();
-    std::vector<int64_t> next(R, 0);  // rows of chunk d so far
+    slot_at.assign(T * R, 0);
+    std::vector<int64_t> nslot(R, 0);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
-        kept[t * K + k] = cursor[e]++ < own_kept[e];
-        int64_t& slot = mp[t * R + e / L];
-        if (slot < 0) slot = place(e / L, next[e / L]++);  // rows of rank d in token order
+        const int64_t d = e / L;
+        const bool keep = cursor[e]++ < own_kept[e];
+        kept[t * K + k] = keep;
+        if (mp[t * R + d] < 0) { mp[t * R + d] = local[d]++; slot_at[t * R + d] = nslot[d]; }
+        nslot[d] += keep;
       }
   }
 
   // Parallel payload pass: each token writes its own rows, no two tokens share one.
   const uint8_t* xb = static_cast<const uint8_t*>(x.data_ptr());
-  uint8_t* sb = send.data_ptr<uint8_t>();
-  const int64_t* mp = send_map.data_ptr<int64_t>();
+  int64_t* mp = send_map.data_ptr<int64_t>();
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* src = xb + t * payload;
-      if (transport == kPairs) {
+      const uint8_t* src = xb + t * P;
+      if (pairs) {
         for (int64_t k = 0; k < K; ++k) {
-          const int64_t r = mp[t * K + k];
-          if (r < 0) continue;
-          uint8_t* row = sb + r * B;
-          copy_row(row, src, payload);
-          const int64_t e = ip[t * K + k];
-          put<int32_t>(row + payload, static_cast<int32_t>(t));
-          put<int32_t>(row + payload + 4, static_cast<int32_t>(k));
-          put<int32_t>(row + payload + 8, static_cast<int32_t>(e % L));
-          put<float>(row + payload + 12, wp[t * K + k]);
+          int64_t& i = mp[t * K + k];
+          if (i < 0) continue;
+          const int64_t e = ip[t * K + k], d = e / L;
+          uint8_t* row = sb + byte_of(d, i);
+          copy_row(row, src, P);
+          put<int32_t>(row + P, static_cast<int32_t>(t));
+          put<int32_t>(row + P + 4, static_cast<int32_t>(k));
+          put<int32_t>(row + P + 8, static_cast<int32_t>(e % L));
+          put<float>(row + P + 12, wp[t * K + k]);
+          i = row_of(d, i);
         }
       } else {
         for (int64_t d = 0; d < R; ++d) {
-          const int64_t r = mp[t * R + d];
-          if (r < 0) continue;
-          uint8_t* row = sb + r * B;
-          copy_row(row, src, payload);
-          uint8_t* meta = row + payload;
-          std::memset(meta, 0, B - payload);
-          put<int32_t>(meta, static_cast<int32_t>(t));
+          int64_t& i = mp[t * R + d];
+          if (i < 0) continue;
+          uint8_t* row = sb + byte_of(d, i);
+          copy_row(row, src, P);
+          int32_t n = 0;
+          uint8_t* slot = sb + slot_sec[d] + slot_at[t * R + d] * kSlotRowBytes;
           for (int64_t k = 0; k < K; ++k) {
             const int64_t e = ip[t * K + k];
-            const bool here = e >= 0 && e / L == d && kept[t * K + k];
-            put<int32_t>(meta + 4 + 4 * k, here ? static_cast<int32_t>(e % L) : -1);
-            put<float>(meta + 4 + 4 * K + 4 * k, here ? wp[t * K + k] : 0.0f);
+            if (e < 0 || e / L != d || !kept[t * K + k]) continue;
+            put<int32_t>(slot + n * kSlotRowBytes, static_cast<int32_t>((k << 24) | (e % L)));
+            put<float>(slot + n * kSlotRowBytes + 4, wp[t * K + k]);
+            ++n;
           }
+          put<int32_t>(row + P, static_cast<int32_t>(t));
+          put<int32_t>(row + P + 4, n);
+          i = row_of(d, i);
         }
       }
     }

@@ -12,7 +12,7 @@ constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
 }
 
 Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
-                int64_t capacity, int64_t transport, int64_t max_tokens) {
+                int64_t capacity, int64_t transport, int64_t exchange, int64_t max_tokens) {
   const Tensor words = words_in.contiguous();
   TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
               "epkit.plan: words must be [R, 8 + E + R]");
@@ -55,22 +55,24 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
       prefix[e] += c;
     }
 
-  // 3. Rows from s to d, for every pair (uniformity and the padded chunk need all of them).
-  auto rows = [&](int64_t s, int64_t d) {
-    if (transport == kDedup) return tpr(s, d);
+  // 3. Rows (and dedup slot rows) from s to d, for every pair: uniformity and the padded
+  //    chunks need all of them.
+  auto slots = [&](int64_t s, int64_t d) {
     int64_t n = 0;
     for (int64_t j = 0; j < L; ++j) n += kept[s * E + d * L + j];
     return n;
   };
-  int64_t first = -1, maxchunk = 0, uniform = 1, S = 0, N = 0;
+  auto rows = [&](int64_t s, int64_t d) { return transport == kDedup ? tpr(s, d) : slots(s, d); };
+  int64_t maxrows = 0, maxslots = 0, uniform = 1, S = 0, N = 0;
+  const int64_t rows00 = rows(0, 0), slots00 = slots(0, 0);
   for (int64_t s = 0; s < R; ++s)
     for (int64_t d = 0; d < R; ++d) {
-      const int64_t n = rows(s, d);
-      if (first < 0) first = n;
-      uniform &= (n == first);
-      maxchunk = std::max(maxchunk, n);
-      if (s == rank) { p[o.send_counts + d] = n; S += n; }
-      if (d == rank) { p[o.recv_counts + s] = n; N += n; }
+      const int64_t n = rows(s, d), sl = slots(s, d);
+      uniform &= (n == rows00) && (transport == kPairs || sl == slots00);
+      maxrows = std::max(maxrows, n);
+      maxslots = std::max(maxslots, sl);
+      if (s == rank) { p[o.send_counts + d] = n; p[o.send_slots + d] = sl; S += n; }
+      if (d == rank) { p[o.recv_counts + s] = n; p[o.recv_slots + s] = sl; N += n; }
     }
 
   // 4. This rank's experts: kept and dropped counts, padded offsets, kept per source.
@@ -92,17 +94,47 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   for (int64_t e = 0; e < E; ++e) p[o.own_kept + e] = kept[rank * E + e];
 
   p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
-  p[kUniform] = uniform; p[kMaxChunk] = maxchunk;
-  if (max_tokens >= 0) {
-    // Static exchange: sizes that depend only on (R, K, L, align, max_tokens), never on routing.
-    const int64_t K = p[kTopK], per = std::min(K, L);
+  p[kUniform] = uniform; p[kMaxChunk] = maxrows;
+
+  // 5. The exchange that runs, and the dispatch chunks in bytes (docs/design.md, wire format).
+  const int64_t H = row(0)[4], K = p[kTopK], per = std::min(K, L);
+  const int64_t itemsize = row(0)[6] == 2 ? 2 : 4;  // dtype code 2: bfloat16; else float32
+  const int64_t P = row(0)[7] ? H + H / 32 : H * itemsize;  // payload 1: MXFP8 bytes + codes
+  const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
+  p[kPayloadBytes] = P;
+  int64_t variant = kRagged;
+  if (max_tokens >= 0 || exchange == kReqStatic) variant = kStatic;
+  else if (exchange == kReqPadded) variant = kPadded;
+  else if (exchange == kReqEqual || ((exchange == kReqAuto || exchange == kReqLazy) && uniform))
+    variant = kEqual;
+  p[kVariant] = variant;
+  int64_t tokcap = -1, slotcap = -1;
+  if (variant == kStatic) {
+    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing.
     const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
     p[kStaticCap] = cap;
     p[kSendRows] = p[kRecvRows] = R * (1 + cap);
     p[kMaxChunk] = 1 + cap;
-    p[kUniform] = 1;
     p[kExpertRows] = R * max_tokens * per + L * (align - 1);
+    tokcap = 1 + cap;
+    slotcap = 1 + max_tokens * per;
+  } else if (variant != kRagged) {
+    tokcap = maxrows;
+    slotcap = maxslots;
   }
+  p[kTokCap] = tokcap;
+  p[kSlotCap] = transport == kDedup ? slotcap : -1;
+  auto chunk_bytes = [&](int64_t nrows, int64_t nslots) {
+    if (tokcap >= 0) { nrows = tokcap; nslots = slotcap; }
+    return nrows * B + (transport == kDedup ? nslots * kSlotRowBytes : 0);
+  };
+  int64_t SB = 0, RB = 0;
+  for (int64_t d = 0; d < R; ++d) {
+    SB += p[o.send_bytes + d] = chunk_bytes(p[o.send_counts + d], p[o.send_slots + d]);
+    RB += p[o.recv_bytes + d] = chunk_bytes(p[o.recv_counts + d], p[o.recv_slots + d]);
+  }
+  p[kSendBytes] = SB;
+  p[kRecvBytes] = RB;
   return plan;
 }
 

@@ -13,68 +13,86 @@ namespace epkit {
 std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, const Tensor& plan_t,
                                                       int64_t transport, int64_t H,
                                                       at::ScalarType dtype, int64_t K,
+                                                      c10::SymInt recv_rows,
                                                       c10::SymInt expert_rows) {
   const Tensor recv = recv_in.contiguous();
   const int64_t* plan = plan_t.data_ptr<int64_t>();
   const int64_t R = plan[kRanks], E = plan[kExperts], L = plan[kLocalExperts];
   const PlanOffsets o(R, E);
-  const int64_t M = expert_rows.expect_int(), N = recv.size(0);
+  const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
   TORCH_CHECK(M == plan[kExpertRows], "epkit.unpack: expert_rows disagrees with the plan");
-  const int64_t payload = H * c10::elementSize(dtype);
-  const int64_t B = payload + meta_bytes(transport, K);
-  TORCH_CHECK(recv.size(1) == B, "epkit.unpack: received rows have ", recv.size(1),
-              " bytes, expected ", B);
+  TORCH_CHECK(N == plan[kRecvRows], "epkit.unpack: recv_rows disagrees with the plan");
+  TORCH_CHECK(recv.dim() == 1 && recv.numel() == plan[kRecvBytes], "epkit.unpack: received ",
+              recv.numel(), " bytes, the plan says ", plan[kRecvBytes]);
+  const bool pairs = transport == kPairs;
+  const int64_t P = H * c10::elementSize(dtype);
+  const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
+  const int64_t cap = static_cap(plan), tokcap = plan[kTokCap];
   const int64_t* recv_kept = plan + o.recv_kept;
   const int64_t* offsets = plan + o.offsets;
+  const uint8_t* rb = recv.data_ptr<uint8_t>();
 
   Tensor expert_x = at::zeros({M, H}, at::TensorOptions().dtype(dtype));
   Tensor row_src = at::full({M, 3}, -1, at::kLong);
   Tensor row_weight = at::zeros({M}, at::kFloat);
-  const int64_t C = transport == kPairs ? 1 : K;
+  const int64_t C = pairs ? 1 : K;
   Tensor recv_map = at::full({N, C}, -1, at::kLong);
   int64_t* mp = recv_map.data_ptr<int64_t>();
-  const uint8_t* rb = recv.data_ptr<uint8_t>();
 
-  // The received rows that carry data, in order (`rows[n]`: buffer row of the n-th), and the
-  // source rank of each. Chunks arrive in rank order; under the static exchange chunk s sits at
-  // s * (1 + cap), its count in-band in its first row.
-  const int64_t cap = static_cap(plan);
-  std::vector<int64_t> rows, src_rank;
-  for (int64_t s = 0, at = 0; s < R; ++s) {
-    int64_t count = plan[o.recv_counts + s];
+  // Every received data row, in order: its bytes, its row in the row space (compact, or static
+  // chunks of 1 + cap rows), its source rank, and (dedup) where its slot rows start. Under the
+  // static exchange each section's count travels in-band in its header row.
+  struct Row { const uint8_t* bytes; int64_t row, src; const uint8_t* slots; };
+  std::vector<Row> rows;
+  for (int64_t s = 0, chunk = 0, compact = 0; s < R; ++s) {
+    const int64_t count = plan[o.recv_counts + s], nslots = plan[o.recv_slots + s];
+    const int64_t hdr = cap >= 0 ? 1 : 0;
+    const int64_t tok_rows = tokcap >= 0 ? tokcap : count;
+    const uint8_t* slot_sec = rb + chunk + tok_rows * B;
     if (cap >= 0) {
-      at = s * (1 + cap);
-      const int64_t inband = get<int64_t>(rb + at * B);
+      const int64_t inband = get<int64_t>(rb + chunk);
       TORCH_CHECK(inband == count, "epkit.unpack: chunk from rank ", s, " carries count ", inband,
                   ", the plan says ", count);
-      ++at;
+      if (!pairs)
+        TORCH_CHECK(get<int64_t>(slot_sec) == nslots, "epkit.unpack: slot section from rank ", s,
+                    " carries count ", get<int64_t>(slot_sec), ", the plan says ", nslots);
+      slot_sec += kSlotRowBytes;
     }
-    for (int64_t i = 0; i < count; ++i) { rows.push_back(at++); src_rank.push_back(s); }
+    int64_t slot = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const uint8_t* bytes = rb + chunk + (hdr + i) * B;
+      const int64_t row = cap >= 0 ? s * (1 + cap) + 1 + i : compact + i;
+      rows.push_back({bytes, row, s, slot_sec + slot * kSlotRowBytes});
+      if (!pairs) slot += get<int32_t>(bytes + P + 4);
+    }
+    TORCH_CHECK(pairs || slot == nslots, "epkit.unpack: rank ", s, " sent ", slot,
+                " slots, the plan says ", nslots);
+    compact += count;
+    chunk += plan[o.recv_bytes + s];
   }
   const int64_t Nd = static_cast<int64_t>(rows.size());
 
   // Serial index pass: the expert-major row of every received slot.
-  if (transport == kPairs) {
+  if (pairs) {
     // Chunk of s holds blocks (s, j) for j ascending; expert j takes blocks s = 0, 1, ...
-    std::vector<int64_t> base(L);
-    for (int64_t j = 0; j < L; ++j) base[j] = offsets[j];
+    std::vector<int64_t> base(offsets, offsets + L);
     int64_t n = 0;
     for (int64_t s = 0; s < R; ++s)
       for (int64_t j = 0; j < L; ++j) {
         const int64_t c = recv_kept[s * L + j];
-        for (int64_t i = 0; i < c; ++i, ++n) mp[rows[n]] = base[j] + i;
+        for (int64_t i = 0; i < c; ++i, ++n) mp[rows[n].row] = base[j] + i;
         base[j] += c;
       }
     TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
   } else {
     std::vector<int64_t> cursor(offsets, offsets + L);
-    for (int64_t n = 0; n < Nd; ++n) {
-      const uint8_t* meta = rb + rows[n] * B + payload;
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t j = get<int32_t>(meta + 4 + 4 * k);
-        if (j < 0) continue;
-        TORCH_CHECK(j < L, "epkit.unpack: corrupt local expert id ", j);
-        mp[rows[n] * K + k] = cursor[j]++;
+    for (const Row& r : rows) {
+      const int32_t n = get<int32_t>(r.bytes + P + 4);
+      for (int32_t i = 0; i < n; ++i) {
+        const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
+        const int64_t k = packed >> 24, j = packed & 0xFFFFFF;
+        TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
+        mp[r.row * K + k] = cursor[j]++;
       }
     }
     for (int64_t j = 0; j < L; ++j)
@@ -88,22 +106,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   float* wp = row_weight.data_ptr<float>();
   at::parallel_for(0, Nd, kRowGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = rb + rows[n] * B;
-      const uint8_t* meta = row + payload;
+      const Row& r = rows[n];
+      const uint8_t* meta = r.bytes + P;
       const int64_t t = get<int32_t>(meta);
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t m = mp[rows[n] * C + c];
-        if (m < 0) continue;
-        copy_row(xb + m * payload, row, payload);
-        sp[m * 3 + 0] = src_rank[n];
-        sp[m * 3 + 1] = t;
-        if (transport == kPairs) {
-          sp[m * 3 + 2] = get<int32_t>(meta + 4);
-          wp[m] = get<float>(meta + 12);
-        } else {
-          sp[m * 3 + 2] = c;
-          wp[m] = get<float>(meta + 4 + 4 * K + 4 * c);
-        }
+      if (pairs) {
+        const int64_t m = mp[r.row];
+        copy_row(xb + m * P, r.bytes, P);
+        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = get<int32_t>(meta + 4);
+        wp[m] = get<float>(meta + 12);
+        continue;
+      }
+      const int32_t cnt = get<int32_t>(meta + 4);
+      for (int32_t i = 0; i < cnt; ++i) {
+        const uint8_t* slot = r.slots + i * kSlotRowBytes;
+        const int64_t k = get<int32_t>(slot) >> 24, m = mp[r.row * K + k];
+        copy_row(xb + m * P, r.bytes, P);
+        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = k;
+        wp[m] = get<float>(slot + 4);
       }
     }
   });
