@@ -30,12 +30,14 @@ TRANSPORTS = ("pairs", "dedup")
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 PAYLOADS = ("mxfp8",)
 
-PAIRS_META_BYTES = 16  # int32 t, int32 k, int32 j, float32 w
-
-
-def dedup_meta_bytes(topk: int) -> int:
-    """``ceil16(4 + 8K)``: int32 t, K x int32 local id, K x float32 weight, zero-padded."""
-    return -(-(4 + 8 * topk) // 16) * 16
+# Wire format (docs/design.md): pairs rows are ``payload | int32 t, int32 k, int32 j, float32 w``;
+# dedup moves two sections, token rows ``payload | int32 t, int32 n`` (n: the token's kept slots
+# on the destination) and slot rows ``int32 (k << 24 | j), float32 w``.
+PAIRS_META_BYTES = 16        # int32 t, int32 k, int32 j, float32 w
+DEDUP_TOKEN_META_BYTES = 8   # int32 t, int32 n
+DEDUP_SLOT_ROW_BYTES = 8     # int32 (k << 24 | j), float32 w
+DEDUP_MAX_TOPK = 255         # k fits the slot row's top 8 bits
+DEDUP_MAX_LOCAL = 1 << 24    # j < 2**24 fits its low 24 bits
 
 
 def dtype_code(dt) -> int:

@@ -17,6 +17,11 @@ same bytes; they differ in what travels:
             the plan. A count above ``cap`` is an InputError (STATIC_OVERFLOW)
     auto    equal when the plan is uniform, else ragged
 
+A transport may move several sections (dedup: token rows and slot rows), each one exchange of
+its own rows with its own counts and, under static, its own ``cap``. The variant is decided
+once for the plan (``resolve`` with every section's counts): equal needs every section
+uniform (each with its own count), and auto picks equal only then.
+
 The diagonal chunk (s == d) is the local copy; it is counted in the bytes like the others.
 Backward of an exchange is the exchange with the counts transposed (send <-> receive).
 """
@@ -37,12 +42,17 @@ def is_uniform(counts: np.ndarray) -> bool:
     return bool((counts == counts.flat[0]).all())
 
 
-def resolve(variant: str, counts: np.ndarray) -> str:
-    """The variant that runs: ``auto`` -> equal or ragged; ``equal`` on a non-uniform plan raises."""
+def resolve(variant: str, *counts: np.ndarray) -> str:
+    """The variant that runs for a plan whose sections have the given [R, R] count matrices:
+    ``auto`` -> equal when every section is uniform, else ragged; ``equal`` with a section that
+    is not uniform raises EQUAL_NONUNIFORM, naming the lowest rank with a count that differs
+    from its section's ``[0][0]`` (over all sections)."""
+    uniform = all(is_uniform(c) for c in counts)
     if variant == "auto":
-        return "equal" if is_uniform(counts) else "ragged"
-    if variant == "equal" and not is_uniform(counts):
-        rank = int(np.flatnonzero((counts != counts.flat[0]).any(axis=1))[0])
+        return "equal" if uniform else "ragged"
+    if variant == "equal" and not uniform:
+        rank = min(int(np.flatnonzero((c != c.flat[0]).any(axis=1))[0])
+                   for c in counts if not is_uniform(c))
         raise error(rank, Reason.EQUAL_NONUNIFORM)
     if variant not in VARIANTS:
         raise ValueError(f"epkit.reference: unknown exchange variant {variant!r}")

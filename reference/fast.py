@@ -9,8 +9,10 @@ dispatch
     A stable sort of the used slots by expert puts every expert's slots in canonical order
     (s, then t) - a slot's rank within its expert decides capacity; its padded position is
     ``expert_offsets[j] + rank``. With ``transport`` set, the result is the canonical one (the
-    clear tier proves every transport gives it bit for bit) plus ``bytes_sent`` from the plan;
-    the same InputErrors are raised (EQUAL_NONUNIFORM, STATIC_OVERFLOW, ...).
+    clear tier proves every transport gives it bit for bit) plus ``bytes_sent`` from the plan
+    (the clear tier's own accounting, transport.dispatch_bytes_of: every section of the wire
+    format, dedup's token rows and slot rows, as its exchange variant moves it); the same
+    InputErrors are raised (EQUAL_NONUNIFORM over both dedup sections, STATIC_OVERFLOW, ...).
 
 combine / dispatch_backward
     Destination ranks in ascending order; on each, the partial sums of all its tokens at once,

@@ -1,50 +1,64 @@
 """Transports: dispatch, combine and the backward passes carried out for real, byte for byte.
 
 A transport decides what rows travel; an exchange variant (exchange.py) moves them. Every row
-is raw bytes ``payload | meta`` (little-endian), as docs/design.md's wire format says:
+is raw bytes (little-endian), as docs/design.md's wire format says. ``P`` is the payload,
+``H * itemsize(x)``, or under MXFP8 ``H`` E4M3 bytes followed by ``H / 32`` scale codes
+(quantized at the source).
 
-    transport  row per                                payload           meta
-    pairs      kept slot (t, k) to rank d             H * itemsize(x)   int32 t, int32 k,
-               ordered by local expert j, then t                        int32 j, float32 w (16 B)
-    dedup      token t with a used slot on d          H * itemsize(x)   int32 t, K x int32 local id
-               (pre-capacity), ordered by t                             (-1: none / dropped / other
-                                                                        rank), K x float32 w (0
-                                                                        where the id is -1),
-                                                                        zero-padded to ceil16(4 + 8K)
+    pairs   one section: a row per kept slot (t, k) to rank d, ordered by local expert j, then t:
+            payload | int32 t | int32 k | int32 j | float32 w                     (P + 16 bytes)
+    dedup   two sections per (source, destination), each its own exchange:
+            token rows: one per token t with a used slot on d (pre-capacity), ordered by t:
+            payload | int32 t | int32 n                                           (P + 8 bytes)
+            n = the number of t's *kept* slots on d (0 when capacity dropped them all: the token
+            still travels, as the rank-major layout says);
+            slot rows: one per kept slot on d, in token order then k ascending:
+            int32 (k << 24 | j) | float32 w                                      (8 bytes)
+            The n of each token row says how many slot rows are its own, so the receiver
+            rebuilds the rank-major rows (local id or -1, weight 0 where -1) and the
+            expert-major result from the rows alone. Encodable: K <= 255, L < 2**24.
 
-Under MXFP8 the payload is H E4M3 bytes followed by H / 32 scale codes (quantized at the source).
+Without capacity dedup's bytes ``s -> d`` (ragged) are ``rows * (P + 8) + slots * 8 <=
+slots * (P + 16)`` = pairs', with equality only when no two of a token's kept slots share d.
 
 The plan (``plan``) is what every rank derives from the count exchange, an all-gather of
 ``[tokens_per_expert (E) | tokens_per_rank (R)]`` per rank (after the validation header,
-validate.py): kept counts ``kept[s, e]`` (capacity.kept_counts), the rows ``s -> d`` (pairs:
-``sum over e on d of kept[s, e]``; dedup: ``tokens_per_rank_s[d]``), the variant that runs and
-the static chunk ``cap`` (dedup: ``max_tokens_per_rank``; pairs: ``max_tokens_per_rank *
-min(K, L)``). The receiver builds the expert-major order from those counts alone.
+validate.py): kept counts ``kept[s, e]`` (capacity.kept_counts), the rows ``s -> d`` of every
+section (pairs: ``sum over e on d of kept[s, e]``; dedup token rows: ``tokens_per_rank_s[d]``,
+dedup slot rows: ``sum over e on d of kept[s, e]``), the variant that runs (decided over all
+sections: equal only when every section is uniform) and the static chunks ``cap`` (pairs and
+dedup slot rows: ``max_tokens_per_rank * min(K, L)``; dedup token rows: ``max_tokens_per_rank``).
+Every section is moved by that variant on its own counts (padded: to the section's own
+group-wide max; static: one in-band header row plus the section's ``cap`` rows per chunk).
 
 The way back (combine, dispatch backward) is the exchange with the counts transposed:
 
     pairs  every kept slot's row in the order it came, in expert_y's dtype (combine) or the
            gradient's dtype (dispatch backward); the source sums two-level (arith.py)
-    dedup  one float32 row per (token, rank): the partial sum P_d(t) (arith.partial_sum), which
-           the source adds over d ascending (arith.total_sum); bitwise equal to pairs
+    dedup  one float32 row per token row: the partial sum P_d(t) (arith.partial_sum; +0.0 for a
+           token row with n = 0), which the source adds over d ascending (arith.total_sum);
+           bitwise equal to pairs
 
 Combine backward sends the gradient rows forward like a dispatch (pairs: one per kept slot;
-dedup: one per (token, rank), no meta: the destination knows the layout), and when weighted
-the weight gradients back as float32 (pairs: 4 bytes per row; dedup: 4K bytes per row).
+dedup: one per token row, no meta: the destination knows the layout), and when weighted the
+weight gradients back as float32 (pairs: 4 bytes per row; dedup: 4K bytes per token row). The
+way back moves one section (the pairs rows, the dedup token rows) with the dispatch's variant
+and that section's ``cap``.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from .arith import partial_sum, scaled, total_sum, weight_grad_dot
 from .capacity import kept_counts
-from .common import (FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group, dedup_meta_bytes, dtype_code,
-                     resolve_options)
+from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
+                     DEDUP_TOKEN_META_BYTES, FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group,
+                     dtype_code, resolve_options)
 from .errors import Reason, error
 from .exchange import exchange_bytes, exchange_rows, resolve
 from .expertmajor import assemble
@@ -59,8 +73,11 @@ class Plan:
     """The count exchange's result, identical on every rank.
 
     counts [R, E] int64 pre-capacity slots per (source, expert); kept [R, E] int64 kept ones;
-    tokens_per_rank [R, R] int64 (row s: rank s's tokens_per_rank); rows [R, R] int64 rows the
-    transport sends s -> d; variant: the exchange that runs; cap: the static chunk (rows).
+    tokens_per_rank [R, R] int64 (row s: rank s's tokens_per_rank); rows [R, R] int64 the rows
+    s -> d of the first section (pairs rows; dedup token rows), the one the way back (combine,
+    backward) moves transposed; cap: its static chunk (rows); slots [R, R] int64 / slot_cap:
+    dedup's slot-row section (kept slots s -> d) and its static chunk (None for pairs);
+    variant: the exchange that runs, decided over all sections.
     """
 
     counts: np.ndarray
@@ -69,6 +86,8 @@ class Plan:
     rows: np.ndarray
     variant: str
     cap: Optional[int]
+    slots: Optional[np.ndarray] = None
+    slot_cap: Optional[int] = None
 
 
 def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
@@ -82,23 +101,33 @@ def plan(group: Group, words: np.ndarray) -> Plan:
     R, E, L = group.num_ranks, group.num_experts, group.num_local_experts
     counts, tokens_per_rank = words[:, :E], words[:, E:]
     kept = kept_counts(counts, group.capacity)
-    if group.transport == "pairs":
-        rows = kept.reshape(R, R, L).sum(axis=2)
-    else:
-        rows = tokens_per_rank
-    cap = None
+    kept_to = kept.reshape(R, R, L).sum(axis=2)          # kept slots s -> d
+    slot_cap = cap = None
     if group.exchange == "static":
+        slot_cap = group.max_tokens_per_rank * min(group.topk, L)
         cap = group.max_tokens_per_rank
-        if group.transport == "pairs":
-            cap *= min(group.topk, L)
-    return Plan(counts, kept, tokens_per_rank, rows, resolve(group.exchange, rows), cap)
+    if group.transport == "pairs":
+        return Plan(counts, kept, tokens_per_rank, kept_to, resolve(group.exchange, kept_to),
+                    slot_cap)
+    return Plan(counts, kept, tokens_per_rank, tokens_per_rank,
+                resolve(group.exchange, tokens_per_rank, kept_to), cap, kept_to, slot_cap)
+
+
+def sections(group: Group, p: Plan) -> List[Tuple[np.ndarray, int, Optional[int]]]:
+    """What the dispatch moves, one exchange per section: ``(counts [R, R], row bytes, static
+    cap)``; pairs: its rows; dedup: token rows, then slot rows."""
+    P = group.payload_bytes
+    if group.transport == "pairs":
+        return [(p.rows, P + PAIRS_META_BYTES, p.cap)]
+    return [(p.rows, P + DEDUP_TOKEN_META_BYTES, p.cap), (p.slots, DEDUP_SLOT_ROW_BYTES, p.slot_cap)]
 
 
 @dataclass
 class Wire:
     """What one rank keeps between a transport dispatch and the passes that follow.
 
-    send: per peer d, what this rank sent in order: pairs ``(t, k)`` slots; dedup tokens ``t``.
+    send: per peer d, what this rank sent in order: pairs ``(t, k)`` slots; dedup tokens ``t``
+    (its token rows).
     recv_rows: pairs [N] int64, the expert-major row each received row went to; dedup [N, K]
     int64, the expert-major row of each received token's slot k (-1: none).
     """
@@ -106,11 +135,6 @@ class Wire:
     plan: Plan
     send: List[list]
     recv_rows: np.ndarray
-
-
-def dispatch_row_bytes(group: Group) -> int:
-    meta = PAIRS_META_BYTES if group.transport == "pairs" else dedup_meta_bytes(group.topk)
-    return group.payload_bytes + meta
 
 
 def _as_rows(rows: List[bytes], row_bytes: int) -> np.ndarray:
@@ -141,23 +165,27 @@ def _pairs_send(group: Group, s, rows, scales, idx, ws, kept):
         send.append([(t, k) for _, t, k in slots])
         out += [_payload(group, rows, scales, t) + struct.pack("<iiif", t, k, j, ws[t, k])
                 for j, t, k in slots]
-    return send, _as_rows(out, dispatch_row_bytes(group))
+    return send, [_as_rows(out, group.payload_bytes + PAIRS_META_BYTES)]
 
 
 def _dedup_send(group: Group, s, rows, scales, idx, ws, kept):
-    L, K = group.num_local_experts, group.topk
-    pad = bytes(dedup_meta_bytes(K) - 4 - 8 * K)
-    send, out = [], []
-    for d in range(group.num_ranks):
+    """Rank s's two sections: token rows ``payload | t | n`` and slot rows ``(k << 24 | j) | w``,
+    peer d ascending; per peer, tokens ascending and each token's kept slots on d k ascending."""
+    R, L, K = group.num_ranks, group.num_local_experts, group.topk
+    if K > DEDUP_MAX_TOPK or L >= DEDUP_MAX_LOCAL:
+        raise ValueError(f"epkit.reference: the dedup wire format needs K <= {DEDUP_MAX_TOPK} and "
+                         f"L < 2**24, got K={K}, L={L}")
+    send, token_rows, slot_rows = [], [], []
+    for d in range(R):
         tokens = [t for t in range(idx.shape[0]) if any(e >= 0 and e // L == d for e in idx[t])]
         send.append(tokens)
         for t in tokens:
-            ids = [int(idx[t, k]) - d * L if kept[t, k] and int(idx[t, k]) // L == d else -1
-                   for k in range(K)]
-            w = [float(ws[t, k]) if ids[k] >= 0 else 0.0 for k in range(K)]
-            meta = struct.pack(f"<i{K}i{K}f", t, *ids, *w) + pad
-            out.append(_payload(group, rows, scales, t) + meta)
-    return send, _as_rows(out, dispatch_row_bytes(group))
+            mine = [k for k in range(K) if kept[t, k] and int(idx[t, k]) // L == d]
+            token_rows.append(_payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine)))
+            slot_rows += [struct.pack("<If", k << 24 | (int(idx[t, k]) - d * L), ws[t, k])
+                          for k in mine]
+    return send, [_as_rows(token_rows, group.payload_bytes + DEDUP_TOKEN_META_BYTES),
+                  _as_rows(slot_rows, DEDUP_SLOT_ROW_BYTES)]
 
 
 def _pairs_receive(group: Group, d: int, got: np.ndarray, p: Plan):
@@ -181,24 +209,36 @@ def _pairs_receive(group: Group, d: int, got: np.ndarray, p: Plan):
     return fields, recv_rows
 
 
-def _dedup_receive(group: Group, d: int, got: np.ndarray, p: Plan):
-    """Received token rows (s ascending, then t) -> rank-major and expert-major fields."""
+def _dedup_receive(group: Group, d: int, got: np.ndarray, got_slots: np.ndarray, p: Plan):
+    """Received token rows and slot rows (each s ascending, then t) -> rank-major and
+    expert-major fields. Everything but the source rank of a token row (the plan's counts, as
+    for every exchange) comes from the rows: each token row's n claims the next n slot rows."""
     R, L, K, H = group.num_ranks, group.num_local_experts, group.topk, group.hidden
-    N = got.shape[0]
+    N, P = got.shape[0], group.payload_bytes
     source = np.repeat(np.arange(R), p.rows[:, d])
     recv_x = np.zeros((N, H), group.row_dtype)
     recv_scale = np.zeros((N, H // 32), np.uint8) if group.payload else None
     recv_src = np.zeros((N, 2), np.int64)
-    recv_topk_idx = np.zeros((N, K), np.int64)
+    recv_topk_idx = np.full((N, K), -1, np.int64)
     recv_topk_weights = np.zeros((N, K), np.float32)
+    claimed = np.zeros(R, np.int64)                  # slot rows claimed per source
+    cursor = 0
     for n in range(N):
         recv_x[n], scale = _unpayload(group, got[n])
         if recv_scale is not None:
             recv_scale[n] = scale
-        meta = struct.unpack(f"<i{K}i{K}f", got[n, group.payload_bytes:][:4 + 8 * K].tobytes())
-        recv_src[n] = (source[n], meta[0])
-        recv_topk_idx[n] = meta[1:1 + K]
-        recv_topk_weights[n] = meta[1 + K:]
+        t, count = struct.unpack("<ii", got[n, P:P + DEDUP_TOKEN_META_BYTES].tobytes())
+        recv_src[n] = (source[n], t)
+        for i in range(cursor, cursor + count):
+            code, w = struct.unpack("<If", got_slots[i].tobytes())
+            k, j = code >> 24, code & (DEDUP_MAX_LOCAL - 1)
+            assert k < K and j < L and recv_topk_idx[n, k] == -1, "a well-formed slot row"
+            recv_topk_idx[n, k] = j
+            recv_topk_weights[n, k] = w
+        cursor += count
+        claimed[source[n]] += count
+    assert cursor == got_slots.shape[0] and np.array_equal(claimed, p.slots[:, d]), \
+        "the token rows' n claim every slot row, source by source"
     segments, which = [[] for _ in range(L)], [[] for _ in range(L)]
     for j in range(L):
         for n in range(N):
@@ -226,15 +266,19 @@ def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
     send_fn = _pairs_send if group.transport == "pairs" else _dedup_send
     sends, bufs = zip(*[send_fn(group, s, rows[s], None if scales is None else scales[s],
                                 idx[s], ws[s], kept[s]) for s in range(R)])
-    received, moved = exchange_rows(list(bufs), p.rows, p.variant, p.cap)
+    received, moved = [], np.zeros((R, R), np.int64)
+    for i, (counts, _, cap) in enumerate(sections(group, p)):     # one exchange per section
+        got, bytes_moved = exchange_rows([b[i] for b in bufs], counts, p.variant, cap)
+        received.append(got)
+        moved += bytes_moved
     results = []
     for d in range(R):
         if group.transport == "pairs":
-            fields, recv_rows = _pairs_receive(group, d, received[d], p)
+            fields, recv_rows = _pairs_receive(group, d, received[0][d], p)
             if rank_major:
                 fields.update(rank_major_fields(group, d, rows, scales, idx, ws, kept))
         else:
-            fields, recv_rows, rm = _dedup_receive(group, d, received[d], p)
+            fields, recv_rows, rm = _dedup_receive(group, d, received[0][d], received[1][d], p)
             if rank_major:
                 fields.update(rm)
         fields["dropped_per_expert"] = (p.counts[:, d * L:(d + 1) * L].sum(axis=0)
@@ -273,7 +317,7 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
         wire, y = res[d].wire, ys[d]
         if group.transport == "pairs":                  # each kept slot's row, as it came
             bufs.append(_rows_of(y[wire.recv_rows]))
-        else:                                           # one partial sum per (token, rank)
+        else:                                           # one partial sum per token row
             c = res[d].row_weight if weighted else np.ones_like(res[d].row_weight)
             part = np.zeros((wire.recv_rows.shape[0], H), FLOAT32)
             for n, slot_rows in enumerate(wire.recv_rows):
@@ -383,8 +427,10 @@ def bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capac
 
 
 def dispatch_bytes_of(group: Group, p: Plan) -> np.ndarray:
-    """The dispatch's [R, R] byte matrix for a plan."""
-    return exchange_bytes(p.rows, dispatch_row_bytes(group), p.variant, p.cap)
+    """The dispatch's [R, R] byte matrix for a plan: every section's exchange, padding and
+    in-band header rows included."""
+    return sum(exchange_bytes(counts, row_bytes, p.variant, cap)
+               for counts, row_bytes, cap in sections(group, p))
 
 
 def combine_bytes_of(group: Group, p: Plan) -> np.ndarray:
@@ -397,6 +443,10 @@ def combine_bytes_of(group: Group, p: Plan) -> np.ndarray:
 def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
                    exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
     """Bytes rank s sends to rank d in a dispatch ([R, R] int64; diagonal = the local copy).
+
+    pairs: ``P + 16`` per kept slot; dedup: ``P + 8`` per token row (a token with a used slot on
+    d) plus 8 per slot row (a kept slot on d); each section as its exchange variant moves it
+    (padding and in-band header rows included).
 
     Args: topk_idx: R arrays [T_r, K] integer; hidden: H; dtype: x's dtype; the rest as
     ``dispatch``. Checks (raising ``InputError``): options, dtype, routing per rank, K agreement,
@@ -413,7 +463,7 @@ def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="de
     """Bytes rank a sends to rank b in the combine ([R, R] int64), ``dtype`` = expert_y's dtype.
 
     pairs: ``H * itemsize(dtype)`` per kept slot; dedup: ``4 H`` (a float32 partial sum) per
-    (token, rank). The counts are the dispatch's, transposed. ``payload`` does not change the
+    token row. The counts are the dispatch's, transposed. ``payload`` does not change the
     combine (it travels unquantized); it is checked like in ``dispatch_bytes``.
     """
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,

@@ -69,5 +69,8 @@ def test_worked_example(tier):
     kw = dict(num_experts=4, hidden=2, dtype="float32", exchange="ragged")
     assert tier.dispatch_bytes(IDX, transport="pairs", **kw).tolist() == [[72, 48], [24, 72]]
     assert tier.combine_bytes(IDX, transport="pairs", **kw).tolist() == [[24, 8], [16, 24]]
-    assert tier.dispatch_bytes(IDX, transport="dedup", **kw).tolist() == [[80, 80], [40, 80]]
+    assert tier.dispatch_bytes(IDX, transport="dedup", **kw).tolist() == [[56, 48], [24, 56]]
     assert tier.combine_bytes(IDX, transport="dedup", **kw).tolist() == [[16, 8], [16, 16]]
+    # capacity 2: rank 1's token 0 still travels to rank 0 (a token row with n = 0)
+    assert tier.dispatch_bytes(IDX, transport="pairs", capacity=2, **kw).tolist() == [[72, 48], [0, 48]]
+    assert tier.dispatch_bytes(IDX, transport="dedup", capacity=2, **kw).tolist() == [[56, 48], [16, 48]]

@@ -1,5 +1,7 @@
 """Transports x exchange variants: bit-for-bit equal to the canonical computation; bytes."""
 
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -7,9 +9,52 @@ from hypothesis import strategies as st
 
 from epkit import reference as ref
 from epkit.reference import transport
+from epkit.reference.capacity import kept_mask
+from epkit.reference.common import Group
 from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases
 
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
+
+
+def wire_counts(case, kept=None):
+    """Worked out from the routing alone (not from the reference's plan), per (s, d): token rows
+    (tokens with a used slot on d), kept slots on d, and whether two kept slots of one token
+    share d. ``kept``: R bool arrays [T, K] (None: every used slot)."""
+    tok = np.zeros((case.R, case.R), np.int64)
+    slots = np.zeros((case.R, case.R), np.int64)
+    shared = np.zeros((case.R, case.R), bool)
+    for s in range(case.R):
+        keep = case.idx[s] >= 0 if kept is None else kept[s]
+        for row, krow in zip(case.idx[s], keep):
+            for d in {int(e) // case.L for e in row if e >= 0}:
+                tok[s, d] += 1
+            on = [int(e) // case.L for e, k in zip(row, krow) if k]
+            for d in on:
+                slots[s, d] += 1
+                shared[s, d] |= on.count(d) >= 2
+    return tok, slots, shared
+
+
+def uniform(c):
+    return bool((c == c.flat[0]).all())
+
+
+def expected_dispatch_bytes(tr, variant, tok, slots, payload_bytes, max_t, K, L):
+    """docs/design.md's wire format, section by section: pairs ``P + 16`` per kept slot; dedup
+    ``P + 8`` per token row plus 8 per slot row; padded: each section's group-wide max rows;
+    static: a header row plus ``cap`` rows per chunk and section."""
+    slot_cap = None if max_t is None else max_t * min(K, L)
+    sections = ([(slots, payload_bytes + 16, slot_cap)] if tr == "pairs" else
+                [(tok, payload_bytes + 8, max_t), (slots, 8, slot_cap)])
+    total = np.zeros(tok.shape, np.int64)
+    for c, row, cap in sections:
+        if variant in ("ragged", "equal"):
+            total += c * row
+        elif variant == "padded":
+            total += c.max() * row
+        else:
+            total += (1 + cap) * row
+    return total
 
 
 @settings(max_examples=40, deadline=None)
@@ -22,6 +67,7 @@ def test_transports_equal_canonical(case, tr, weighted):
     want = (ref.combine(ys, base, weighted), ref.dispatch_backward(ys, base),
             ref.combine_backward(go, ys, base, weighted))
     max_t = max(x.shape[0] for x in case.xs)
+    base_kept, refused = [r.kept for r in base], False
     for ex in EXCHANGES:
         args = dict(kw, transport=tr, exchange=ex, max_tokens_per_rank=max_t + case.seed % 2)
         try:
@@ -29,6 +75,7 @@ def test_transports_equal_canonical(case, tr, weighted):
         except ref.InputError as err:       # only the equal exchange may refuse, on a non-uniform plan
             assert ex == "equal" and err.code == ref.Reason.EQUAL_NONUNIFORM
             assert not case.uniform or case.capacity is not None
+            refused = True
             continue
         assert_results_bitwise(base, res)
         got = (ref.combine(ys, res, weighted), ref.dispatch_backward(ys, res),
@@ -37,7 +84,7 @@ def test_transports_equal_canonical(case, tr, weighted):
         assert_lists_bitwise(got[1], want[1], f"{tr}/{ex} dispatch_backward")
         assert_lists_bitwise(got[2][0], want[2][0], f"{tr}/{ex} grad expert_y")
         assert_lists_bitwise(got[2][1], want[2][1], f"{tr}/{ex} grad weights")
-        # byte accounting: what the simulated exchanges moved == the formulas
+        # byte accounting: what the simulated exchanges moved == the formulas == the wire format
         bkw = dict(num_experts=case.E, hidden=case.H, transport=tr, exchange=ex,
                    capacity=case.capacity, payload=case.payload,
                    max_tokens_per_rank=args["max_tokens_per_rank"])
@@ -45,10 +92,19 @@ def test_transports_equal_canonical(case, tr, weighted):
         assert np.array_equal(moved, ref.dispatch_bytes(case.idx, dtype=case.dtype, **bkw))
         _, moved_back = transport.reduce_back(res, ys, weighted)
         assert np.array_equal(moved_back, ref.combine_bytes(case.idx, dtype=ys[0].dtype, **bkw))
-        if res[0].wire.plan.variant == "ragged":
-            row = case.H * case.dtype.itemsize if case.payload is None else case.H + case.H // 32
-            row += 16 if tr == "pairs" else 16 * -(-(4 + 8 * case.K) // 16)
-            assert np.array_equal(moved, res[0].wire.plan.rows * row)
+        tok, slots, _ = wire_counts(case, [r.kept for r in res])
+        sections = (slots,) if tr == "pairs" else (tok, slots)
+        variant = res[0].wire.plan.variant
+        assert variant == (ex if ex != "auto" else
+                           "equal" if all(uniform(c) for c in sections) else "ragged")
+        payload_bytes = res[0].expert_x.shape[1] * res[0].expert_x.itemsize + (
+            0 if case.payload is None else case.H // 32)
+        assert np.array_equal(moved, expected_dispatch_bytes(
+            tr, variant, tok, slots, payload_bytes, args["max_tokens_per_rank"], case.K, case.L))
+    # equal refuses exactly the plans with a section that is not uniform
+    tok, slots, _ = wire_counts(case, base_kept)
+    sections = (slots,) if tr == "pairs" else (tok, slots)
+    assert refused == (not all(uniform(c) for c in sections))
 
 
 @settings(max_examples=15, deadline=None)
@@ -73,39 +129,144 @@ def test_equal_on_nonuniform_plan_raises():
     assert auto[0].wire.plan.variant == "ragged"
 
 
-@settings(max_examples=60, deadline=None)
-@given(cases(capacity=False))
-def test_dedup_rows_never_exceed_pairs(case):
-    """Without capacity: per (s, d), dedup sends one row per token and pairs one per slot, so
-    dedup sends no more payload, and strictly less exactly where a token has two experts on d."""
-    kw = dict(num_experts=case.E, hidden=case.H, dtype=case.dtype, exchange="ragged")
-    dedup = ref.dispatch_bytes(case.idx, transport="dedup", **kw)
-    pairs = ref.dispatch_bytes(case.idx, transport="pairs", **kw)
-    payload = case.H * case.dtype.itemsize
-    dedup_rows = dedup // (payload + 16 * -(-(4 + 8 * case.K) // 16))
-    pairs_rows = pairs // (payload + 16)
-    assert (dedup_rows <= pairs_rows).all()
-    for s in range(case.R):
-        for d in range(case.R):
-            shared = any(sum(1 for e in row if e >= 0 and e // case.L == d) >= 2 for row in case.idx[s])
-            assert (dedup_rows[s, d] < pairs_rows[s, d]) == shared
-    # combine direction: dedup rows are float32 partials (4 H bytes), pairs rows y (H itemsize)
-    cd = ref.combine_bytes(case.idx, transport="dedup", **kw)
-    cp = ref.combine_bytes(case.idx, transport="pairs", **kw)
-    assert np.array_equal(cd // (4 * case.H), dedup_rows.T)
-    assert np.array_equal(cp // payload, pairs_rows.T)
+@settings(max_examples=150, deadline=None)
+@given(cases(capacity=False, payloads=(None, None, "mxfp8")), st.sampled_from(EXCHANGES))
+def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
+    """Without capacity, per (s, d): dedup moves ``rows * (P + 8) + slots * 8`` against pairs'
+    ``slots * (P + 16)``, and ``rows <= slots``; strictly fewer bytes whenever two of a token's
+    kept slots share d (ragged / equal: on that (s, d); static: everywhere, since then
+    ``min(K, L) >= 2``; padded: exactly when the token section's max is below the slot
+    section's). The one exception is the degenerate static plan with K = 0 (no slot can travel):
+    dedup's token chunk is still ``max_tokens_per_rank`` rows (docs/design.md), pairs' is 0."""
+    max_t = max(x.shape[0] for x in case.xs) + case.seed % 2
+    kw = dict(num_experts=case.E, hidden=case.H, dtype=case.dtype, payload=case.payload,
+              exchange=ex, max_tokens_per_rank=max_t)
+    tok, slots, shared = wire_counts(case)
+    try:
+        dedup = ref.dispatch_bytes(case.idx, transport="dedup", **kw)
+    except ref.InputError as err:           # equal needs both of dedup's sections uniform
+        assert ex == "equal" and err.code == ref.Reason.EQUAL_NONUNIFORM
+        assert not (uniform(tok) and uniform(slots))
+        return
+    pairs = ref.dispatch_bytes(case.idx, transport="pairs", **kw)   # uniform slots: pairs too
+    assert (tok <= slots).all()
+    P = case.H * case.dtype.itemsize if case.payload is None else case.H + case.H // 32
+    if ex == "static" and case.K == 0:
+        assert (dedup - pairs == max_t * (P + 8)).all()
+        return
+    assert (dedup <= pairs).all(), (dedup, pairs)
+    variant = ex if ex != "auto" else "equal" if uniform(tok) and uniform(slots) else "ragged"
+    if variant in ("ragged", "equal"):
+        assert np.array_equal(dedup, tok * (P + 8) + slots * 8)
+        assert np.array_equal(dedup < pairs, shared)
+    elif variant == "padded":
+        assert (dedup < pairs).all() == (tok.max() < slots.max())
+    elif shared.any():
+        assert (dedup < pairs).all()
+    # combine direction: one float32 partial sum (4 H bytes) per token row; pairs: a y row per slot
+    ckw = dict(kw, payload=None, dtype=case.dtype)
+    cd = ref.combine_bytes(case.idx, transport="dedup", **ckw)
+    cp = ref.combine_bytes(case.idx, transport="pairs", **ckw)
+    if variant in ("ragged", "equal"):
+        assert np.array_equal(cd, tok.T * 4 * case.H)
+        assert np.array_equal(cp, slots.T * case.H * case.dtype.itemsize)
 
 
 def test_dedup_fewer_bytes_when_experts_share_a_rank():
     # 2 ranks, 8 experts (4 per rank), every token's 4 experts all on one rank: dedup sends each
-    # token once instead of four times.
+    # token's payload once (P + 8 bytes) plus four 8-byte slot rows, pairs four P + 16 rows.
     idx = [np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), np.array([[7, 6, 5, 4]])]
     kw = dict(num_experts=8, hidden=256, dtype="bfloat16", exchange="ragged")
     dedup = ref.dispatch_bytes(idx, transport="dedup", **kw)
     pairs = ref.dispatch_bytes(idx, transport="pairs", **kw)
-    assert dedup.sum() < pairs.sum()
-    assert dedup.tolist() == [[512 + 48, 512 + 48], [0, 512 + 48]]
-    assert pairs.tolist() == [[4 * (512 + 16), 4 * (512 + 16)], [0, 4 * (512 + 16)]]
+    assert dedup.tolist() == [[512 + 8 + 4 * 8] * 2, [0, 512 + 8 + 4 * 8]]
+    assert pairs.tolist() == [[4 * (512 + 16)] * 2, [0, 4 * (512 + 16)]]
+    # static (max 2 tokens): token chunk 1 + 2 rows, slot chunk 1 + 2 * min(4, 4) rows
+    st_kw = dict(kw, exchange="static", max_tokens_per_rank=2)
+    assert (ref.dispatch_bytes(idx, transport="dedup", **st_kw) == 3 * 520 + 9 * 8).all()
+    assert (ref.dispatch_bytes(idx, transport="pairs", **st_kw) == 9 * 528).all()
+    # padded: token rows pad to 1, slot rows to 4
+    pd_kw = dict(kw, exchange="padded")
+    assert (ref.dispatch_bytes(idx, transport="dedup", **pd_kw) == 520 + 4 * 8).all()
+
+
+def _decode_dedup(group, s, xs, idx, ws, kept):
+    """Rank s's dedup sections, decoded: per peer, token rows (x, t, n) and slot rows (k, j, w)."""
+    send, (token_rows, slot_rows) = transport._dedup_send(group, s, xs[s], None, idx[s], ws[s], kept[s])
+    P = group.payload_bytes
+    assert token_rows.shape[1] == P + 8 and slot_rows.shape[1] == 8
+    toks = [(np.frombuffer(r[:P].tobytes(), F32).tolist(),) + struct.unpack("<ii", r[P:].tobytes())
+            for r in token_rows]
+    slots = []
+    for r in slot_rows:
+        code, w = struct.unpack("<If", r.tobytes())
+        slots.append((code >> 24, code & 0xFFFFFF, w))
+    return send, toks, slots
+
+
+def test_dedup_wire_rows_of_the_worked_example():
+    """The rows themselves (docs/semantics.md's worked example, capacity 2): rank 1's token 0
+    lost its only slot on rank 0 and still travels there, with n = 0 and no slot row."""
+    xs = [np.array([[1, 2], [3, 4], [5, 6]], F32), np.array([[7, 8], [9, 10]], F32)]
+    idx = [np.array([[0, 2], [3, -1], [1, 0]]), np.array([[2, 0], [2, 3]])]
+    ws = [np.array([[0.5, 0.5], [1, 0], [0.25, 0.75]], F32), np.array([[0.5, 0.5], [0.75, 0.25]], F32)]
+    group = Group(2, 4, 2, 2, F32, 2, 2, None, "dedup", "ragged")
+    kept = kept_mask(idx, 4, 2)
+    send, toks, slots = _decode_dedup(group, 1, xs, idx, ws, kept)
+    assert send == [[0], [0, 1]]
+    assert toks == [([7, 8], 0, 0), ([7, 8], 0, 1), ([9, 10], 1, 1)]   # to rank 0, then rank 1
+    assert slots == [(0, 0, 0.5), (1, 1, 0.25)]                        # all to rank 1
+    send, toks, slots = _decode_dedup(group, 0, xs, idx, ws, kept)
+    assert toks == [([1, 2], 0, 1), ([5, 6], 2, 2), ([1, 2], 0, 1), ([3, 4], 1, 1)]
+    assert slots == [(0, 0, 0.5), (0, 1, 0.25), (1, 0, 0.75), (1, 0, 0.5), (0, 1, 1.0)]
+    res = ref.dispatch(xs, idx, ws, num_experts=4, align=2, capacity=2, transport="dedup",
+                       exchange="ragged", rank_major=True)
+    assert res[0].recv_topk_idx.tolist() == [[0, -1], [1, 0], [-1, -1]]
+    assert res[0].recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75], [0, 0]]
+    assert [r.bytes_sent.tolist() for r in res] == [[2 * 16 + 3 * 8, 2 * 16 + 2 * 8],
+                                                    [16, 2 * 16 + 2 * 8]]
+
+
+def test_dedup_slot_codes_with_large_k():
+    """k << 24 | j sets the sign bit of the int32 for k >= 128: the rows still round-trip."""
+    rng = np.random.default_rng(7)
+    K, R, L, H = 200, 2, 100, 2
+    idx = [rng.permutation(R * L)[:K].reshape(1, K), rng.permutation(R * L)[:K].reshape(1, K)]
+    xs = [rng.standard_normal((1, H)).astype(F32) for _ in range(R)]
+    ws = [rng.random((1, K)).astype(F32) for _ in range(R)]
+    base = ref.dispatch(xs, idx, ws, num_experts=R * L, rank_major=True)
+    res = ref.dispatch(xs, idx, ws, num_experts=R * L, transport="dedup", exchange="ragged",
+                       rank_major=True)
+    assert_results_bitwise(base, res)
+    with pytest.raises(ValueError, match="K <= 255"):
+        big = [np.arange(256).reshape(1, 256)]
+        ref.dispatch([np.ones((1, H), F32)], big, [np.ones((1, 256), F32)], num_experts=256,
+                     transport="dedup", exchange="ragged")
+
+
+def test_equal_needs_both_dedup_sections_uniform():
+    """Token rows uniform (1 everywhere) but slot rows not (rank 0's token has two experts on
+    rank 0): dedup's equal exchange refuses, naming rank 0; pairs' rows are not uniform either;
+    auto falls back to ragged."""
+    xs = [np.ones((1, 4), F32), np.ones((1, 4), F32)]
+    idx = [np.array([[0, 1, 2]]), np.array([[0, 2, 3]])]
+    ws = [np.ones((1, 3), F32)] * 2
+    tok = ref.layout(idx, 4)
+    assert [t.tokens_per_rank.tolist() for t in tok] == [[1, 1], [1, 1]]
+    with pytest.raises(ref.InputError) as err:
+        ref.dispatch(xs, idx, ws, num_experts=4, transport="dedup", exchange="equal")
+    assert err.value.code == ref.Reason.EQUAL_NONUNIFORM and err.value.rank == 0
+    with pytest.raises(ref.InputError):
+        ref.fast.dispatch_bytes(idx, num_experts=4, hidden=4, transport="dedup", exchange="equal")
+    auto = ref.dispatch(xs, idx, ws, num_experts=4, transport="dedup", exchange="auto")
+    assert auto[0].wire.plan.variant == "ragged"
+    # both sections uniform with different counts (1 token row, 2 slot rows per pair): equal
+    idx = [np.array([[0, 1, 2, 3]]), np.array([[1, 0, 3, 2]])]
+    ws = [np.ones((1, 4), F32)] * 2
+    res = ref.dispatch(xs, idx, ws, num_experts=4, transport="dedup", exchange="auto")
+    assert res[0].wire.plan.variant == "equal"
+    assert [r.bytes_sent.tolist() for r in res] == [[4 * 4 + 8 + 2 * 8] * 2] * 2
+    assert_results_bitwise(ref.dispatch(xs, idx, ws, num_experts=4), res)
 
 
 @settings(max_examples=60, deadline=None)
