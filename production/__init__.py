@@ -19,6 +19,7 @@ _LAZY = {
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
     "exchange": "epkit.exchange",
+    "PeerError": "epkit.exchange",
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from epkit import lazy, mxfp8, ops
 from epkit.exchange import CODES as EXCHANGE_CODES
-from epkit.exchange import group_name, resolve_group
+from epkit.exchange import collective_error, group_name, resolve_group
 from epkit.reference.errors import DTYPE_CODES, InputError, Reason, error
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
@@ -174,7 +174,7 @@ class Dispatcher:
                                   self.align, cap, transport, EXCHANGE_CODES[self.exchange],
                                   max_tokens)
         if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
-            raise error(0, Reason.EQUAL_NONUNIFORM)
+            raise error(int(plan[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         sl = ops.plan_slices(R, self.num_experts)
         if static:
             # Sizes from the configuration alone: no host read of any count (and, under
@@ -223,13 +223,10 @@ class Dispatcher:
 
     def combine(self, expert_y: torch.Tensor, d: Dispatch, weighted: bool = True) -> torch.Tensor:
         """Bring expert outputs back and sum them per token; see :func:`epkit.combine`."""
-        rank = dist.get_rank(self.group)
-        if expert_y.dtype not in (torch.float32, torch.bfloat16):
-            raise error(rank, Reason.EXPERT_Y_DTYPE, _dtype_code(expert_y.dtype))
-        if expert_y.dim() != 2 or expert_y.shape[0] != d.num_rows:
-            raise error(rank, Reason.EXPERT_Y_ROWS, expert_y.shape[0] if expert_y.dim() else 0, d.num_rows)
-        if expert_y.shape[1] != d.expert_x.shape[1]:
-            raise error(rank, Reason.EXPERT_Y_HIDDEN, expert_y.shape[1], d.expert_x.shape[1])
+        code, a, b = _rows_error(expert_y, d.num_rows, d.expert_x.shape[1])
+        # Collective: bad expert_y on any rank raises the same InputError on every rank.
+        collective_error((code, a, b), _dtype_code(expert_y.dtype), self.group,
+                         "epkit.combine (validation)")
         if self.exchange == "lazy":
             return lazy.issue_combine(expert_y, d, group_name(self.group),
                                       ops.TRANSPORTS[self.transport], bool(weighted))
@@ -237,6 +234,19 @@ class Dispatcher:
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
             d._plan, group_name(self.group), ops.TRANSPORTS[self.transport],
             EXCHANGE_CODES[self.exchange], bool(weighted), d._x_dtype)
+
+
+def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, int]:
+    """expert_y against its dispatch: dtype, then rows, then H (reference/validate.py)."""
+    if arr.dtype not in (torch.float32, torch.bfloat16):
+        return Reason.EXPERT_Y_DTYPE, _dtype_code(arr.dtype), 0
+    n = arr.shape[0] if arr.dim() >= 1 else -1
+    if n != rows:
+        return Reason.EXPERT_Y_ROWS, n, rows
+    h = arr.shape[1] if arr.dim() == 2 else -1
+    if h != hidden:
+        return Reason.EXPERT_Y_HIDDEN, h, hidden
+    return Reason.OK, 0, 0
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,

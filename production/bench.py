@@ -70,6 +70,8 @@ def parse_args(argv):
                                        "'plain-torch padded')")
     ap.add_argument("--overlap", action="store_true", help="run the lazy-exchange rows with --quick")
     ap.add_argument("--no-overlap", action="store_true", help="skip the lazy-exchange rows")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile epkit dedup steps on rank 0 (self CPU time per op)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the local kernel rows")
     ap.add_argument("--kernel-reps", type=int, default=None,
                     help="calls per kernel timing (default 30; 10 with --quick)")
@@ -241,6 +243,15 @@ def format_overlap(ov: dict) -> str:
     return "\n".join(lines)
 
 
+def format_profile(rows: list[dict]) -> str:
+    lines = ["epkit dedup step on rank 0, self CPU time per op (torch.profiler; the collective "
+             "ops' self time includes waiting for their exchange):"]
+    for r in rows:
+        lines.append(f"  {r['op'][:52]:<54}{r['self_ms_per_step']:>9.1f} ms"
+                     f"{r['calls_per_step']:>7.1f} calls")
+    return "\n".join(lines)
+
+
 def format_kernels(kr: list[dict]) -> str:
     lines = ["local kernels (one process, rank 0 of the same workload; GB/s = (read + written) / time):"]
     for k in kr:
@@ -293,7 +304,8 @@ def main(argv=None) -> int:
     cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
                timeout=args.timeout, methods=tuple(args.methods), tokens=args.tokens,
-               token_list=[args.tokens], overlap=not args.no_overlap)
+               token_list=[args.tokens], overlap=not args.no_overlap,
+               profile=args.profile)
     if args.plot:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
     deadline = max(120.0, 4 * args.timeout)
@@ -306,7 +318,7 @@ def main(argv=None) -> int:
     if args.plot:
         for w in args.sweep_world:
             if w != args.world_size:
-                sub = dict(cfg, token_list=[args.tokens], overlap=False)
+                sub = dict(cfg, token_list=[args.tokens], overlap=False, profile=False)
                 workloads += run_group(w, sub, deadline)["workloads"]
     rows = [r for wl in workloads for r in table_rows(wl)]
     head = table_rows(workloads[0])
@@ -323,6 +335,10 @@ def main(argv=None) -> int:
         results["overlap"] = main_run["overlap"]
         print()
         print(format_overlap(main_run["overlap"]))
+    if "profile" in main_run:
+        results["profile"] = main_run["profile"]
+        print()
+        print(format_profile(main_run["profile"]))
     if not args.no_kernels:
         import torch
 

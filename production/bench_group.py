@@ -287,6 +287,35 @@ def run_overlap(cfg: dict, group) -> dict:
     return out
 
 
+# ---- where epkit's step spends its time -------------------------------------------------------
+
+def run_profile(cfg: dict, group, steps: int = 3, top: int = 14) -> list[dict]:
+    """Self CPU time per op of epkit dedup steps on this rank (torch.profiler), per step.
+
+    The collective-bearing ops (``epkit::dispatch_tokens`` ... and their backward nodes) hold
+    in their self time the wait for the exchange they issue; the C++ kernels
+    (``epkit::pack`` ...) and ``aten::`` ops are local work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rank = dist.get_rank(group)
+    dtype = getattr(torch, cfg["dtype"])
+    x, idx, w, grad = make_inputs(rank, cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"],
+                                  dtype, cfg["seed"])
+    step = epkit_step("dedup", group, cfg["experts"], x, idx, w, grad)
+    step()
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    wall = (time.perf_counter() - t0) / steps
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    out = [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+            "calls_per_step": e.count / steps} for e in rows[:top]]
+    return [{"op": "(wall time of a profiled step)", "self_ms_per_step": 1e3 * wall,
+             "calls_per_step": 1.0}] + out
+
+
 # ---- the process ------------------------------------------------------------------------------
 
 def _die_with_parent(parent_pid: int):
@@ -317,6 +346,8 @@ def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int)
             result["workloads"].append(run_workload(cfg, T, group))
         if cfg.get("overlap"):
             result["overlap"] = run_overlap(cfg, group)
+        if cfg.get("profile"):
+            result["profile"] = run_profile(cfg, group)
         queue.put((rank, "ok", result if rank == 0 else None))
         dist.barrier()
         dist.destroy_process_group()

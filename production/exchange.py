@@ -22,6 +22,43 @@ import torch.distributed as dist
 
 from epkit.reference.errors import Reason, error
 
+
+class PeerError(RuntimeError):
+    """A collective of an epkit operation failed: a peer died, stalled past the process group's
+    timeout, or the group was torn down. The message names the operation and the step."""
+
+
+def _collective(what: str, fn, *args, **kwargs):
+    """Run one torch.distributed collective; turn its failure into a PeerError naming ``what``.
+
+    gloo and NCCL raise after the process group's timeout when a peer never arrives, and at
+    once when a peer's connection drops: either way every surviving rank gets an error, not a
+    hang. Wait handles of async work are wrapped the same way.
+    """
+    try:
+        work = fn(*args, **kwargs)
+    except RuntimeError as exc:
+        raise PeerError(f"{what}: collective failed ({_why(exc)})") from exc
+    if work is None or not kwargs.get("async_op"):
+        return work
+    return _Work(work, what)
+
+
+class _Work:
+    def __init__(self, work, what):
+        self._work, self._what = work, what
+
+    def wait(self):
+        try:
+            return self._work.wait()
+        except RuntimeError as exc:
+            raise PeerError(f"{self._what}: collective failed ({_why(exc)})") from exc
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"a peer died, stalled past the process group timeout, or left the group: {text}"
+
 VARIANTS = ("ragged", "padded", "equal")
 CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
 
@@ -40,11 +77,32 @@ def group_from_name(name: str):
     return _resolve_process_group(name)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str = "epkit") -> None:
     """Gather ``inp [W]`` from every rank into the flat ``out [R * W]`` (gloo wants it flat)."""
     # all_gather_single supersedes all_gather_into_tensor (deprecated in recent torch).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    _collective(what, fn, out, inp, group=group)
+
+
+def collective_error(triple, dtype_code: int, group, what: str) -> None:
+    """Agree on an input error with one small all-gather of ``[code, a, b, dtype]`` per rank.
+
+    Raises on every rank the error of the lowest bad rank, or, if none, the lowest rank whose
+    dtype differs from rank 0's (``ROWS_DTYPE_MISMATCH``): the rows of all ranks share one
+    exchange. Used where no count exchange runs (combine).
+    """
+    R = dist.get_world_size(group)
+    mine = torch.tensor([int(triple[0]), int(triple[1]), int(triple[2]), int(dtype_code)],
+                        dtype=torch.int64)
+    words = torch.empty(4 * R, dtype=torch.int64)
+    all_gather(words, mine, group, what)
+    rows = words.view(R, 4).tolist()
+    for r, (code, a, b, _) in enumerate(rows):
+        if code:
+            raise error(r, code, a, b)
+    for r, row in enumerate(rows):
+        if row[3] != rows[0][3]:
+            raise error(r, Reason.ROWS_DTYPE_MISMATCH, row[3], rows[0][3])
 
 
 def all_to_all(
@@ -55,6 +113,7 @@ def all_to_all(
     variant: str,
     max_chunk: int,
     async_op: bool = False,
+    what: str = "epkit exchange",
 ):
     """Move rows of ``buf [sum(send_counts), ...]``; returns ``[sum(recv_counts), ...]``.
 
@@ -66,9 +125,8 @@ def all_to_all(
     buf = buf.contiguous()
     if variant == "ragged":
         staged = buf.new_empty((sum(recv_counts),) + rest)
-        work = dist.all_to_all_single(
-            staged, buf, list(recv_counts), list(send_counts), group=group, async_op=async_op
-        )
+        work = _collective(what, dist.all_to_all_single, staged, buf, list(recv_counts),
+                           list(send_counts), group=group, async_op=async_op)
     elif variant in ("equal", "padded"):
         P = int(max_chunk)
         src = buf
@@ -77,7 +135,8 @@ def all_to_all(
             for d, chunk in enumerate(torch.split(buf, list(send_counts))):
                 src[d * P : d * P + chunk.shape[0]] = chunk
         staged = buf.new_empty((R * P,) + rest)
-        work = dist.all_to_all_single(staged, src, group=group, async_op=async_op)
+        work = _collective(what, dist.all_to_all_single, staged, src, group=group,
+                           async_op=async_op)
     else:
         raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from {VARIANTS})")
 
@@ -96,12 +155,14 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, group, variant, max_chunk):
         ctx.args = (send_counts, recv_counts, group, variant, max_chunk)
-        return all_to_all(x, send_counts, recv_counts, group, variant, max_chunk)
+        return all_to_all(x, send_counts, recv_counts, group, variant, max_chunk,
+                          what="epkit.exchange")
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts, group, variant, max_chunk = ctx.args
-        return all_to_all(grad, recv_counts, send_counts, group, variant, max_chunk), *([None] * 5)
+        return all_to_all(grad, recv_counts, send_counts, group, variant, max_chunk,
+                          what="epkit.exchange backward"), *([None] * 5)
 
 
 def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") -> torch.Tensor:
@@ -124,7 +185,7 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     if sc.numel() != R:
         raise ValueError(f"epkit.exchange: send_counts has {sc.numel()} entries, group has {R}")
     gathered = torch.empty(R * R, dtype=torch.int64)
-    all_gather(gathered, sc, group)
+    all_gather(gathered, sc, group, "epkit.exchange (count exchange)")
     counts = gathered.view(R, R)  # counts[s, d]: rows s sends to d, known to every rank
     me = dist.get_rank(group)
     max_chunk = int(counts.max()) if counts.numel() else 0

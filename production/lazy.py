@@ -105,7 +105,8 @@ class PendingCombine:
 def issue_combine(expert_y, d, group_name, transport, weighted):
     rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
                          weighted)
-    finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True)
+    finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True,
+                       what="epkit.combine (lazy)")
     state = dict(finish=finish, dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

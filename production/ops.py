@@ -34,7 +34,8 @@ TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
 ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
 SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
 RANKS, LOCAL_EXPERTS, EXPERTS = 9, 10, 11
-STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES = range(16, 23)
+(STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES,
+ NONUNIFORM_RANK) = range(16, 24)
 PLAN_HEADER = 24
 VARIANT_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "static"}
 WORD_HEADER = 8
@@ -138,7 +139,7 @@ def _(back, send_map, topk_idx, num_experts, num_ranks, transport):
 # ---- the exchange inside the ops ----------------------------------------------------------
 
 def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
-          async_op: bool = False):
+          async_op: bool = False, what: str = "epkit"):
     """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
     ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
     and returns the rows."""
@@ -155,7 +156,7 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
         if reverse:
             send, recv = recv, send
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
-                      async_op=async_op)
+                      async_op=async_op, what=what)
 
 
 def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False):
@@ -167,7 +168,7 @@ def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async
     recv = plan[sl["recv_bytes"]].tolist()
     variant = "ragged" if int(plan[VARIANT]) == 0 else "equal"
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, send[0] if R else 0,
-                      async_op=async_op)
+                      async_op=async_op, what="epkit.dispatch (token exchange)")
 
 
 # ---- count exchange: the plan and the collective error --------------------------------------
@@ -186,7 +187,7 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     group = group_from_name(group_name)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
-    all_gather(gathered, words.contiguous(), group)
+    all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
     plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport, exchange,
                   max_tokens_per_rank)
     code = int(plan[ERR_CODE])
@@ -249,12 +250,13 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     R, E = int(plan[RANKS]), int(plan[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
-    back = _move(back_rows, plan, group_name, reverse=True)
+    back = _move(back_rows, plan, group_name, reverse=True, what="epkit.dispatch backward")
     grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32)
     vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
-    back_w = _move(vals, plan, group_name, reverse=True)
+    back_w = _move(vals, plan, group_name, reverse=True,
+                   what="epkit.dispatch backward (weight gradients)")
     return grad_x, C.scatter_slot_values(back_w, send_map, topk_idx, E, R, transport)
 
 
@@ -300,7 +302,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     """
     R, E = int(plan[RANKS]), int(plan[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
-    back = _move(rows, plan, group_name, reverse=True)
+    back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")
     return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
                            out_dtype)
 
@@ -322,7 +324,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
     recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(plan[SEND_ROWS]))
-    recv = _move(recv_rows, plan, group_name, reverse=False)
+    recv = _move(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward")
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 

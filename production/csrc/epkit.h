@@ -41,6 +41,7 @@ enum PlanHeader : int64_t {
   kTokCap,       // dispatch chunks of fixed layout: rows of the token (pairs: slot) section
   kSlotCap,      // ... rows of the dedup slot section (headers included; -1 when ragged)
   kSendBytes, kRecvBytes,  // the dispatch exchange, in bytes
+  kNonUniformRank,  // lowest source rank with a count unlike rank 0's first (-1: uniform)
   kPlanHeader = 24
 };
 enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };

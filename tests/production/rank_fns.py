@@ -177,3 +177,26 @@ def mxfp8_forward_backward(group, rank, x, idx, w, grad_out, opts):
     return {"q": d.expert_x.view(torch.uint8)[:M].numpy().copy(),
             "scale": d.expert_scale[:M].numpy().copy(), "row_src": to_numpy(d.row_src)[:M],
             "out": to_numpy(out), "grad_x": to_numpy(xt.grad), "grad_w": to_numpy(wt.grad)}
+
+
+def combine_with_bad_expert_y(group, rank, x, idx, w, kind):
+    """Dispatch, then combine an expert_y spoiled as ``kind`` says (on this rank only);
+    returns the InputError's (rank, code, message) and whether a valid combine succeeds after."""
+    d = epkit.dispatch(to_torch(x), to_torch(idx), to_torch(w), num_experts=2 * torch.distributed.get_world_size(group),
+                       group=group)
+    y = d.expert_x.clone()
+    if kind == "rows":
+        y = torch.cat([y, y[:1] if len(y) else torch.zeros(1, y.shape[1])])
+    elif kind == "hidden":
+        y = torch.zeros(y.shape[0], y.shape[1] + 1)
+    elif kind == "dtype":
+        y = y.to(torch.float16)
+    elif kind == "mixed":
+        y = y.to(torch.bfloat16)
+    try:
+        epkit.combine(y, d)
+        got = None
+    except epkit.InputError as exc:
+        got = (exc.rank, int(exc.code), str(exc))
+    out = epkit.combine(d.expert_x.clone(), d)
+    return got, tuple(out.shape)

@@ -70,9 +70,43 @@ def test_bad_input_on_middle_rank(group_pool, kind):
     (dict(num_experts=5), Reason.EXPERTS_NOT_DIVISIBLE),
     (dict(num_experts=E, align=0), Reason.ALIGN),
     (dict(num_experts=E, capacity=-1), Reason.CAPACITY),
-    (dict(num_experts=E, exchange="equal"), Reason.EQUAL_NONUNIFORM),
+
 ])
 def test_bad_options(group_pool, opts, code):
     xs, idxs, ws = good()
     got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws, [opts] * R)
     assert all(err is not None and err[0] == 0 and err[1] == int(code) for err, _ in got), got
+
+
+def test_equal_exchange_on_a_non_uniform_plan(group_pool):
+    xs, idxs, ws = good()
+    with pytest.raises(ref.InputError) as want:
+        ref.dispatch(xs, idxs, ws, num_experts=E, transport="dedup", exchange="equal")
+    got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws,
+                         [dict(num_experts=E, exchange="equal")] * R)
+    for err, _ in got:
+        assert err == (want.value.rank, int(want.value.code), str(want.value)), (err, str(want.value))
+
+
+@pytest.mark.parametrize("kind", ["rows", "hidden", "dtype", "mixed"])
+def test_bad_expert_y_on_middle_rank(group_pool, kind):
+    """combine: bad expert_y on rank 1 only -> the same InputError on every rank, no hang,
+    and the next valid combine works."""
+    xs, idxs, ws = good()
+    kinds = [None, kind, None]
+    res = ref.dispatch(xs, idxs, ws, num_experts=E)
+    ys = [r.expert_x.copy() for r in res]
+    if kind == "rows":
+        ys[1] = np.concatenate([ys[1], ys[1][:1]])
+    elif kind == "hidden":
+        ys[1] = np.zeros((ys[1].shape[0], H + 1), np.float32)
+    elif kind == "dtype":
+        ys[1] = ys[1].astype(np.float16)
+    elif kind == "mixed":
+        ys[1] = ys[1].astype(rank_fns.BF16)
+    with pytest.raises(ref.InputError) as want:
+        ref.combine(ys, res)
+    got = group_pool.run(rank_fns.combine_with_bad_expert_y, R, xs, idxs, ws, kinds)
+    for r, (err, shape) in enumerate(got):
+        assert err == (want.value.rank, int(want.value.code), str(want.value)), (r, err, str(want.value))
+        assert shape == xs[r].shape

@@ -64,11 +64,14 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   };
   auto rows = [&](int64_t s, int64_t d) { return transport == kDedup ? tpr(s, d) : slots(s, d); };
   int64_t maxrows = 0, maxslots = 0, uniform = 1, S = 0, N = 0;
+  p[kNonUniformRank] = -1;
   const int64_t rows00 = rows(0, 0), slots00 = slots(0, 0);
   for (int64_t s = 0; s < R; ++s)
     for (int64_t d = 0; d < R; ++d) {
       const int64_t n = rows(s, d), sl = slots(s, d);
-      uniform &= (n == rows00) && (transport == kPairs || sl == slots00);
+      const bool same = (n == rows00) && (transport == kPairs || sl == slots00);
+      if (!same && uniform) p[kNonUniformRank] = s;
+      uniform &= same;
       maxrows = std::max(maxrows, n);
       maxslots = std::max(maxslots, sl);
       if (s == rank) { p[o.send_counts + d] = n; p[o.send_slots + d] = sl; S += n; }
