@@ -82,11 +82,11 @@ class _Plan:
     send_t: torch.Tensor  # [n_send] token of each kept slot, in send order
     send_k: torch.Tensor  # [n_send] top-k position
     dest: torch.Tensor  # [n_recv] expert-major row of each received row
-    # the two-level sum at the source
-    pair_of_slot: torch.Tensor  # [n_send] index of the (token, rank) pair of each slot
-    k_steps: list  # per k: slot indices with that k (unique pairs within a step)
-    pair_t: torch.Tensor  # [P] token of each (token, rank) pair, pairs sorted by (t, rank)
-    m_steps: list  # per ordinal m: pair indices that are their token's m-th rank
+    # the two-level sum at the source (see _two_level_sum)
+    k_order: torch.Tensor  # [n_send] slots sorted by k (stable)
+    k_steps: list  # per k present: (start, end, pair ids) over k_order; pair ids unique
+    pair_t: torch.Tensor  # [P] token of each (token, rank) pair; pairs ordered by (m, t)
+    m_steps: list  # per ordinal m (a token's m-th rank): (start, end) over the pairs
     chunk: int | None = None  # the padded exchange's chunk (group-wide largest split)
 
     def to_experts(self, rows: torch.Tensor) -> torch.Tensor:
@@ -116,20 +116,33 @@ class PlainDispatch:
 def _two_level_sum(rows: torch.Tensor, plan: _Plan, coef: torch.Tensor | None) -> torch.Tensor:
     """[n_send, H] rows in send order -> [T, H] float32: for every token, per destination rank
     the sum over k ascending of ``coef * row`` (float32, from +0), then the sum of those partials
-    over ranks ascending (from +0). Each step's indices are unique: one rounded add per element."""
-    z = rows.to(torch.float32)
+    over ranks ascending (from +0).
+
+    Vectorized by step: step k adds every slot with that k to its (token, rank) partial, step m
+    adds every token's m-th partial to its output. Within a step the targets are unique, so each
+    element gets exactly one rounded add per step, in the spec's order; rows are pre-sorted so a
+    step reads a contiguous slice. (The first step of each level writes ``v + 0.0``: the same
+    bits as ``+0 + v``, without reading the zeros.)"""
+    z = rows.index_select(0, plan.k_order).to(torch.float32)
     if coef is not None:
-        z = z * coef[:, None]
-    n_pairs = plan.pair_t.shape[0]
-    partial = torch.zeros((n_pairs, plan.H), dtype=torch.float32, device=rows.device)
-    for sel in plan.k_steps:
-        p = plan.pair_of_slot[sel]
-        partial[p] = partial[p] + z[sel]
+        z = z * coef.index_select(0, plan.k_order)[:, None]
+    partial = torch.zeros((plan.pair_t.shape[0], plan.H), dtype=torch.float32,
+                          device=rows.device)
+    for i, (a, b, p) in enumerate(plan.k_steps):
+        add = z[a:b] + 0.0 if i == 0 else partial.index_select(0, p).add_(z[a:b])
+        partial.index_copy_(0, p, add)
     out = torch.zeros((plan.T, plan.H), dtype=torch.float32, device=rows.device)
-    for sel in plan.m_steps:
-        t = plan.pair_t[sel]
-        out[t] = out[t] + partial[sel]
+    for i, (a, b) in enumerate(plan.m_steps):
+        t = plan.pair_t[a:b]
+        add = partial[a:b] + 0.0 if i == 0 else out.index_select(0, t).add_(partial[a:b])
+        out.index_copy_(0, t, add)
     return out
+
+
+def _steps(counts) -> list:
+    """(start, end) of every non-empty run, for runs of the given lengths laid end to end."""
+    ends = np.cumsum(counts, dtype=np.int64).tolist()
+    return [(e - c, e) for c, e in zip(counts, ends) if c]
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -137,13 +150,13 @@ class _DispatchFn(torch.autograd.Function):
     def forward(ctx, x, send_meta, plan: _Plan):
         ctx.plan = plan
         ctx.x_dtype = x.dtype
-        payload = x[plan.send_t]
+        payload = x.index_select(0, plan.send_t)
         nbytes = plan.H * payload.element_size()
         send = torch.cat([payload.view(torch.uint8).reshape(payload.shape[0], nbytes),
                           send_meta], dim=1)
         recv = plan.to_experts(send)
         expert_x = x.new_zeros((plan.M, plan.H))
-        expert_x[plan.dest] = recv[:, :nbytes].contiguous().view(x.dtype)
+        expert_x.index_copy_(0, plan.dest, recv[:, :nbytes].contiguous().view(x.dtype))
         # fresh, dense storage: 4-byte aligned, so it can be viewed as int32
         recv_meta = torch.empty((recv.shape[0], _META), dtype=torch.uint8, device=recv.device)
         recv_meta.copy_(recv[:, nbytes:])
@@ -155,7 +168,7 @@ class _DispatchFn(torch.autograd.Function):
         plan: _Plan = ctx.plan
         if grad_expert_x is None:
             grad_expert_x = torch.zeros((plan.M, plan.H), dtype=ctx.x_dtype)
-        rows = grad_expert_x.to(ctx.x_dtype)[plan.dest]
+        rows = grad_expert_x.to(ctx.x_dtype).index_select(0, plan.dest)
         back = plan.to_sources(rows)
         return _two_level_sum(back, plan, None).to(ctx.x_dtype), None, None
 
@@ -163,8 +176,7 @@ class _DispatchFn(torch.autograd.Function):
 class _CombineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, topk_weights, plan: _Plan, weighted: bool, x_dtype):
-        rows = expert_y[plan.dest]
-        back = plan.to_sources(rows)
+        back = plan.to_sources(expert_y.index_select(0, plan.dest))
         coef = topk_weights[plan.send_t, plan.send_k] if weighted else None
         ctx.plan, ctx.weighted, ctx.y_dtype = plan, weighted, expert_y.dtype
         ctx.w_shape = topk_weights.shape
@@ -175,11 +187,11 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan: _Plan = ctx.plan
         y_rows, coef = ctx.saved_tensors
-        g = grad_out.to(torch.float32)[plan.send_t]
+        g = grad_out.to(torch.float32).index_select(0, plan.send_t)
         gy = (g * coef[:, None] if ctx.weighted else g).to(ctx.y_dtype)
         recv = plan.to_experts(gy)
         grad_y = torch.zeros((plan.M, plan.H), dtype=ctx.y_dtype, device=grad_out.device)
-        grad_y[plan.dest] = recv
+        grad_y.index_copy_(0, plan.dest, recv)
         grad_w = None
         if ctx.weighted and ctx.needs_input_grad[1]:
             grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=grad_out.device)
@@ -259,21 +271,25 @@ class PlainTorchDispatcher:
                                            torch.as_tensor(recv_splits, device=dev),
                                            output_size=n_recv)
 
-        # the source side of the two-level sum
+        # the source side of the two-level sum: (token, rank) pairs, ordered by (m, t) where
+        # m is the pair's ordinal among its token's ranks; slots ordered by k
         pair_key = send_t * R + send_d
         pair_keys, pair_of_slot = torch.unique(pair_key, sorted=True, return_inverse=True)
         pair_t = pair_keys // R
-        first = torch.searchsorted(pair_t, pair_t)  # first pair of the same token
-        m = torch.arange(pair_t.shape[0], device=dev) - first
-        k_steps = [s for s in (torch.nonzero(send_k == k).reshape(-1) for k in range(K))
-                   if s.numel()]
-        m_steps = [torch.nonzero(m == i).reshape(-1) for i in range(int(m.max()) + 1)] \
-            if m.numel() else []
+        m = torch.arange(pair_t.shape[0], device=dev) - torch.searchsorted(pair_t, pair_t)
+        by_m = torch.argsort(m, stable=True)
+        new_id = torch.empty_like(by_m)
+        new_id[by_m] = torch.arange(by_m.shape[0], device=dev)
+        m_steps = _steps(torch.bincount(m, minlength=1).tolist() if m.numel() else [])
+        k_order = torch.argsort(send_k, stable=True)
+        p_sorted = new_id[pair_of_slot][k_order]
+        k_steps = [(a, b, p_sorted[a:b])
+                   for a, b in _steps(torch.bincount(send_k, minlength=K).tolist())]
 
         plan = _Plan(group=group, R=R, T=T, H=H, M=M, send_splits=send_splits,
                      recv_splits=recv_splits, send_t=send_t, send_k=send_k, dest=dest,
-                     pair_of_slot=pair_of_slot, k_steps=k_steps, pair_t=pair_t,
-                     m_steps=m_steps, chunk=chunk)
+                     k_order=k_order, k_steps=k_steps, pair_t=pair_t[by_m], m_steps=m_steps,
+                     chunk=chunk)
         expert_x, recv_meta = _DispatchFn.apply(x, meta, plan)
         recv_meta = recv_meta.view(torch.int32)
         row_src = torch.full((M, 3), -1, dtype=torch.int64, device=dev)

@@ -54,7 +54,7 @@ def cases(
     dtype = draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
     y_dtype = dtype if draw(st.integers(0, 3)) else draw(st.sampled_from(FLOAT_DTYPES))
     capacity = None
-    if not uniform_only and draw(st.integers(0, 2), label="use capacity") == 2:
+    if not uniform_only and draw(st.booleans(), label="use capacity"):
         capacity = draw(st.integers(0, 16), label="capacity")
     return Case(
         world_size=R,
@@ -69,7 +69,7 @@ def cases(
         unused_pct=draw(st.sampled_from([20, 0, 10, 50, 100]), label="unused_pct"),
         align=draw(st.sampled_from([1, 2, 4, 3, 8]), label="align"),
         capacity=capacity,
-        weighted=draw(st.booleans(), label="weighted"),
+        weighted=draw(st.integers(0, 3), label="weighted") != 0,  # mostly weighted
         payload=payload,
         nan_padding=draw(st.booleans(), label="nan_padding"),
         zero_rows=draw(st.integers(0, 4), label="zero_rows") == 0,

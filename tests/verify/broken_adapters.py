@@ -51,7 +51,9 @@ class SlotsReversed(PlainTorchDispatcher):
     """Combine sums a token's slots on one rank in descending k."""
 
     def combine(self, expert_y, dispatched, *, weighted=True):
-        plan = dataclasses.replace(dispatched.plan, k_steps=dispatched.plan.k_steps[::-1])
+        steps = dispatched.plan.k_steps
+        # the first step writes instead of adding: keep it first, reverse the rest
+        plan = dataclasses.replace(dispatched.plan, k_steps=steps[:1] + steps[1:][::-1])
         return super().combine(expert_y, dataclasses.replace(dispatched, plan=plan),
                                weighted=weighted)
 
