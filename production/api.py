@@ -223,17 +223,18 @@ class Dispatcher:
 
     def combine(self, expert_y: torch.Tensor, d: Dispatch, weighted: bool = True) -> torch.Tensor:
         """Bring expert outputs back and sum them per token; see :func:`epkit.combine`."""
-        code, a, b = _rows_error(expert_y, d.num_rows, d.expert_x.shape[1])
-        # Collective: bad expert_y on any rank raises the same InputError on every rank.
-        collective_error((code, a, b), _dtype_code(expert_y.dtype), self.group,
-                         "epkit.combine (validation)")
+        # Collective: bad expert_y on any rank raises the same InputError on every rank
+        # (agreed inside the combine op, before any row moves).
+        check = [int(v) for v in _rows_error(expert_y, d.num_rows, d.expert_x.shape[1])]
+        check.append(_dtype_code(expert_y.dtype))
         if self.exchange == "lazy":
+            collective_error(check[:3], check[3], self.group, "epkit.combine (validation)")
             return lazy.issue_combine(expert_y, d, group_name(self.group),
                                       ops.TRANSPORTS[self.transport], bool(weighted))
         return ops.combine_tokens(
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
             d._plan, group_name(self.group), ops.TRANSPORTS[self.transport],
-            EXCHANGE_CODES[self.exchange], bool(weighted), d._x_dtype)
+            EXCHANGE_CODES[self.exchange], bool(weighted), d._x_dtype, check)
 
 
 def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from epkit import _build
-from epkit.exchange import all_gather, all_to_all, group_from_name
+from epkit.exchange import all_gather, all_to_all, collective_error, group_from_name
 from epkit.reference.errors import error
 
 _build.load()
@@ -293,13 +293,17 @@ dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_se
 def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
                    topk_weights: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
                    plan: torch.Tensor, group_name: str, transport: int, exchange: int,
-                   weighted: bool, out_dtype: torch.dtype) -> torch.Tensor:
+                   weighted: bool, out_dtype: torch.dtype, check: list[int]) -> torch.Tensor:
     """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
 
     dedup: the expert side forms each float32 partial P_d(t) and sends one row per token and
     rank; pairs: the expert side sends each slot's row and the source forms the same partials
     (with its own copy of the weights, bit-identical to ``row_weight``).
+
+    ``check`` is this rank's ``[code, a, b, y dtype code]`` for expert_y; the ranks agree on it
+    before any row moves (inside the op, so torch.compile sees no data-dependent branch).
     """
+    collective_error(check[:3], check[3], group_from_name(group_name), "epkit.combine (validation)")
     R, E = int(plan[RANKS]), int(plan[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
     back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")
@@ -309,7 +313,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
 
 @combine_tokens.register_fake
 def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, group_name,
-      transport, exchange, weighted, out_dtype):
+      transport, exchange, weighted, out_dtype, check):
     return expert_y.new_empty((topk_idx.shape[0], expert_y.shape[1]), dtype=out_dtype)
 
 
@@ -334,7 +338,7 @@ def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, exch
 
 
 def _combine_setup(ctx, inputs, output):
-    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, exchange, weighted, _ = inputs
+    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, exchange, weighted, *_ = inputs
     ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan)
     ctx.meta = (group_name, exchange, weighted)
 
@@ -344,7 +348,7 @@ def _combine_backward(ctx, grad_out):
     group_name, exchange, weighted = ctx.meta
     grad_y, grad_w = combine_tokens_backward(grad_out, expert_y, row_weight, send_map, recv_map,
                                              plan, group_name, exchange, weighted)
-    return grad_y, (grad_w if weighted else None), *([None] * 10)
+    return grad_y, (grad_w if weighted else None), *([None] * 11)
 
 
 combine_tokens.register_autograd(_combine_backward, setup_context=_combine_setup)

@@ -210,6 +210,7 @@ def _stats(B: np.ndarray) -> dict:
     np.fill_diagonal(off, 0)
     sent = off.sum(1)
     return {"max_bytes_per_rank": float(sent.max()), "mean_bytes_per_rank": float(sent.mean()),
+            "max_bytes_received": float(off.sum(0).max()),
             "total_bytes": float(off.sum()),
             "local_copy_bytes_mean": float(np.diag(B).mean())}
 
@@ -282,15 +283,16 @@ def report(res: dict) -> str:
         lines.append(f"capacity {res['capacity']:,} slots per expert (factor "
                      f"{c['capacity_factor']}): dropped {res['dropped']['slots']:,} slots "
                      f"({res['dropped']['fraction']:.2%})")
-    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB/rank':>13}{'mean MB/rank':>14}"
-                 f"{'predicted ms':>14}")
+    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB out':>12}{'mean MB out':>13}"
+                 f"{'max MB in':>12}{'predicted ms':>14}")
     for tr, d in res["transports"].items():
         for ph in ("dispatch", "combine"):
             s = d[ph]
-            lines.append(f"  {tr:<10}{ph:<10}{_mb(s['max_bytes_per_rank']):>13}"
-                         f"{_mb(s['mean_bytes_per_rank']):>14}{s['predicted_ms']:>14.3f}")
-    lines.append("(bytes each rank sends to other ranks; the local copy is left out; "
-                 f"{res['seconds']['total']:.1f} s)")
+            lines.append(f"  {tr:<10}{ph:<10}{_mb(s['max_bytes_per_rank']):>12}"
+                         f"{_mb(s['mean_bytes_per_rank']):>13}{_mb(s['max_bytes_received']):>12}"
+                         f"{s['predicted_ms']:>14.3f}")
+    lines.append("(per rank, bytes sent to / received from other ranks; the local copy is left "
+                 f"out; {res['seconds']['total']:.1f} s)")
     return "\n".join(lines)
 
 

@@ -215,8 +215,13 @@ class ExpertParallelMoE(_MoEBase):
         self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
                                      exchange=exchange, max_tokens_per_rank=max_tokens_per_rank)
         self.overlap = overlap
-        self._dispatcher = None
-        self._lazy_dispatcher = None
+        import epkit
+
+        self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
+        self.lazy_dispatcher = None
+        if overlap and shared_expert and exchange == "auto":
+            self.lazy_dispatcher = epkit.Dispatcher(
+                group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, group=None, **options) -> "ExpertParallelMoE":
@@ -239,34 +244,9 @@ class ExpertParallelMoE(_MoEBase):
         return (super().extra_repr() + f", ranks={self.world_size}, rank={self.rank}, "
                 f"local_experts={self.local_experts}")
 
-    @property
-    def dispatcher(self):
-        """The :class:`epkit.Dispatcher` every forward uses."""
-        if self._dispatcher is None:
-            import epkit
-
-            self._dispatcher = epkit.Dispatcher(self.group, self.num_experts, **self.dispatch_options)
-        return self._dispatcher
-
-    def _lazy(self):
-        """A lazy-exchange Dispatcher for the shared-expert overlap, or None where unavailable."""
-        if not (self.overlap and self.shared_expert is not None
-                and self.dispatch_options["exchange"] == "auto"):
-            return None
-        if self._lazy_dispatcher is None:
-            from epkit.exchange import CODES
-
-            if "lazy" not in CODES:
-                return None
-            import epkit
-
-            self._lazy_dispatcher = epkit.Dispatcher(
-                self.group, self.num_experts, **{**self.dispatch_options, "exchange": "lazy"})
-        return self._lazy_dispatcher
-
     def _moe(self, x2: torch.Tensor) -> torch.Tensor:
         topk_idx, topk_weights = self.router(x2)
-        lazy = self._lazy()
+        lazy = self.lazy_dispatcher
         if lazy is not None:
             pending = lazy.dispatch(x2, topk_idx, topk_weights)
             shared = self.shared_expert(x2)  # runs while the tokens travel
