@@ -253,12 +253,14 @@ def format_profile(rows: list[dict]) -> str:
 
 
 def format_kernels(kr: list[dict]) -> str:
-    lines = ["local kernels (one process, rank 0 of the same workload; GB/s = (read + written) / time):"]
+    lines = ["local kernels (rank 0 replays one step's kernel calls alone; GB/s = (arguments + "
+             "outputs) / time):"]
     for k in kr:
-        lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy {k['memcpy_gbps']:.1f} "
-                     f"GB/s (fresh dst {k['memcpy_fresh_gbps']:.1f})")
+        lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy of "
+                     f"{k['memcpy_bytes'] / 1e6:.1f} MB {k['memcpy_gbps']:.1f} GB/s (fresh dst "
+                     f"{k['memcpy_fresh_gbps']:.1f})")
         for name, r in k["rows"].items():
-            lines.append(f"    {name:<16}{r['median_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
+            lines.append(f"    {name:<26}{r['median_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
                          f"{r['vs_memcpy']:>7.2f} x memcpy")
     return "\n".join(lines)
 
@@ -305,7 +307,9 @@ def main(argv=None) -> int:
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
                timeout=args.timeout, methods=tuple(args.methods), tokens=args.tokens,
                token_list=[args.tokens], overlap=not args.no_overlap,
-               profile=args.profile)
+               profile=args.profile, kernel_reps=args.kernel_reps,
+               kernel_threads=[] if args.no_kernels else
+               ([1] if args.quick else sorted({1, os.cpu_count() or 1})))
     if args.plot:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
     deadline = max(120.0, 4 * args.timeout)
@@ -318,7 +322,8 @@ def main(argv=None) -> int:
     if args.plot:
         for w in args.sweep_world:
             if w != args.world_size:
-                sub = dict(cfg, token_list=[args.tokens], overlap=False, profile=False)
+                sub = dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
+                           kernel_threads=[])
                 workloads += run_group(w, sub, deadline)["workloads"]
     rows = [r for wl in workloads for r in table_rows(wl)]
     head = table_rows(workloads[0])
@@ -339,18 +344,12 @@ def main(argv=None) -> int:
         results["profile"] = main_run["profile"]
         print()
         print(format_profile(main_run["profile"]))
-    if not args.no_kernels:
-        import torch
-
-        from epkit.bench_kernels import measure
-
-        threads = [1] if args.quick else sorted({1, os.cpu_count() or 1})
-        kr = [measure(args.tokens, args.hidden, args.topk, args.experts, args.world_size,
-                      getattr(torch, args.dtype), tr, th, args.kernel_reps, args.seed)
-              for th in threads for tr in ("dedup", "pairs")]
+    kr = workloads[0].get("kernels")
+    if kr:
         results["kernels"] = kr
         results["pack_vs_memcpy"] = kr[0]["rows"]["pack"]["vs_memcpy"]
-        results["pack_vs_memcpy_pairs"] = kr[1]["rows"]["pack"]["vs_memcpy"]
+        results["pack_vs_memcpy_pairs"] = next(k["rows"]["pack"]["vs_memcpy"] for k in kr
+                                               if k["transport"] == "pairs")
         print()
         print(format_kernels(kr))
     results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}

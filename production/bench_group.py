@@ -210,7 +210,29 @@ def run_workload(cfg: dict, T: int, group) -> dict:
                           bytes_to_peers=_reduce_max(r.bytes_to_peers(rank), group),
                           exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]])
     algo = _reduce_max(rec.bytes_sent(), group)
-    return {"tokens": T, "world_size": R, "algo_bytes": algo, "rows": rows}
+    out = {"tokens": T, "world_size": R, "algo_bytes": algo, "rows": rows}
+    if cfg.get("kernel_threads") and T == cfg["tokens"]:
+        out["kernels"] = run_kernels(cfg, group, x, idx, w, grad)
+    return out
+
+
+def run_kernels(cfg: dict, group, x, idx, w, grad) -> list:
+    """Record one epkit step per transport on every rank; rank 0 replays its kernel calls
+    alone (:mod:`epkit.bench_kernels`) while the others wait at a barrier."""
+    from epkit.bench_kernels import KernelRecorder, replay
+
+    out = []
+    for transport in ("dedup", "pairs"):
+        rec = KernelRecorder()
+        with rec.active():
+            epkit_step(transport, group, cfg["experts"], x, idx, w, grad)()
+        dist.barrier(group)
+        if dist.get_rank(group) == 0:
+            for threads in cfg["kernel_threads"]:
+                out.append(dict(replay(rec.calls, cfg["kernel_reps"], threads),
+                                transport=transport))
+        dist.barrier(group)
+    return out
 
 
 # ---- overlap: the lazy exchange ----------------------------------------------------------------
