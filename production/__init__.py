@@ -20,6 +20,7 @@ _LAZY = {
     "PendingCombine": "epkit.lazy",
     "exchange": "epkit.exchange",
     "PeerError": "epkit.exchange",
+    "nn": "epkit.nn",  # a subpackage: the module itself (MoE layers)
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]
@@ -29,7 +30,8 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        value = module if name == "nn" else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'epkit' has no attribute {name!r}")

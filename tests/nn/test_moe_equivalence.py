@@ -1,0 +1,129 @@
+"""ExpertParallelMoE over gloo groups of 1 to 4 ranks equals DenseMoE on the concatenated tokens.
+
+Tolerance: every compared tensor within ``8 * eps * max|dense|`` (eps of the dtype: 2**-23 for
+float32, 8 ulps of the tensor's largest entry; measured gaps are at most ~2 ulps). The gap is only
+the order of float32 sums, never different arithmetic:
+
+- forward: epkit.combine adds per-rank partial sums (``(w0*y0 + w2*y2) + w1*y1`` when experts 0
+  and 2 share a rank), DenseMoE adds ``k`` ascending; with one rank, or one expert per token,
+  they are the same sum and the outputs are bitwise equal (asserted);
+- input gradient: the slot gradients of a token are added in the same two-level order;
+- router gradient: the routing-weight gradient ``<grad_out, y>`` is summed over ``H`` in another
+  order by epkit's kernel, and each rank's router gradient covers its own tokens (summed over the
+  group, here by ``sync_replicated_grads``, instead of one matmul over all tokens);
+- expert-weight gradients reduce over a segment's rows, the same rows in the same order, but the
+  CPU matmul kernels' blocking depends on where a segment sits in the buffer, so they can differ
+  in the last bit from R = 3 on (bitwise for R = 1, 2 here).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moe_cases as mc
+
+
+def _cat(tensors, H):
+    return torch.cat([t.reshape(-1, H) for t in tensors])
+
+
+def assert_close_ulps(name, got, want, ulps=8):
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
+    eps = torch.finfo(want.dtype).eps
+    scale = want.float().abs().max().item() if want.numel() else 0.0
+    gap = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
+    assert gap <= ulps * eps * scale, (
+        f"{name}: max gap {gap:.3g} = {gap / (eps * scale or 1):.2f} eps * max|dense| (allowed {ulps})")
+
+
+@pytest.fixture(scope="module")
+def results(nn_group):
+    """Every case run once, on the group and densely: name -> (case, ep results, dense results)."""
+    out = {}
+    for name in mc.CASES:
+        R, c = mc.case(name)
+        ep = nn_group.run(mc.rank_run, R, [name] * R)
+        ins = mc.inputs(c, R)
+        dense = mc.run(mc.build_dense(c), _cat([x for x, _ in ins], c["H"]), _cat([g for _, g in ins], c["H"]))
+        out[name] = (c, ep, dense)
+    return out
+
+
+@pytest.mark.parametrize("name", list(mc.CASES))
+def test_forward_and_input_grad(results, name):
+    c, ep, (out, gx, _) = results[name]
+    got_out, got_gx = _cat([r["out"] for r in ep], c["H"]), _cat([r["grad_x"] for r in ep], c["H"])
+    for r, (x, _) in zip(ep, mc.inputs(c, len(ep))):
+        assert r["out"].shape == x.shape and r["grad_x"].shape == x.shape
+    if len(ep) == 1 or c["K"] == 1:  # the same float32 sum: bitwise
+        assert torch.equal(got_out, out)
+    assert_close_ulps("out", got_out, out)
+    assert_close_ulps("grad_x", got_gx, gx)
+
+
+@pytest.mark.parametrize("name", list(mc.CASES))
+def test_parameter_grads(results, name):
+    c, ep, (_, _, grads) = results[name]
+    for pname, want in grads.items():
+        if pname.startswith("experts."):  # sharded: rank r holds experts r*L .. r*L+L-1
+            assert all(r["grads"][pname].shape[0] == c["E"] // len(ep) for r in ep)
+            assert_close_ulps(pname, torch.cat([r["grads"][pname] for r in ep]), want)
+            continue
+        # replicated: each rank's gradient covers its own tokens; synced = summed over the group
+        summed = ep[0]["synced"][pname]
+        assert all(torch.equal(r["synced"][pname], summed) for r in ep)
+        if pname == "router.weight" and c["K"] == 1:
+            # top-1 renormalised weights are the constant 1: the router's gradient is exactly 0,
+            # both layers hold rounding noise (~1e-7 against gradients of order 1)
+            assert summed.abs().max() <= 2**-20 and want.abs().max() <= 2**-20
+            continue
+        assert_close_ulps(pname, summed, want)
+
+
+@pytest.mark.parametrize("name", ["r3", "r2-shared", "r4"])
+def test_from_dense_shards(results, name):
+    c, ep, _ = results[name]
+    dense = mc.build_dense(c)
+    want = dict(dense.named_parameters())
+    L = c["E"] // len(ep)
+    for rank, r in enumerate(ep):
+        assert set(r["params"]) == set(want)
+        assert r["first_expert"] == rank * L
+        for pname, p in r["params"].items():
+            w = want[pname][rank * L : (rank + 1) * L] if pname.startswith("experts.") else want[pname]
+            assert torch.equal(p, w.detach()), pname
+
+
+def test_shared_expert_overlaps_lazy_exchange(results):
+    c, ep, _ = results["r2-shared"]
+    assert all(r["lazy"] for r in ep)
+    assert not any(r["lazy"] for r in results["r2"][1])
+
+
+def test_grouped_mm_backends_used(results):
+    assert results["r2-loop-padded"][1][0]["backend"] == "loop"
+    if hasattr(torch, "_grouped_mm"):
+        assert results["r2"][1][0]["backend"] == "torch"
+
+
+def test_experts_must_divide(nn_group):
+    msg = nn_group.run(mc.rank_bad_split, 3)
+    assert all(m and "not a multiple" in m for m in msg)
+
+
+@pytest.mark.parametrize("name", ["r2", "r3-pairs-align4"])
+def test_static_exchange_under_torch_compile(nn_group, results, name):
+    """fullgraph=True traces route + dispatch + grouped experts + combine and the backward
+    (aot_eager: the graph capture and AOT autograd, without inductor's slow CPU codegen);
+    compiled equals eager bit for bit, and the static exchange equals the dense layer."""
+    c, _, (out, gx, grads) = results[name]
+    got = nn_group.run(mc.rank_compile, len(results[name][1]), *[[name] * len(results[name][1])])
+    for r in got:
+        for e, k in zip(r["eager"][:2], r["compiled"][:2]):
+            assert torch.equal(e, k)
+        assert all(torch.equal(r["eager"][2][n], r["compiled"][2][n]) for n in r["eager"][2])
+    assert_close_ulps("out", _cat([r["eager"][0] for r in got], c["H"]), out)
+    assert_close_ulps("grad_x", _cat([r["eager"][1] for r in got], c["H"]), gx)
+    for pname in ("experts.w1", "experts.w2"):
+        assert_close_ulps(pname, torch.cat([r["eager"][2][pname] for r in got]), grads[pname])
