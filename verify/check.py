@@ -165,8 +165,9 @@ def weight_grad_tolerance(got, grad_outs, expert_ys, res, topk, hidden):
             first = int(np.flatnonzero(over)[0])
             t, k = np.unravel_index(first, want_shape)
             bad[s] = (f"[{want_shape[0]}, {want_shape[1]}] float32: token {t}, slot {k}: got "
-                      f"{g[t, k]!r}, exact {exact[s][t, k]!r}, |error| {err[t, k]:.3g} > "
-                      f"tolerance {tol[t, k]:.3g}; {int(over.sum())} of {g.size} outside")
+                      f"{float(g[t, k])!r}, exact {float(exact[s][t, k])!r}, |error| "
+                      f"{err[t, k]:.3g} > tolerance {tol[t, k]:.3g}; {int(over.sum())} of "
+                      f"{g.size} outside")
     return bad
 
 
@@ -253,6 +254,9 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
             ]
             if case.payload is not None:
                 checks.append(("expert_scale", want.expert_scale, 0))
+                if got.get("expert_x_hp") is not None:  # dequantized rows, when offered
+                    checks.append(("expert_x_hp",
+                                   ref.dequantize_mxfp8(want.expert_x, want.expert_scale), 0))
             if got.get("dropped_per_expert") is not None:
                 checks.append(("dropped_per_expert", want.dropped_per_expert, None))
             for name, w, fill in checks:

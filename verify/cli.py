@@ -53,6 +53,17 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
     return p
 
 
+def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
+    """The command line that replays one mode of this run exactly (same seed, same draws)."""
+    import shlex
+
+    parts = ["--impl", args.impl, "--modes", mode, "--seed", str(seed),
+             "--world-size", str(world_size), "--examples", str(args.examples)]
+    if args.max_tokens != build_parser().get_default("max_tokens"):
+        parts += ["--max-tokens", str(args.max_tokens)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
@@ -88,10 +99,12 @@ def main(argv=None) -> int:
                    mininterval=0.5, dynamic_ncols=True, leave=False, delay=0.5)
 
     def on_failure(verdict):
+        text = (verdict.report() + "\n  or rerun the mode: python -m epkit.verify "
+                + _rerun_args(args, verdict.mode.name, suite.seed, runner.world_size))
         if bar is not None:
-            bar.write(verdict.report(), file=sys.stdout)
+            bar.write(text, file=sys.stdout)
         else:
-            print(verdict.report(), flush=True)
+            print(text, flush=True)
 
     suite = Suite(runner, impl=args.impl, modes=modes, examples=args.examples, seed=args.seed,
                   max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,

@@ -72,7 +72,7 @@ def cases(
         weighted=draw(st.integers(0, 3), label="weighted") != 0,  # mostly weighted
         payload=payload,
         nan_padding=draw(st.booleans(), label="nan_padding"),
-        zero_rows=draw(st.integers(0, 4), label="zero_rows") == 0,
+        zero_rows=draw(st.integers(0, 4), label="zero_rows") == 4,  # shrinks to False
         max_tokens=max_tokens,
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
     )

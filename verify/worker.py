@@ -105,12 +105,17 @@ def _run(case, mode, adapter, rank, device, out, stage):
     for name in OPTIONAL_FIELDS:
         got[name] = to_numpy(getattr(d, name, None))
     out["dispatch"] = got
-    expert_x = d.expert_x
-    rows = int(expert_x.shape[0])
+    # Under a quantized payload the differentiable rows are the dequantized ones
+    # (``expert_x_hp``, straight-through), and their gradient is float32.
+    expert_x, g_dtype = d.expert_x, case.dtype
+    if case.payload is not None and getattr(d, "expert_x_hp", None) is not None:
+        expert_x, g_dtype = d.expert_x_hp, "float32"
+        got["expert_x_hp"] = to_numpy(expert_x)
+    rows = int(d.expert_x.shape[0])
     valid = valid_rows(got["tokens_per_expert"], got["expert_offsets"], rows)
 
     stage.name = "dispatch_backward"
-    g = case.expert_rows(rank, TAG_GRAD_X, valid, case.dtype)
+    g = case.expert_rows(rank, TAG_GRAD_X, valid, g_dtype)
     out["grad_expert_x"] = g
     if expert_x.requires_grad:
         (gx,) = torch.autograd.grad(expert_x, x, to_torch(g, device), retain_graph=True)

@@ -33,10 +33,14 @@ def perfect_results(case: Case, static_tail: int = 0):
                 [d.expert_x, np.zeros((static_tail, case.hidden), d.expert_x.dtype)])
             fields["row_src"] = np.concatenate([d.row_src, np.full((static_tail, 3), -1)])
             fields["row_weight"] = np.concatenate([d.row_weight, np.zeros(static_tail, "f4")])
+        g_dtype = case.dtype
+        if case.payload:
+            fields["expert_x_hp"] = ref.dequantize_mxfp8(d.expert_x, d.expert_scale)
+            g_dtype = "float32"
         M = len(fields["row_src"])
         valid = valid_rows(d.tokens_per_expert, d.expert_offsets, M)
         out.append({"rank": r, "error": None, "dispatch": fields,
-                    "grad_expert_x": case.expert_rows(r, TAG_GRAD_X, valid, case.dtype),
+                    "grad_expert_x": case.expert_rows(r, TAG_GRAD_X, valid, g_dtype),
                     "expert_y": case.expert_rows(r, TAG_Y, valid, case.y_dtype),
                     "grad_out": case.grad_out(r)})
     m = [len(d.row_src) for d in res]
@@ -56,6 +60,18 @@ def perfect_results(case: Case, static_tail: int = 0):
 def test_reference_results_pass_every_property():
     v = check_case(CASE, ModeSpec(), perfect_results(CASE))
     assert v.status == {p: "passed" for p in PROPERTIES}, v.report()
+
+
+def test_mxfp8_checks_codes_scales_and_the_dequantized_rows():
+    case = CASE.replace(hidden=64, payload="mxfp8")
+    mode = ModeSpec("x/mxfp8", payload="mxfp8")
+    assert not check_case(case, mode, perfect_results(case)).failed
+    for field in ("expert_scale", "expert_x_hp", "expert_x"):
+        results = perfect_results(case)
+        a = results[2]["dispatch"][field]
+        a.view(np.uint8)[0, 0] ^= 1
+        v = check_case(case, mode, results)
+        assert v.failed_properties == ["dispatch"] and f"rank 2, {field}:" in v.report()
 
 
 def test_a_flipped_bit_names_property_rank_output_row_col_and_values():
