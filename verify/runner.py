@@ -178,17 +178,20 @@ class Suite:
     def run_mode(self, mode: ModeSpec):
         tallies = {p: Tally() for p in PROPERTIES}
         memo: dict = {}
-        st = {"failed_at": None, "generated": 0, "stop": False}
+        st = {"failed_at": None, "generated": 0, "stop": False, "no_shrink": False}
 
         def execute(case):
             if case in memo:
                 return memo[case]
-            if st["failed_at"] is not None and \
-                    time.monotonic() - st["failed_at"] > self.shrink_seconds:
+            if st["failed_at"] is not None and (
+                    st["no_shrink"] or time.monotonic() - st["failed_at"] > self.shrink_seconds):
                 return None  # shrink budget spent: unseen cases count as passing
             results = self.runner.run(case, self.impl, mode)
             v = check_case(case, mode, results, self.impl, self.reference)
             memo[case] = v
+            if any((r.get("error") or {}).get("type") in ("Timeout", "WorkerDied")
+                   for r in results):
+                st["no_shrink"] = True  # every shrink step could cost a timeout: report as is
             return v
 
         def prop(case):

@@ -137,6 +137,37 @@ dropped_slot_leaks = DroppedSlotLeaks
 wrong_weight_grad = WrongWeightGrad
 dense_combine = DenseCombine
 
+
+
+class GarbageOutputs(PlainTorchDispatcher):
+    """Outputs of the wrong kind: int32 row_src with two columns, float counts, a combine that
+    returns a list. The harness must report these, not crash on them."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        d = super().dispatch(x, topk_idx, topk_weights, **kw)
+        return dataclasses.replace(d, row_src=d.row_src[:, :2].int(),
+                                   tokens_per_expert=d.tokens_per_expert.float(),
+                                   expert_offsets=d.expert_offsets[:-1])
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        return [1, 2, 3]
+
+
+class NoFields:
+    def __init__(self, group):
+        pass
+
+    def dispatch(self, x, *a, **kw):
+        return object()
+
+    def combine(self, *a, **kw):
+        return None
+
+
+garbage_outputs = GarbageOutputs
+no_fields = NoFields
+
+
 # factory name -> the property that must fail
 EXPECTED = {
     "rows_out_of_order": "dispatch",
@@ -147,4 +178,6 @@ EXPECTED = {
     "dropped_slot_leaks": "combine",
     "wrong_weight_grad": "weight_grad",
     "dense_combine": "combine",
+    "garbage_outputs": "dispatch",
+    "no_fields": "dispatch",
 }

@@ -99,3 +99,14 @@ def _alive(pid):
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_a_hanging_impl_fails_once_per_mode_without_shrinking(small_pool):
+    from epkit.verify.runner import Suite
+
+    t0 = time.monotonic()
+    res = Suite(small_pool, impl=f"{MISBEHAVING}:hang", examples=20, seed=1,
+                shrink_seconds=60).run()
+    assert res.failed and time.monotonic() - t0 < 30
+    (verdict,) = res.failures
+    assert "timeout" in verdict.report()
