@@ -269,15 +269,16 @@ class Pool:
         self.start()
         results: list = [None] * n
         pending = {}
+        dead_at = None  # when a rank died or failed: its peers then get a short grace only
         for r in range(n):
             try:
                 self._conns[r].send(("run", case, impl, mode))
                 pending[self._conns[r]] = r
             except (OSError, ValueError):
                 results[r] = {"rank": r, "error": _error(None, "WorkerDied", "pipe closed")}
+                dead_at = time.monotonic()
         sentinels = {self._procs[r].sentinel: r for r in range(n)}
         deadline = time.monotonic() + self.timeout * 1.2 + 1.0
-        dead_at = None  # when a rank died or failed: its peers then get a short grace only
         while pending:
             now = time.monotonic()
             limit = deadline if dead_at is None else min(deadline, dead_at + 2.0)
