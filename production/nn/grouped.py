@@ -28,7 +28,7 @@ def _compiling() -> bool:
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> bool:
-    """Run ``torch._grouped_mm`` once, forward and backward, on tiny aligned operands."""
+    """Run ``torch._grouped_mm`` once, forward and backward, on tiny operands (16-byte strides)."""
     key = (device.type, dtype)
     if key not in _PROBED:
         ok = hasattr(torch, "_grouped_mm")
@@ -36,9 +36,10 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
             try:
                 with torch.enable_grad():
                     a = torch.ones(32, 16, device=device, dtype=dtype, requires_grad=True)
-                    b = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
+                    b = torch.ones(3, 32, 16, device=device, dtype=dtype).transpose(1, 2)
                     b.requires_grad_()
-                    offs = torch.tensor([16, 32], device=device, dtype=torch.int32)
+                    # unaligned and empty groups, as routing makes them
+                    offs = torch.tensor([5, 5, 32], device=device, dtype=torch.int32)
                     y = torch._grouped_mm(a, b, offs=offs)
                     torch.autograd.grad(y, (a, b), torch.ones_like(y))
             except (RuntimeError, NotImplementedError, TypeError):

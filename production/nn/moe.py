@@ -192,8 +192,9 @@ class ExpertParallelMoE(_MoEBase):
 
     Args (beyond DenseMoE's): group: the expert-parallel process group (default: WORLD);
     align, capacity, transport, exchange, max_tokens_per_rank: passed to
-    :class:`epkit.Dispatcher`; overlap: issue the dispatch lazily and run the shared expert
-    meanwhile (when ``exchange="auto"`` and epkit has the lazy exchange).
+    :class:`epkit.Dispatcher`; overlap: with a shared expert and ``exchange="auto"``, issue
+    the exchanges lazily and run the shared expert while the tokens travel (the lazy path is
+    eager-only: under ``torch.compile`` use ``exchange="static"``).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
@@ -289,7 +290,11 @@ def sync_replicated_grads(model: nn.Module, group=None, average: bool = False) -
     With each rank's loss scaled to its share of the global loss (say, its token sum divided by
     the global token count), the summed gradients equal the dense model's on all the tokens.
     """
-    grads = [p.grad for p in replicated_parameters(model) if p.grad is not None]
+    params = [p for p in replicated_parameters(model) if p.requires_grad]
+    for p in params:  # every rank must contribute the same tensors, used or not
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -13,6 +13,6 @@ from group import GroupPool  # noqa: E402  (tests/production/group.py: the persi
 @pytest.fixture(scope="session")
 def nn_group():
     """Four gloo ranks joined once; ``nn_group.run(fn, R, args)`` runs on ranks 0..R-1."""
-    pool = GroupPool(world=4)
+    pool = GroupPool(world=4, timeout=150)  # inductor (opt-in) compiles slowly
     yield pool
     pool.close()
