@@ -2,7 +2,14 @@
 
 The first build takes about a minute on a 2-core machine; later imports reuse the cached
 library (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and take well under a
-second. CUDA sources join the build only where torch has CUDA and ``nvcc`` exists.
+second. CUDA sources (``csrc/cuda/*.cu``, the ``TORCH_LIBRARY_IMPL(epkit, CUDA, ...)`` kernels)
+join the build where torch has CUDA, ``nvcc`` exists and a GPU is visible, or, for a compile
+check on a machine without a GPU, where ``EPKIT_FORCE_CUDA_BUILD=1`` (``make build-cuda``).
+
+The CUDA build targets ``TORCH_CUDA_ARCH_LIST`` when set, else the visible GPUs' architecture
+(torch's default; ``9.0`` on an H200), else ``9.0``. nvcc gets ``--fmad=false`` and no fast-math
+flag, so every float32 multiply and add is rounded on its own, as in the CPU kernels.
+``MAX_JOBS`` bounds the parallel compiles (ninja).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ _loaded = False
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+CUDA_CFLAGS = ["-O3", "--fmad=false", "-DEPKIT_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
+               "-lineinfo"]
 
 
 def sources(cuda: bool) -> list[str]:
@@ -33,6 +42,14 @@ def cuda_build_wanted() -> bool:
         return False
     from torch.utils.cpp_extension import CUDA_HOME
 
+    if os.environ.get("EPKIT_FORCE_CUDA_BUILD") == "1":
+        if torch.version.cuda is None or CUDA_HOME is None:
+            raise RuntimeError("epkit: EPKIT_FORCE_CUDA_BUILD=1 needs a CUDA build of torch and nvcc "
+                               f"(torch {torch.__version__}, CUDA_HOME {CUDA_HOME})")
+        if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+            raise RuntimeError(f"epkit: CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h; "
+                               "set CUDA_HOME to the toolkit (e.g. /usr/local/cuda)")
+        return True
     return torch.version.cuda is not None and CUDA_HOME is not None and torch.cuda.is_available()
 
 
@@ -48,14 +65,30 @@ def load(verbose: bool = False) -> None:
 
         cuda = cuda_build_wanted()
         srcs = sources(cuda)
+        if cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"  # no GPU to ask: Hopper
         cpp_extension.load(
             name="epkit_C_cuda" if cuda else "epkit_C",
             sources=srcs,
             extra_cflags=CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else []),
-            extra_cuda_cflags=["-O3", "--fmad=false", "-DEPKIT_WITH_CUDA"],
+            extra_cuda_cflags=CUDA_CFLAGS,
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[CSRC],
             is_python_module=False,
             verbose=verbose or os.environ.get("EPKIT_VERBOSE_BUILD") == "1",
         )
         _loaded = True
+
+
+if __name__ == "__main__":  # `make build-cuda`: build (and load) the extension, say what it holds
+    import time
+
+    t0 = time.perf_counter()
+    load(verbose=os.environ.get("EPKIT_VERBOSE_BUILD") == "1")
+    cuda = cuda_build_wanted()
+    names = [os.path.relpath(s, CSRC) for s in sources(cuda)]
+    impls = torch._C._dispatch_dump("epkit::pack")
+    print(f"epkit: built {'with' if cuda else 'without'} CUDA in {time.perf_counter() - t0:.0f} s: "
+          f"{len(names)} sources ({', '.join(names)})")
+    print("epkit: epkit::pack kernels:",
+          ", ".join(k for k in ("CPU", "CUDA") if f"{k}: registered" in impls))

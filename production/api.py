@@ -9,6 +9,7 @@ further count exchange, no host read of counts.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -166,16 +167,26 @@ class Dispatcher:
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static" and code == Reason.OK
-        max_tokens = int(self.max_tokens_per_rank) if static else -1
         mx = self.payload == "mxfp8"
+        pre_error = [int(code), int(a), int(b), _dtype_code(x.dtype)]
+        if (not static and not mx and self.exchange != "lazy"
+                and not torch.compiler.is_compiling()):
+            # The eager path: one fused op, no host read here at all.
+            *outs, plan = ops.prepare_dispatch(
+                x, topk_idx, topk_weights, group_name(self.group), rank, self.num_experts,
+                self.align, cap, transport, EXCHANGE_CODES[self.exchange], pre_error, 0)
+            return self._result(x, topk_idx, topk_weights, plan, *outs)
+        max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
-                              [int(code), int(a), int(b), _dtype_code(x.dtype), max_tokens], int(mx))
+                              pre_error + [max_tokens], int(mx))
+        # CUDA static: the shape that sizes the plan's host mirror without a host wait.
+        shape = ([x.shape[1], topk_idx.shape[1], _dtype_code(x.dtype), int(mx)]
+                 if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
                                   self.align, cap, transport, EXCHANGE_CODES[self.exchange],
-                                  max_tokens)
-        if self.exchange == "equal" and not int(plan[ops.UNIFORM]):
-            raise error(int(plan[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
-        sl = ops.plan_slices(R, self.num_experts)
+                                  max_tokens, shape)
+        if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
+            raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         if static:
             # Sizes from the configuration alone: no host read of any count (and, under
             # torch.compile, no data-dependent shape). docs/design.md, wire format.
@@ -188,25 +199,8 @@ class Dispatcher:
             M = R * max_tokens * per + L * (self.align - 1)
         else:
             # The one host read of a dispatch (on CPU the plan is host memory already).
-            SB, N, M = plan[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
-        bytes_sent = plan[sl["send_bytes"]].clone()
-
-        def build(expert_x, row_src, row_weight, send_map, recv_map, expert_scale=None,
-                  expert_x_hp=None):
-            return Dispatch(
-                expert_x=expert_x,
-                tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
-                expert_offsets=plan[sl["offsets"]].clone(),
-                row_src=row_src,
-                row_weight=row_weight,
-                dropped_per_expert=plan[sl["dropped"]].clone(),
-                bytes_sent=bytes_sent,
-                expert_scale=expert_scale,
-                expert_x_hp=expert_x_hp,
-                _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
-                _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
-            )
-
+            SB, N, M = ops.host_plan(plan)[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
+        build = functools.partial(self._result, x, topk_idx, topk_weights, plan)
         if mx:
             hp, row_weight, q, scale, row_src, send_map, recv_map = mxfp8.dispatch_mxfp8(
                 x, topk_idx, topk_weights, plan, group_name(self.group), transport,
@@ -218,6 +212,23 @@ class Dispatcher:
         return build(*ops.dispatch_tokens(
             x, topk_idx, topk_weights, plan, group_name(self.group), transport,
             EXCHANGE_CODES[self.exchange], SB, N, M))
+
+    def _result(self, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight, send_map,
+                recv_map, expert_scale=None, expert_x_hp=None) -> Dispatch:
+        sl = ops.plan_slices(dist.get_world_size(self.group), self.num_experts)
+        return Dispatch(
+            expert_x=expert_x,
+            tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
+            expert_offsets=plan[sl["offsets"]].clone(),
+            row_src=row_src,
+            row_weight=row_weight,
+            dropped_per_expert=plan[sl["dropped"]].clone(),
+            bytes_sent=plan[sl["send_bytes"]].clone(),
+            expert_scale=expert_scale,
+            expert_x_hp=expert_x_hp,
+            _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
+            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
+        )
 
     # -- combine ----------------------------------------------------------------------------------
 

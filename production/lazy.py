@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import ops
+from epkit import device, ops
 
 C = ops.C
 
@@ -25,7 +25,8 @@ class _DispatchWait(torch.autograd.Function):
         recv = state["finish"]()
         expert_x, row_src, row_weight, recv_map = C.unpack(
             recv, state["plan"], state["transport"], x.shape[1], x.dtype,
-            state["topk_idx"].shape[1], int(state["plan"][ops.RECV_ROWS]), state["expert_rows"])
+            state["topk_idx"].shape[1], int(ops.host_plan(state["plan"])[ops.RECV_ROWS]),
+            state["expert_rows"])
         ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
         ctx.mark_non_differentiable(row_src, recv_map)
@@ -59,11 +60,14 @@ class PendingDispatch:
 
 
 def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build):
-    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(plan[ops.RANKS]),
-                            int(plan[ops.SEND_BYTES]))
-    finish = ops._move_dispatch(send, plan, group_name, async_op=True)
-    state = dict(finish=finish, plan=plan, transport=transport, topk_idx=topk_idx,
-                 expert_rows=expert_rows, send_map=send_map, group_name=group_name)
+    hp = ops.host_plan(plan)
+    with device.Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
+        send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(hp[ops.RANKS]),
+                                int(hp[ops.SEND_BYTES]))
+        finish = ops._move_dispatch(send, plan, group_name, async_op=True)
+    state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
+                 topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
+                 group_name=group_name)
     return PendingDispatch(x, topk_weights, state, build)
 
 
@@ -73,7 +77,8 @@ class _CombineWait(torch.autograd.Function):
         back = state["finish"]()
         d = state["dispatch"]
         out = C.reduce_tokens(back, d._send_map, d._topk_idx, d._topk_weights,
-                              int(d._plan[ops.EXPERTS]), int(d._plan[ops.RANKS]),
+                              int(ops.host_plan(d._plan)[ops.EXPERTS]),
+                              int(ops.host_plan(d._plan)[ops.RANKS]),
                               state["transport"], state["weighted"], d._x_dtype)
         ctx.save_for_backward(expert_y, row_weight, d._send_map, d._recv_map, d._plan)
         ctx.meta = (state["group_name"], state["weighted"])
@@ -103,10 +108,11 @@ class PendingCombine:
 
 
 def issue_combine(expert_y, d, group_name, transport, weighted):
-    rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
-                         weighted)
-    finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True,
-                       what="epkit.combine (lazy)")
-    state = dict(finish=finish, dispatch=d, transport=transport, weighted=weighted,
+    with device.Side(expert_y, d._recv_map, d.row_weight) as side:  # CUDA: a side stream
+        rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
+                             weighted)
+        finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True,
+                           what="epkit.combine (lazy)")
+    state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

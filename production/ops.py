@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from epkit import _build
+from epkit.device import host_plan
 from epkit.exchange import all_gather, all_to_all, collective_error, group_from_name
 from epkit.reference.errors import error
 
@@ -143,6 +144,7 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
     """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
     ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
     and returns the rows."""
+    plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
     R = int(plan[RANKS])
     variant = VARIANT_NAMES[int(plan[VARIANT])]
     cap = int(plan[STATIC_CAP])
@@ -162,6 +164,7 @@ def _move(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
 def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False):
     """The dispatch exchange: ``buf`` holds this rank's chunks back to back as bytes, already in
     the variant's layout (pack pads), so only ragged needs split sizes."""
+    plan = host_plan(plan)
     R = int(plan[RANKS])
     sl = plan_slices(R, int(plan[EXPERTS]))
     send = plan[sl["send_bytes"]].tolist()
@@ -176,15 +179,23 @@ def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async
 @torch.library.custom_op("epkit::count_exchange", mutates_args=())
 def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
                    capacity: int, transport: int, exchange: int,
-                   max_tokens_per_rank: int) -> torch.Tensor:
+                   max_tokens_per_rank: int, static_shape: Optional[list[int]] = None
+                   ) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
     raises the same :class:`epkit.InputError` on all of them, before any token moves.
+    On CUDA the plan stays on the device with its host mirror attached (``epkit/device.py``;
+    ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
     """
     import torch.distributed as dist
 
     group = group_from_name(group_name)
+    if words.is_cuda:
+        from epkit import device
+
+        return device.count_exchange(words, group, rank, num_experts, align, capacity, transport,
+                                     exchange, max_tokens_per_rank, static_shape)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
@@ -198,7 +209,7 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
 
 @count_exchange.register_fake
 def _(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-      max_tokens_per_rank):
+      max_tokens_per_rank, static_shape=None):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -213,8 +224,8 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     send_bytes: int, recv_rows: int, expert_rows: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``."""
-    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(plan[RANKS]),
-                            send_bytes)
+    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport,
+                            int(host_plan(plan)[RANKS]), send_bytes)
     recv = _move_dispatch(send, plan, group_name)
     expert_x, row_src, row_weight, recv_map = C.unpack(
         recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
@@ -236,6 +247,66 @@ def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_byt
             x.new_empty((recv_rows, 1 if transport == PAIRS else K), dtype=torch.int64))
 
 
+# ---- the fused prepare-and-dispatch (the eager path) -----------------------------------------
+
+@torch.library.custom_op("epkit::prepare_dispatch", mutates_args=())
+def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                     group_name: str, rank: int, num_experts: int, align: int, capacity: int,
+                     transport: int, exchange: int, pre_error: list[int], payload: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor, torch.Tensor]:
+    """Layout, count exchange, allocation and token exchange in one call.
+
+    Returns ``(expert_x, row_src, row_weight, send_map, recv_map, plan)``. The received sizes
+    are read from the plan inside the op (host memory on CPU), so the caller makes no host read
+    at all. Its fake kernel declares the two routing-dependent sizes as unbacked (new, not
+    guessed); under torch.compile the split ops (prepare / count_exchange / dispatch_tokens) are
+    used instead, with the sizes passed in as SymInts.
+    """
+    words = C.prepare(x, topk_idx, topk_weights, num_experts,
+                      _world(group_name), pre_error, payload)
+    plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
+                          exchange, -1)
+    if exchange == 2 and not int(plan[UNIFORM]):
+        raise error(int(plan[NONUNIFORM_RANK]), 21)
+    SB, N, M = plan[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
+    return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
+                             SB, N, M), plan)
+
+
+def _world(group_name: str) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group_from_name(group_name))
+
+
+@prepare_dispatch.register_fake
+def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity, transport,
+      exchange, pre_error, payload):
+    ctx = torch.library.get_ctx()
+    N, M = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    R = _world(group_name)
+    T, K = topk_idx.shape
+    return (x.new_empty((M, x.shape[1])), x.new_empty((M, 3), dtype=torch.int64),
+            x.new_empty((M,), dtype=torch.float32),
+            x.new_empty((T, K if transport == PAIRS else R), dtype=torch.int64),
+            x.new_empty((N, 1 if transport == PAIRS else K), dtype=torch.int64),
+            x.new_empty((plan_size(R, num_experts),), dtype=torch.int64))
+
+
+def _fused_setup(ctx, inputs, output):
+    x, topk_idx, _, group_name, _, _, _, _, transport, exchange, *_ = inputs
+    _, _, _, send_map, recv_map, plan = output
+    ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
+    ctx.meta = (group_name, transport, exchange, x.dtype)
+
+
+def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
+    grad_x, _, grad_w, *_rest = _dispatch_backward(ctx, grad_expert_x, None, grad_row_weight,
+                                                    None, None)
+    return grad_x, None, grad_w, *([None] * 9)
+
+
 @torch.library.custom_op("epkit::dispatch_tokens_backward", mutates_args=())
 def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
                              send_map: torch.Tensor, recv_map: torch.Tensor,
@@ -247,13 +318,13 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
-    R, E = int(plan[RANKS]), int(plan[EXPERTS])
+    R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
     back = _move(back_rows, plan, group_name, reverse=True, what="epkit.dispatch backward")
     grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
     if grad_row_weight is None:
-        return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32)
+        return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
     vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
     back_w = _move(vals, plan, group_name, reverse=True,
                    what="epkit.dispatch backward (weight gradients)")
@@ -285,6 +356,7 @@ def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr)
 
 
 dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+prepare_dispatch.register_autograd(_fused_backward, setup_context=_fused_setup)
 
 
 # ---- combine ----------------------------------------------------------------------------------
@@ -304,7 +376,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     before any row moves (inside the op, so torch.compile sees no data-dependent branch).
     """
     collective_error(check[:3], check[3], group_from_name(group_name), "epkit.combine (validation)")
-    R, E = int(plan[RANKS]), int(plan[EXPERTS])
+    R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
     back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")
     return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
@@ -327,7 +399,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
-    recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(plan[SEND_ROWS]))
+    recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(host_plan(plan)[SEND_ROWS]))
     recv = _move(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward")
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 

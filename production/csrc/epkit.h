@@ -13,6 +13,13 @@
 #include <cstring>
 #include <tuple>
 
+// Device-agnostic helpers (the plan layout) are also compiled by nvcc for the CUDA kernels.
+#if defined(__CUDACC__)
+#define EPKIT_HD __host__ __device__
+#else
+#define EPKIT_HD
+#endif
+
 namespace epkit {
 
 using at::Tensor;
@@ -53,7 +60,7 @@ constexpr int64_t kDedupTokMeta = 8;    // dedup token row meta: int32 t, int32 
 struct PlanOffsets {
   int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept,
       send_bytes, recv_bytes, send_slots, recv_slots, size;
-  PlanOffsets(int64_t R, int64_t E) {
+  EPKIT_HD PlanOffsets(int64_t R, int64_t E) {
     const int64_t L = E / R;
     send_counts = kPlanHeader;
     recv_counts = send_counts + R;

@@ -103,10 +103,31 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype)
     return out.to(out_dtype)
 
 
+class _MXFP8RoundTrip(torch.autograd.Function):
+    """``dequantize(quantize(x))`` float32 rows (epkit's MXFP8); the gradient passes straight
+    through, cast to x's dtype (what the MXFP8 dispatch's backward does)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import epkit
+
+        ctx.dtype = x.dtype
+        return epkit.dequantize_mxfp8(*epkit.quantize_mxfp8(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype)
+
+
 class _MoEBase(nn.Module):
     def __init__(self, hidden, ffn_hidden, num_experts, top_k, shared_expert, local_experts,
-                 impl, device, dtype):
+                 impl, payload, device, dtype):
         super().__init__()
+        if payload not in (None, "mxfp8"):
+            raise ValueError(f"epkit.nn: payload must be None or 'mxfp8', got {payload!r}")
+        if payload == "mxfp8" and hidden % 32:
+            raise ValueError(f"epkit.nn: the MXFP8 payload needs hidden % 32 == 0, got {hidden}")
+        self.payload = payload
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.num_experts, self.top_k = num_experts, top_k
         kw = dict(device=device, dtype=dtype)
@@ -116,7 +137,8 @@ class _MoEBase(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}")
+                f"num_experts={self.num_experts}, top_k={self.top_k}"
+                + (f", payload={self.payload}" if self.payload else ""))
 
     def _moe(self, x2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -135,6 +157,9 @@ class DenseMoE(_MoEBase):
         num_experts: ``E``. top_k: ``K`` experts per token.
         shared_expert: add one SwiGLU every token goes through (``shared_expert.w1/w3/w2``).
         impl: grouped matmul, ``"auto"`` / ``"torch"`` (``torch._grouped_mm``) / ``"loop"``.
+        payload: ``"mxfp8"``: the experts see their input rounded through MXFP8 (quantized and
+            dequantized, ``epkit.quantize_mxfp8``), the gradient passing straight through, as
+            the expert-parallel layer's MXFP8 dispatch delivers it; ``H % 32 == 0``.
 
     Parameters: ``router.weight [E, H]``; ``experts.w1 [E, F, H]``, ``experts.w3 [E, F, H]``,
     ``experts.w2 [E, H, F]``.
@@ -145,9 +170,10 @@ class DenseMoE(_MoEBase):
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
-                 shared_expert: bool = False, impl: str = "auto", device=None, dtype=None):
+                 shared_expert: bool = False, impl: str = "auto", payload: Optional[str] = None,
+                 device=None, dtype=None):
         super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts,
-                         impl, device, dtype)
+                         impl, payload, device, dtype)
 
     def _moe(self, x2: torch.Tensor) -> torch.Tensor:
         T, K = x2.shape[0], self.top_k
@@ -156,7 +182,8 @@ class DenseMoE(_MoEBase):
         order = torch.argsort(flat, stable=True)  # slot t*K+k; by expert, then token
         counts = torch.bincount(flat, minlength=self.num_experts)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        y_sorted = self.experts(x2[order // K], offsets)
+        xe = x2 if self.payload is None else _MXFP8RoundTrip.apply(x2).to(self.experts.w1.dtype)
+        y_sorted = self.experts(xe[order // K], offsets)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted).view(T, K, self.hidden)
         out = weighted_sum(y, topk_weights, x2.dtype)
         if self.shared_expert is not None:
@@ -201,7 +228,7 @@ class ExpertParallelMoE(_MoEBase):
                  shared_expert: bool = False, group=None, *, align: int = 1,
                  capacity: Optional[int] = None, transport: str = "dedup", exchange: str = "auto",
                  max_tokens_per_rank: Optional[int] = None, overlap: bool = True,
-                 impl: str = "auto", device=None, dtype=None):
+                 impl: str = "auto", payload: Optional[str] = None, device=None, dtype=None):
         from epkit.exchange import resolve_group
 
         group = resolve_group(group)
@@ -209,18 +236,19 @@ class ExpertParallelMoE(_MoEBase):
         if num_experts % R:
             raise ValueError(f"epkit.nn: num_experts {num_experts} is not a multiple of the group size {R}")
         super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts // R,
-                         impl, device, dtype)
+                         impl, payload, device, dtype)
         self.group, self.rank, self.world_size = group, rank, R
         self.local_experts = num_experts // R
         self.first_expert = rank * self.local_experts
         self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
-                                     exchange=exchange, max_tokens_per_rank=max_tokens_per_rank)
+                                     exchange=exchange, max_tokens_per_rank=max_tokens_per_rank,
+                                     payload=payload)
         self.overlap = overlap
         import epkit
 
         self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
         self.lazy_dispatcher = None
-        if overlap and shared_expert and exchange == "auto":
+        if overlap and shared_expert and exchange == "auto" and payload is None:
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 
@@ -230,6 +258,7 @@ class ExpertParallelMoE(_MoEBase):
         expert (copied). ``options``: the keyword arguments of :class:`ExpertParallelMoE`."""
         p = dense.router.weight
         options.setdefault("impl", dense.experts.impl)
+        options.setdefault("payload", dense.payload)
         ep = cls(dense.hidden, dense.ffn_hidden, dense.num_experts, dense.top_k,
                  dense.shared_expert is not None, group, device=p.device, dtype=p.dtype, **options)
         lo, hi = ep.first_expert, ep.first_expert + ep.local_experts
@@ -245,6 +274,11 @@ class ExpertParallelMoE(_MoEBase):
         return (super().extra_repr() + f", ranks={self.world_size}, rank={self.rank}, "
                 f"local_experts={self.local_experts}")
 
+    def _experts(self, d) -> torch.Tensor:
+        # MXFP8: expert_x is E4M3; expert_x_hp its dequantized float32 rows, differentiable
+        x = d.expert_x if d.expert_x_hp is None else d.expert_x_hp.to(self.experts.w1.dtype)
+        return self.experts(x, d.expert_offsets)
+
     def _moe(self, x2: torch.Tensor) -> torch.Tensor:
         topk_idx, topk_weights = self.router(x2)
         lazy = self.lazy_dispatcher
@@ -252,9 +286,9 @@ class ExpertParallelMoE(_MoEBase):
             pending = lazy.dispatch(x2, topk_idx, topk_weights)
             shared = self.shared_expert(x2)  # runs while the tokens travel
             d = pending.wait()
-            return lazy.combine(self.experts(d.expert_x, d.expert_offsets), d).wait() + shared
+            return lazy.combine(self._experts(d), d).wait() + shared
         d = self.dispatcher.dispatch(x2, topk_idx, topk_weights)
-        out = self.dispatcher.combine(self.experts(d.expert_x, d.expert_offsets), d)
+        out = self.dispatcher.combine(self._experts(d), d)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x2)
         return out

@@ -109,6 +109,8 @@ def opcheck_all(group, rank):
             (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
             (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
+            (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
+                                  gname, 0, E, 2, -1, transport, 0, [0, 0, 0, 1], 0)),
             (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
                                  transport, 0, SB, N, M)),
             (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),

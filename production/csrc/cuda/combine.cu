@@ -1,0 +1,208 @@
+// Combine on the device (cpu/combine.cpp is the specification, bit for bit).
+//
+// out[t] = sum over d ascending of P_d(t), P_d(t) = sum over k ascending of c_k * y(t, k): every
+// product __fmul_rn, every sum __fadd_rn, both from +0.0f, in exactly the CPU kernel's order per
+// element; threads split the hidden dimension only, never a sum.
+#include "vec.cuh"
+
+namespace epkit {
+namespace cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+
+// pairs, expert side: row n of the returned rows is expert_y[recv_map[n]] as bytes, or zeros
+// (static-exchange header and gap rows).
+__global__ void gather_pairs_kernel(const uint8_t* yp, const int64_t* mp, uint8_t* op,
+                                    int64_t nbytes, int64_t M) {
+  __shared__ uint8_t* dst[1];
+  const int64_t n = blockIdx.x, m = mp[n];
+  uint8_t* out = op + n * nbytes;
+  if (m < 0 || m >= M) { zero_range(out, 0, nbytes, threadIdx.x, blockDim.x); return; }
+  const uint8_t* src = yp + m * nbytes;
+  if (threadIdx.x == 0) dst[0] = out;
+  __syncthreads();
+  const uint64_t bits = reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(out) |
+                        static_cast<uint64_t>(nbytes);
+  copy_to_all(dst, 1, src, nbytes, vec_width(bits), threadIdx.x, blockDim.x);
+}
+
+// dedup, expert side: one float32 partial per received row, its slots in c order.
+template <typename T, int V>
+__global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float* wp, float* op,
+                                    int64_t C, int64_t H, bool weighted) {
+  const int64_t n = blockIdx.x;
+  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += static_cast<int64_t>(blockDim.x) * V) {
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t m = mp[n * C + c];
+      if (m < 0) continue;
+      float y[V];
+      load_widen<T, V>(yp + m * H + h, y);
+      if (weighted) {
+        const float w = wp[m];
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w, y[i]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] = __fadd_rn(acc[i], y[i]);
+      }
+    }
+    narrow_store<float, V>(op + n * H + h, acc);
+  }
+}
+
+// Source side, one block per token.
+template <typename O, typename Bt, int V>
+__global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip, const float* wp,
+                              O* op, int64_t C, int64_t K, int64_t H, int64_t L, bool dedup,
+                              bool weighted) {
+  extern __shared__ int64_t sh[];  // pairs: ord [K] | rank [K]
+  __shared__ int64_t nslots;
+  const int64_t t = blockIdx.x;
+  int64_t* ord = sh;
+  int64_t* rk = sh + K;
+  if (!dedup && threadIdx.x == 0) {
+    // Slots of t in (destination rank, k) order: a stable insertion sort of the used ks.
+    int64_t n = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      if (mp[t * K + k] < 0) continue;
+      const int64_t d = ip[t * K + k] / L;
+      int64_t at = n++;
+      while (at > 0 && rk[at - 1] > d) { ord[at] = ord[at - 1]; rk[at] = rk[at - 1]; --at; }
+      ord[at] = k;
+      rk[at] = d;
+    }
+    nslots = n;
+  }
+  __syncthreads();
+  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += static_cast<int64_t>(blockDim.x) * V) {
+    float total[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) total[i] = 0.0f;
+    if (dedup) {
+      for (int64_t d = 0; d < C; ++d) {
+        const int64_t r = mp[t * C + d];
+        if (r < 0) continue;
+        float b[V];
+        load_widen<Bt, V>(bp + r * H + h, b);
+#pragma unroll
+        for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], b[i]);
+      }
+    } else {
+      float part[V];
+      int64_t cur = -1;
+      for (int64_t s = 0; s < nslots; ++s) {
+        const int64_t k = ord[s], d = rk[s];
+        if (d != cur) {
+          if (cur >= 0) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+          }
+#pragma unroll
+          for (int i = 0; i < V; ++i) part[i] = 0.0f;
+          cur = d;
+        }
+        float b[V];
+        load_widen<Bt, V>(bp + mp[t * K + k] * H + h, b);
+        if (weighted) {
+          const float w = wp[t * K + k];
+#pragma unroll
+          for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], __fmul_rn(w, b[i]));
+        } else {
+#pragma unroll
+          for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], b[i]);
+        }
+      }
+      if (cur >= 0) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+      }
+    }
+    narrow_store<O, V>(op + t * H + h, total);
+  }
+}
+
+}  // namespace
+
+Tensor gather_rows_cuda(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight_in,
+                        int64_t transport, bool weighted) {
+  const c10::cuda::CUDAGuard guard(y_in.device());
+  const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
+  const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
+  if (transport == kPairs) {
+    Tensor out = at::empty({N, H}, y.options());
+    const int64_t nbytes = H * y.element_size();
+    if (N > 0 && nbytes > 0) {
+      gather_pairs_kernel<<<N, kThreads, 0, stream()>>>(
+          static_cast<const uint8_t*>(y.data_ptr()), recv_map.data_ptr<int64_t>(),
+          static_cast<uint8_t*>(out.data_ptr()), nbytes, M);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return out;
+  }
+  Tensor out = at::empty({N, H}, y.options().dtype(at::kFloat));
+  const Tensor w = weighted ? row_weight_in.contiguous() : row_weight_in;
+  if (N == 0 || H == 0) return out;
+  dispatch_float(y.scalar_type(), "epkit.gather_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const bool al = aligned16(y.data_ptr(), H * sizeof(T)) && aligned16(out.data_ptr(), H * 4);
+    const int V = vec_elems(H, 4, al);
+    const float* wp = weighted ? w.data_ptr<float>() : nullptr;
+    auto launch = [&](auto kernel) {
+      kernel<<<N, kThreads, 0, stream()>>>(reinterpret_cast<const T*>(y.data_ptr()),
+                                           recv_map.data_ptr<int64_t>(), wp,
+                                           out.data_ptr<float>(), C, H, weighted);
+    };
+    if (V == 4) launch(gather_dedup_kernel<T, 4>);
+    else launch(gather_dedup_kernel<T, 1>);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
+                          const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
+                          bool weighted, at::ScalarType out_dtype) {
+  const c10::cuda::CUDAGuard guard(back_in.device());
+  const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const bool dedup = transport == kDedup;
+  const Tensor wt = (!dedup && weighted) ? topk_weights.contiguous() : topk_weights;
+  const int64_t T = send_map.size(0), C = send_map.size(1), H = back.size(1), L = E / R;
+  const int64_t K = idx.size(1);
+  Tensor out = at::empty({T, H}, back.options().dtype(out_dtype));
+  if (T == 0 || H == 0) return out;
+  dispatch_float(out_dtype, "epkit.reduce_tokens", [&](auto otag) {
+    using O = decltype(otag);
+    dispatch_float(back.scalar_type(), "epkit.reduce_tokens", [&](auto btag) {
+      using Bt = decltype(btag);
+      const size_t wider = std::max(sizeof(O), sizeof(Bt));
+      const bool al = aligned16(back.data_ptr(), H * sizeof(Bt)) &&
+                      aligned16(out.data_ptr(), H * sizeof(O));
+      const int V = vec_elems(H, wider, al);
+      const float* wp = (!dedup && weighted) ? wt.data_ptr<float>() : nullptr;
+      const size_t smem = dedup ? 0 : 2 * K * sizeof(int64_t);
+      auto launch = [&](auto kernel) {
+        if (smem > 48 * 1024)
+          C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              static_cast<int>(smem)));
+        kernel<<<T, kThreads, smem, stream()>>>(
+            reinterpret_cast<const Bt*>(back.data_ptr()), send_map.data_ptr<int64_t>(),
+            idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, dedup,
+            weighted);
+      };
+      if (V == 8) launch(reduce_kernel<O, Bt, 8>);
+      else if (V == 4) launch(reduce_kernel<O, Bt, 4>);
+      else launch(reduce_kernel<O, Bt, 1>);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+}  // namespace cuda
+}  // namespace epkit

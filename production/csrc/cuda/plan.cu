@@ -1,0 +1,354 @@
+// Layout, local validation (the count words) and the plan, on the device.
+//
+// The plan is computed where the gathered words are, so a rank never needs a count on the host
+// to build it: the eager dispatch copies it once to pinned host memory (its one host wait); the
+// static exchange never does. Integer arithmetic only: the plan equals plan_cpu's word for word.
+#include "common.cuh"
+
+#include <limits>
+
+namespace epkit {
+namespace cuda {
+
+namespace {
+
+// reference/errors.py codes (as in cpu/layout.cpp, cpu/plan.cpp)
+constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
+                  kNonfinitePayload = 14, kHiddenNotMult32 = 15, kStaticOverflow = 20;
+constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
+constexpr unsigned long long kNone = std::numeric_limits<unsigned long long>::max();
+
+// flags: [first flat index out of range, first token with a duplicate, first token with a
+// non-finite weight, first token with a non-finite payload value]; kNone where none.
+__device__ __forceinline__ void first(unsigned long long* flag, int64_t i) {
+  atomicMin(flag, static_cast<unsigned long long>(i));
+}
+
+// One thread per token: used-slot counts per expert and per rank (atomics: integer sums, so the
+// result does not depend on the order), is_token_in_rank, and the value checks of prepare.
+__global__ void count_kernel(const int64_t* ip, const float* wp, int64_t T, int64_t K, int64_t E,
+                             int64_t R, int64_t* tpe, int64_t* tpr, int64_t* spr, bool* in_rank,
+                             unsigned long long* flags, bool below_is_error) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= T) return;
+  const int64_t L = E / R;
+  const int64_t* row = ip + t * K;
+  bool dup = false, nonfinite = false;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t e = row[k];
+    if (e < -1 || e >= E) {  // prepare: both sides are errors; layout: only e >= E
+      if (flags && (e >= E || below_is_error)) first(&flags[0], t * K + k);
+      continue;
+    }
+    if (e < 0) continue;
+    bool seen_rank = false;
+    for (int64_t k2 = 0; k2 < k; ++k2) {
+      const int64_t e2 = row[k2];
+      if (e2 == e) dup = true;
+      if (e2 >= 0 && e2 < E && e2 / L == e / L) seen_rank = true;
+    }
+    const int64_t d = e / L;
+    atomicAdd(reinterpret_cast<unsigned long long*>(&tpe[e]), 1ull);
+    if (spr) atomicAdd(reinterpret_cast<unsigned long long*>(&spr[d]), 1ull);
+    if (!seen_rank) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(&tpr[d]), 1ull);
+      if (in_rank) in_rank[t * R + d] = true;
+    }
+  }
+  if (wp)
+    for (int64_t k = 0; k < K; ++k)
+      if (!isfinite(wp[t * K + k])) nonfinite = true;
+  if (flags && dup) first(&flags[1], t);
+  if (flags && nonfinite) first(&flags[2], t);
+}
+
+template <typename X>
+__global__ void nonfinite_kernel(const X* xp, int64_t n, int64_t H, unsigned long long* flags) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    if (!isfinite(widen(xp[i]))) first(&flags[3], i / H);
+}
+
+// The header words, and the error in cpu/layout.cpp's order; counts are zeroed on an error.
+__global__ void finalize_kernel(int64_t* w, const int64_t* ip, const unsigned long long* flags,
+                                int64_t E, int64_t R, int64_t T, int64_t H, int64_t K,
+                                int64_t pre_code, int64_t pre_a, int64_t pre_b, int64_t dtype_code,
+                                int64_t payload, bool hidden_bad, int64_t max_tokens) {
+  __shared__ int64_t err[3];
+  if (threadIdx.x == 0) {
+    int64_t code = pre_code, a = pre_a, b = pre_b;
+    if (code == 0) {
+      if (flags[0] != kNone) {
+        code = kIndexOutOfRange; a = ip[flags[0]]; b = E;
+      } else if (flags[1] != kNone) {
+        const int64_t t = static_cast<int64_t>(flags[1]);
+        int64_t dup = -1;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t e = ip[t * K + k];
+          if (e < 0) continue;
+          for (int64_t k2 = 0; k2 < k; ++k2)
+            if (ip[t * K + k2] == e && (dup < 0 || e < dup)) dup = e;
+        }
+        code = kDuplicateExpert; a = t; b = dup;
+      } else if (flags[2] != kNone) {
+        code = kNonfiniteWeight; a = static_cast<int64_t>(flags[2]); b = 0;
+      } else if (payload && hidden_bad) {
+        code = kHiddenNotMult32; a = H; b = 0;
+      } else if (payload && flags[3] != kNone) {
+        code = kNonfinitePayload; a = static_cast<int64_t>(flags[3]); b = 0;
+      } else if (max_tokens >= 0 && T > max_tokens) {
+        code = kStaticOverflow; a = T; b = max_tokens;
+      }
+      w[3] = T; w[4] = H; w[5] = K;
+    }
+    err[0] = code; err[1] = a; err[2] = b;
+    w[0] = code; w[1] = a; w[2] = b;
+    w[6] = dtype_code;
+    w[7] = payload;
+  }
+  __syncthreads();
+  if (err[0] != 0)
+    for (int64_t i = threadIdx.x; i < E + R; i += blockDim.x) w[kWordHeader + i] = 0;
+}
+
+// The plan (cpu/plan.cpp, step by step) in one block. kept: scratch [R * E].
+__global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank, int64_t align,
+                            int64_t capacity, int64_t transport, int64_t exchange,
+                            int64_t max_tokens, int64_t* p, int64_t* kept) {
+  const int64_t L = E / R, W = kWordHeader + E + R;
+  const PlanOffsets o(R, E);
+  const int tid = threadIdx.x, nt = blockDim.x;
+  auto row = [&](int64_t s) { return g + s * W; };
+  auto cnt = [&](int64_t s, int64_t e) { return row(s)[kWordHeader + e]; };
+  auto tpr = [&](int64_t s, int64_t d) { return row(s)[kWordHeader + E + d]; };
+  __shared__ int failed;
+  __shared__ long long maxrows, maxslots, S, N;
+  __shared__ int uniform;
+  __shared__ unsigned long long first_unlike;  // lowest s * R + d whose count differs from (0, 0)
+  __shared__ int64_t rows00, slots00;
+
+  // 1. The error.
+  if (tid == 0) {
+    p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = transport;
+    p[kCapacity] = capacity; p[kAlign] = align; p[kStaticCap] = -1;
+    int64_t fs = -1, code = 0, a = 0, b = 0;
+    for (int64_t s = 0; s < R && fs < 0; ++s)
+      if (row(s)[0] != 0) { fs = s; code = row(s)[0]; a = row(s)[1]; b = row(s)[2]; }
+    const int64_t* r0 = row(0);
+    for (int64_t s = 1; s < R && fs < 0; ++s) {
+      const int64_t* r = row(s);
+      if (r[4] != r0[4]) { fs = s; code = kHiddenMismatch; a = r[4]; b = r0[4]; }
+      else if (r[6] != r0[6]) { fs = s; code = kDtypeMismatch; a = r[6]; b = r0[6]; }
+      else if (r[5] != r0[5]) { fs = s; code = kTopkMismatch; a = r[5]; b = r0[5]; }
+    }
+    if (fs >= 0) { p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = fs; }
+    else p[kTopK] = r0[5];
+    failed = fs >= 0;
+    maxrows = 0; maxslots = 0; S = 0; N = 0; uniform = 1; first_unlike = kNone;
+  }
+  __syncthreads();
+  if (failed) return;
+
+  // 2. Kept slots per (source, expert): each expert's prefix over sources.
+  for (int64_t e = tid; e < E; e += nt) {
+    int64_t prefix = 0;
+    for (int64_t s = 0; s < R; ++s) {
+      const int64_t c = cnt(s, e);
+      const int64_t k = capacity < 0 ? c : min(max(capacity - prefix, int64_t(0)), c);
+      kept[s * E + e] = k;
+      prefix += c;
+    }
+  }
+  __syncthreads();
+  auto slots = [&](int64_t s, int64_t d) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; ++j) n += kept[s * E + d * L + j];
+    return n;
+  };
+  auto rows = [&](int64_t s, int64_t d) { return transport == kDedup ? tpr(s, d) : slots(s, d); };
+  if (tid == 0) { rows00 = rows(0, 0); slots00 = slots(0, 0); }
+  __syncthreads();
+
+  // 3. Rows (and dedup slot rows) from s to d, every pair.
+  for (int64_t i = tid; i < R * R; i += nt) {
+    const int64_t s = i / R, d = i % R;
+    const int64_t n = rows(s, d), sl = slots(s, d);
+    if (!((n == rows00) && (transport == kPairs || sl == slots00))) {
+      atomicAnd(&uniform, 0);
+      atomicMin(&first_unlike, static_cast<unsigned long long>(i));
+    }
+    atomicMax(&maxrows, static_cast<long long>(n));
+    atomicMax(&maxslots, static_cast<long long>(sl));
+    if (s == rank) {
+      p[o.send_counts + d] = n; p[o.send_slots + d] = sl;
+      atomicAdd(reinterpret_cast<unsigned long long*>(&S), static_cast<unsigned long long>(n));
+    }
+    if (d == rank) {
+      p[o.recv_counts + s] = n; p[o.recv_slots + s] = sl;
+      atomicAdd(reinterpret_cast<unsigned long long*>(&N), static_cast<unsigned long long>(n));
+    }
+  }
+
+  // 4. This rank's experts (padded sizes parked in offsets, prefixed below) and own kept.
+  for (int64_t j = tid; j < L; j += nt) {
+    const int64_t e = rank * L + j;
+    int64_t k = 0, used = 0;
+    for (int64_t s = 0; s < R; ++s) {
+      k += kept[s * E + e];
+      used += cnt(s, e);
+      p[o.recv_kept + s * L + j] = kept[s * E + e];
+    }
+    p[o.tokens_per_expert + j] = k;
+    p[o.dropped + j] = used - k;
+    p[o.offsets + j] = (k + align - 1) / align * align;
+  }
+  for (int64_t e = tid; e < E; e += nt) p[o.own_kept + e] = kept[rank * E + e];
+  __syncthreads();
+  if (tid != 0) return;
+
+  int64_t M = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    const int64_t padded = p[o.offsets + j];
+    p[o.offsets + j] = M;
+    M += padded;
+  }
+  p[o.offsets + L] = M;
+  p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
+  p[kUniform] = uniform; p[kMaxChunk] = maxrows;
+  p[kNonUniformRank] = first_unlike == kNone ? -1 : static_cast<int64_t>(first_unlike) / R;
+
+  // 5. The exchange that runs, and the dispatch chunks in bytes.
+  const int64_t H = row(0)[4], K = p[kTopK], per = min(K, L);
+  const int64_t itemsize = row(0)[6] == 2 ? 2 : 4;
+  const int64_t P = row(0)[7] ? H + H / 32 : H * itemsize;
+  const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
+  p[kPayloadBytes] = P;
+  int64_t variant = kRagged;
+  if (max_tokens >= 0 || exchange == kReqStatic) variant = kStatic;
+  else if (exchange == kReqPadded) variant = kPadded;
+  else if (exchange == kReqEqual || ((exchange == kReqAuto || exchange == kReqLazy) && uniform))
+    variant = kEqual;
+  p[kVariant] = variant;
+  int64_t tokcap = -1, slotcap = -1;
+  if (variant == kStatic) {
+    const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
+    p[kStaticCap] = cap;
+    p[kSendRows] = p[kRecvRows] = R * (1 + cap);
+    p[kMaxChunk] = 1 + cap;
+    p[kExpertRows] = R * max_tokens * per + L * (align - 1);
+    tokcap = 1 + cap;
+    slotcap = 1 + max_tokens * per;
+  } else if (variant != kRagged) {
+    tokcap = maxrows;
+    slotcap = maxslots;
+  }
+  p[kTokCap] = tokcap;
+  p[kSlotCap] = transport == kDedup ? slotcap : -1;
+  auto chunk_bytes = [&](int64_t nrows, int64_t nslots) {
+    if (tokcap >= 0) { nrows = tokcap; nslots = slotcap; }
+    return nrows * B + (transport == kDedup ? nslots * kSlotRowBytes : 0);
+  };
+  int64_t SB = 0, RB = 0;
+  for (int64_t d = 0; d < R; ++d) {
+    SB += p[o.send_bytes + d] = chunk_bytes(p[o.send_counts + d], p[o.send_slots + d]);
+    RB += p[o.recv_bytes + d] = chunk_bytes(p[o.recv_counts + d], p[o.recv_slots + d]);
+  }
+  p[kSendBytes] = SB;
+  p[kRecvBytes] = RB;
+}
+
+constexpr int kThreads = 256;
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cuda(const Tensor& topk_idx, int64_t E,
+                                                      int64_t R) {
+  TORCH_CHECK(topk_idx.dim() == 2, "epkit.layout: topk_idx must be [T, K]");
+  TORCH_CHECK(R >= 1 && E % R == 0, "epkit.layout: num_experts must be a multiple of num_ranks");
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const int64_t T = idx.size(0), K = idx.size(1);
+  const auto opts = idx.options();
+  Tensor tpe = at::zeros({E}, opts), tpr = at::zeros({R}, opts), spr = at::zeros({R}, opts);
+  Tensor in_rank = at::zeros({T, R}, opts.dtype(at::kBool));
+  Tensor flags = at::full({4}, -1, opts);  // all bits set: kNone
+  if (T > 0) {
+    count_kernel<<<ceil_div(T, kThreads), kThreads, 0, stream()>>>(
+        idx.data_ptr<int64_t>(), nullptr, T, K, E, R, tpe.data_ptr<int64_t>(),
+        tpr.data_ptr<int64_t>(), spr.data_ptr<int64_t>(), in_rank.data_ptr<bool>(),
+        reinterpret_cast<unsigned long long*>(flags.data_ptr<int64_t>()), false);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // The one host read of the standalone layout op: its range check (cpu/layout.cpp raises).
+    const int64_t bad = flags[0].item<int64_t>();
+    if (bad != -1) {
+      const int64_t e = idx.view(-1)[bad].item<int64_t>();
+      TORCH_CHECK(false, "epkit.layout: expert index ", e, " outside [-1, ", E, ")");
+    }
+  }
+  return {tpe, tpr, spr, in_rank};
+}
+
+Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
+                    int64_t R, at::IntArrayRef pre_error, int64_t payload) {
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(topk_idx.device());
+  Tensor words = at::zeros({kWordHeader + E + R}, opts);
+  int64_t* w = words.data_ptr<int64_t>();
+  const int64_t dtype_code = pre_error.size() > 3 ? pre_error[3] : 0;
+  if (pre_error[0] != 0) {  // shapes or dtypes may be anything: read no tensor
+    finalize_kernel<<<1, kThreads, 0, stream()>>>(w, nullptr, nullptr, E, R, 0, 0, 0,
+                                                  pre_error[0], pre_error[1], pre_error[2],
+                                                  dtype_code, payload, false, -1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return words;
+  }
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "epkit.prepare: weights must be float32");
+  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const Tensor wt = topk_weights.contiguous();
+  const int64_t T = idx.size(0), K = idx.size(1), H = x.size(1);
+  Tensor flags = at::full({4}, -1, opts);
+  auto* fp = reinterpret_cast<unsigned long long*>(flags.data_ptr<int64_t>());
+  if (T > 0) {
+    count_kernel<<<ceil_div(T, kThreads), kThreads, 0, stream()>>>(
+        idx.data_ptr<int64_t>(), wt.data_ptr<float>(), T, K, E, R, w + kWordHeader,
+        w + kWordHeader + E, nullptr, nullptr, fp, true);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const bool hidden_bad = payload != 0 && H % 32 != 0;
+  if (payload != 0 && !hidden_bad && T * H > 0) {
+    const Tensor xc = x.contiguous();
+    const int64_t n = T * H;
+    const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), 4096);
+    dispatch_float(xc.scalar_type(), "epkit.prepare", [&](auto tag) {
+      using X = decltype(tag);
+      nonfinite_kernel<X><<<blocks, kThreads, 0, stream()>>>(
+          reinterpret_cast<const X*>(xc.data_ptr()), n, H, fp);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t max_tokens = pre_error.size() > 4 ? pre_error[4] : -1;
+  finalize_kernel<<<1, kThreads, 0, stream()>>>(w, idx.data_ptr<int64_t>(), fp, E, R, T, H, K, 0,
+                                                0, 0, dtype_code, payload, hidden_bad, max_tokens);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return words;
+}
+
+Tensor plan_cuda(const Tensor& words_in, int64_t rank, int64_t E, int64_t align, int64_t capacity,
+                 int64_t transport, int64_t exchange, int64_t max_tokens) {
+  const c10::cuda::CUDAGuard guard(words_in.device());
+  const Tensor words = words_in.to(at::kLong).contiguous();
+  TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
+              "epkit.plan: words must be [R, 8 + E + R]");
+  const int64_t R = words.size(0);
+  const PlanOffsets o(R, E);
+  Tensor plan = at::zeros({o.size}, words.options());
+  Tensor kept = at::empty({R * E}, words.options());
+  plan_kernel<<<1, 512, 0, stream()>>>(words.data_ptr<int64_t>(), R, E, rank, align, capacity,
+                                       transport, exchange, max_tokens, plan.data_ptr<int64_t>(),
+                                       kept.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return plan;
+}
+
+}  // namespace cuda
+}  // namespace epkit

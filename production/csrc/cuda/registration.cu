@@ -1,0 +1,17 @@
+// CUDA kernels of the epkit ops (schemas: ../registration.cpp). Compiled only in a CUDA build.
+#include "common.cuh"
+
+TORCH_LIBRARY_IMPL(epkit, CUDA, m) {
+  m.impl("layout", &epkit::cuda::layout_cuda);
+  m.impl("prepare", &epkit::cuda::prepare_cuda);
+  m.impl("plan", &epkit::cuda::plan_cuda);
+  m.impl("pack", &epkit::cuda::pack_cuda);
+  m.impl("unpack", &epkit::cuda::unpack_cuda);
+  m.impl("gather_rows", &epkit::cuda::gather_rows_cuda);
+  m.impl("reduce_tokens", &epkit::cuda::reduce_tokens_cuda);
+  m.impl("scatter_rows", &epkit::cuda::scatter_rows_cuda);
+  m.impl("combine_backward_dest", &epkit::cuda::combine_backward_dest_cuda);
+  m.impl("gather_slot_values", &epkit::cuda::gather_slot_values_cuda);
+  m.impl("quantize_mxfp8", &epkit::cuda::quantize_mxfp8_cuda);
+  m.impl("scatter_slot_values", &epkit::cuda::scatter_slot_values_cuda);
+}
