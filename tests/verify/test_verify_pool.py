@@ -56,9 +56,11 @@ def test_a_broken_worker_is_replaced(small_pool, factory, kind):
     assert _ok(small_pool.run(CASE, PLAIN))
     t0 = time.monotonic()
     results = small_pool.run(CASE, f"{MISBEHAVING}:{factory}")
-    assert time.monotonic() - t0 < 15
-    assert results[0]["error"]["type"] == kind
-    assert results[1]["error"] is not None  # the peer gave up too (gloo timeout or teardown)
+    took = time.monotonic() - t0
+    errors = [r["error"] and (r["error"]["type"], r["error"]["message"]) for r in results]
+    assert took < 30, (took, errors)  # 3 s gloo timeout plus grace; generous for a busy box
+    assert results[0]["error"]["type"] == kind, errors
+    assert results[1]["error"] is not None, errors  # the peer gave up too
     assert small_pool.restarts == 1
     assert _ok(small_pool.run(CASE, PLAIN))  # a fresh group
 
@@ -107,6 +109,6 @@ def test_a_hanging_impl_fails_once_per_mode_without_shrinking(small_pool):
     t0 = time.monotonic()
     res = Suite(small_pool, impl=f"{MISBEHAVING}:hang", examples=20, seed=1,
                 shrink_seconds=60).run()
-    assert res.failed and time.monotonic() - t0 < 30
+    assert res.failed and time.monotonic() - t0 < 45
     (verdict,) = res.failures
     assert "timeout" in verdict.report()
