@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,13 +76,15 @@ def test_workers_die_with_their_parent(tmp_path):
         pool = Pool(2, timeout=10).start()
         case = Case(world_size=2, num_experts=2, topk=1, hidden=2, tokens=(1, 1))
         assert all(r["error"] is None for r in pool.run(case, {PLAIN!r}))
-        print(" ".join(str(p.pid) for p in pool._procs), flush=True)
+        print(pool._dir, " ".join(str(p.pid) for p in pool._procs), flush=True)
         os.kill(os.getpid(), 9)
     """))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
+    store_dir, *pids = proc.stdout.split()
+    shutil.rmtree(store_dir, ignore_errors=True)  # the killed parent could not clean up
+    pids = [int(p) for p in pids]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
     alive = pids
