@@ -267,9 +267,10 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
                       _world(group_name), pre_error, payload)
     plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
                           exchange, -1)
-    if exchange == 2 and not int(plan[UNIFORM]):
-        raise error(int(plan[NONUNIFORM_RANK]), 21)
-    SB, N, M = plan[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
+    hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
+    if exchange == 2 and not int(hp[UNIFORM]):
+        raise error(int(hp[NONUNIFORM_RANK]), 21)
+    SB, N, M = hp[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
     return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
                              SB, N, M), plan)
 
