@@ -107,8 +107,6 @@ class Dispatcher:
             raise ValueError(f"epkit: exchange must be one of {sorted(EXCHANGE_CODES)}, got {exchange!r}")
         if payload not in (None, "mxfp8"):
             raise ValueError(f"epkit: payload must be None or 'mxfp8', got {payload!r}")
-        if payload is not None and exchange == "lazy":
-            raise NotImplementedError("epkit: the MXFP8 payload has no lazy form yet")
         self.group = resolve_group(group)
         self.num_experts = int(num_experts)
         self.align = int(align)
@@ -201,14 +199,14 @@ class Dispatcher:
             # The one host read of a dispatch (on CPU the plan is host memory already).
             SB, N, M = ops.host_plan(plan)[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
         build = functools.partial(self._result, x, topk_idx, topk_weights, plan)
+        if self.exchange == "lazy":
+            return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
+                                       transport, M, build, mx)
         if mx:
             hp, row_weight, q, scale, row_src, send_map, recv_map = mxfp8.dispatch_mxfp8(
                 x, topk_idx, topk_weights, plan, group_name(self.group), transport,
                 EXCHANGE_CODES[self.exchange], (SB, N, M))
             return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
-        if self.exchange == "lazy":
-            return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
-                                       transport, M, build)
         return build(*ops.dispatch_tokens(
             x, topk_idx, topk_weights, plan, group_name(self.group), transport,
             EXCHANGE_CODES[self.exchange], SB, N, M))

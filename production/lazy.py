@@ -3,7 +3,8 @@
 ``epkit.dispatch(..., exchange="lazy")`` returns a :class:`PendingDispatch`; independent work
 placed between the call and ``wait()`` overlaps the transfer (``async_op=True`` work on gloo).
 A pending object holds no tensor of the result, so nothing can be read before ``wait()``.
-``wait()`` unpacks and returns the ordinary :class:`epkit.Dispatch`; ``epkit.combine`` on it
+``wait()`` unpacks and returns the ordinary :class:`epkit.Dispatch` (with the MXFP8 payload
+too: quantized at issue time, dequantized straight-through at wait); ``epkit.combine`` on it
 returns a :class:`PendingCombine` in the same way. Autograd flows through waited results: the
 backward passes are the same ops as the eager path's (synchronous).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import device, ops
+from epkit import mxfp8, device, ops
 
 C = ops.C
 
@@ -23,17 +24,23 @@ class _DispatchWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, state):
         recv = state["finish"]()
+        H, mx = x.shape[1], state["mx"]
         expert_x, row_src, row_weight, recv_map = C.unpack(
-            recv, state["plan"], state["transport"], x.shape[1], x.dtype,
-            state["topk_idx"].shape[1], int(ops.host_plan(state["plan"])[ops.RECV_ROWS]),
-            state["expert_rows"])
+            recv, state["plan"], state["transport"], H + H // 32 if mx else H,
+            torch.uint8 if mx else x.dtype, state["topk_idx"].shape[1],
+            int(ops.host_plan(state["plan"])[ops.RECV_ROWS]), state["expert_rows"])
+        q = scale = expert_x.new_empty((0,))
+        if mx:  # E4M3 bytes | scale codes; the differentiable output is the dequantized rows
+            q = expert_x[:, :H].contiguous().view(torch.float8_e4m3fn)
+            scale = expert_x[:, H:].contiguous()
+            expert_x = mxfp8.dequantize_mxfp8(q, scale)
         ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
-        ctx.mark_non_differentiable(row_src, recv_map)
-        return expert_x, row_weight, row_src, recv_map
+        ctx.mark_non_differentiable(row_src, recv_map, q, scale)
+        return expert_x, row_weight, row_src, recv_map, q, scale
 
     @staticmethod
-    def backward(ctx, grad_expert_x, grad_row_weight, _g_src, _g_map):
+    def backward(ctx, grad_expert_x, grad_row_weight, *_):
         send_map, recv_map, topk_idx, plan = ctx.saved_tensors
         group_name, transport, x_dtype = ctx.meta
         grad_x, grad_w = ops.dispatch_tokens_backward(
@@ -53,21 +60,31 @@ class PendingDispatch:
     def wait(self):
         if self._done is None:
             x, w, state = self._args
-            expert_x, row_weight, row_src, recv_map = _DispatchWait.apply(x, w, state)
-            self._done = self._build(expert_x, row_src, row_weight, state["send_map"], recv_map)
+            expert_x, row_weight, row_src, recv_map, q, scale = _DispatchWait.apply(x, w, state)
+            if state["mx"]:
+                self._done = self._build(q, row_src, row_weight, state["send_map"], recv_map,
+                                         scale, expert_x)
+            else:
+                self._done = self._build(expert_x, row_src, row_weight, state["send_map"],
+                                         recv_map)
             self._args = None
         return self._done
 
 
-def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build):
+def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build,
+                   mx=False):
     hp = ops.host_plan(plan)
     with device.Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
-        send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport, int(hp[ops.RANKS]),
-                                int(hp[ops.SEND_BYTES]))
+        rows = x
+        if mx:  # quantize at the source: rows of E4M3 bytes then scale codes
+            q, codes = C.quantize_mxfp8(x)
+            rows = torch.cat([q.view(torch.uint8), codes], dim=1)
+        send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
+                                int(hp[ops.RANKS]), int(hp[ops.SEND_BYTES]))
         finish = ops._move_dispatch(send, plan, group_name, async_op=True)
     state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
                  topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
-                 group_name=group_name)
+                 group_name=group_name, mx=mx)
     return PendingDispatch(x, topk_weights, state, build)
 
 
