@@ -9,7 +9,7 @@ import epkit.nn as enn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 BASE = dict(H=16, F=32, E=12, K=3, shared=False, dtype="float32", opts={}, tokens=(7, 0, 11, 4),
-            batch=None, impl="auto")
+            batch=None, impl="auto", payload=None)
 
 # name -> (ranks, overrides); E = 12 divides every group size 1..4.
 CASES = {
@@ -24,6 +24,8 @@ CASES = {
     "r2-batched": (2, dict(batch=((2, 3), (1, 5)), shared=True)),
     "r4-topk1": (4, dict(K=1, E=8, tokens=(3, 6, 0, 5))),
     "r2-bf16": (2, dict(dtype="bfloat16")),
+    "r2-mxfp8-shared": (2, dict(H=32, payload="mxfp8", shared=True)),
+    "r3-mxfp8-bf16": (3, dict(H=32, payload="mxfp8", dtype="bfloat16")),
 }
 
 
@@ -35,7 +37,7 @@ def case(name):
 def build_dense(c, seed=0):
     torch.manual_seed(seed)
     return enn.DenseMoE(c["H"], c["F"], c["E"], c["K"], shared_expert=c["shared"],
-                        impl=c["impl"], dtype=DTYPES[c["dtype"]])
+                        impl=c["impl"], payload=c["payload"], dtype=DTYPES[c["dtype"]])
 
 
 def inputs(c, R, seed=1):
