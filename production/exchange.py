@@ -84,6 +84,16 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, what: str = "epkit")
     _collective(what, fn, out, inp, group=group)
 
 
+def small_device(group) -> torch.device:
+    """Where a small host-side agreement travels: CPU where the group has a CPU backend (gloo,
+    or ``cpu:gloo,cuda:nccl``: no device synchronisation), else the current CUDA device (NCCL
+    alone, which takes no CPU tensor: reading the words back is then a host wait)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def collective_error(triple, dtype_code: int, group, what: str) -> None:
     """Agree on an input error with one small all-gather of ``[code, a, b, dtype]`` per rank.
 
@@ -92,9 +102,10 @@ def collective_error(triple, dtype_code: int, group, what: str) -> None:
     exchange. Used where no count exchange runs (combine).
     """
     R = dist.get_world_size(group)
+    dev = small_device(group)
     mine = torch.tensor([int(triple[0]), int(triple[1]), int(triple[2]), int(dtype_code)],
-                        dtype=torch.int64)
-    words = torch.empty(4 * R, dtype=torch.int64)
+                        dtype=torch.int64, device=dev)
+    words = torch.empty(4 * R, dtype=torch.int64, device=dev)
     all_gather(words, mine, group, what)
     rows = words.view(R, 4).tolist()
     for r, (code, a, b, _) in enumerate(rows):
@@ -181,10 +192,11 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     """
     group = resolve_group(group)
     R = dist.get_world_size(group)
-    sc = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1)
+    dev = small_device(group)
+    sc = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1).to(dev)
     if sc.numel() != R:
         raise ValueError(f"epkit.exchange: send_counts has {sc.numel()} entries, group has {R}")
-    gathered = torch.empty(R * R, dtype=torch.int64)
+    gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
     all_gather(gathered, sc, group, "epkit.exchange (count exchange)")
     counts = gathered.view(R, R)  # counts[s, d]: rows s sends to d, known to every rank
     me = dist.get_rank(group)
