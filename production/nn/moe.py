@@ -248,7 +248,7 @@ class ExpertParallelMoE(_MoEBase):
 
         self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
         self.lazy_dispatcher = None
-        if overlap and shared_expert and exchange == "auto" and payload is None:
+        if overlap and shared_expert and exchange == "auto":
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 
