@@ -17,6 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import time
 
 import torch
 
@@ -53,6 +54,27 @@ def cuda_build_wanted() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None and torch.cuda.is_available()
 
 
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead build
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """torch's build lock waits forever on a lock file left by a killed build: remove one that
+    is far older than any build, and say so."""
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        import warnings
+
+        warnings.warn(f"epkit: removing a stale build lock ({age:.0f} s old): {lock}")
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
+
+
 def load(verbose: bool = False) -> None:
     """Load the extension once per process (building it first if the cache is stale)."""
     global _loaded
@@ -65,10 +87,12 @@ def load(verbose: bool = False) -> None:
 
         cuda = cuda_build_wanted()
         srcs = sources(cuda)
+        name = "epkit_C_cuda" if cuda else "epkit_C"
+        _clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
         if cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"  # no GPU to ask: Hopper
         cpp_extension.load(
-            name="epkit_C_cuda" if cuda else "epkit_C",
+            name=name,
             sources=srcs,
             extra_cflags=CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else []),
             extra_cuda_cflags=CUDA_CFLAGS,
@@ -81,8 +105,6 @@ def load(verbose: bool = False) -> None:
 
 
 if __name__ == "__main__":  # `make build-cuda`: build (and load) the extension, say what it holds
-    import time
-
     t0 = time.perf_counter()
     load(verbose=os.environ.get("EPKIT_VERBOSE_BUILD") == "1")
     cuda = cuda_build_wanted()
