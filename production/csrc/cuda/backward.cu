@@ -77,7 +77,8 @@ __global__ void scatter_slot_values_kernel(const float* bp, const int64_t* mp, c
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv_in, const Tensor& recv_map_in,
+std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv_in,
+                                                      const Tensor& recv_map_in,
                                                       const Tensor& row_weight,
                                                       const Tensor& y_in, bool weighted) {
   const c10::cuda::CUDAGuard guard(y_in.device());

@@ -33,7 +33,8 @@ template <typename T, int V>
 __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float* wp, float* op,
                                     int64_t C, int64_t H, bool weighted) {
   const int64_t n = blockIdx.x;
-  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += static_cast<int64_t>(blockDim.x) * V) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * V;
+  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += step) {
     float acc[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[i] = 0.0f;
@@ -79,7 +80,8 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
     nslots = n;
   }
   __syncthreads();
-  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += static_cast<int64_t>(blockDim.x) * V) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * V;
+  for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += step) {
     float total[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) total[i] = 0.0f;

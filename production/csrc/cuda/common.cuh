@@ -28,7 +28,8 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
                     int64_t num_experts, int64_t num_ranks, at::IntArrayRef pre_error,
                     int64_t payload);
 Tensor plan_cuda(const Tensor& words, int64_t rank, int64_t num_experts, int64_t align,
-                 int64_t capacity, int64_t transport, int64_t exchange, int64_t max_tokens_per_rank);
+                 int64_t capacity, int64_t transport, int64_t exchange,
+                 int64_t max_tokens_per_rank);
 std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x, const Tensor& topk_idx,
                                      const Tensor& topk_weights, const Tensor& plan,
                                      int64_t transport, int64_t num_ranks, c10::SymInt send_bytes);

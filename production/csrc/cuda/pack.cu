@@ -17,7 +17,21 @@ namespace cuda {
 
 namespace {
 
-constexpr int kChunk = 64;     // tokens per chunk of the index passes
+constexpr int kChunk = 32;     // tokens per chunk of the index passes
+constexpr int kStageK = 32;    // up to this K, a chunk's routing is staged in shared memory
+
+// The chunk's routing rows [t0, t1) in shared memory (read once, coalesced) when K is small, so
+// the warp's serial walk over tokens waits on no global load; else the global rows. Row t is
+// then at (t - base) * K with base = the returned t0 (staged) or 0.
+__device__ __forceinline__ const int64_t* stage_routing(const int64_t* ip, int64_t t0, int64_t t1,
+                                                       int64_t K, int64_t* stage, int64_t& base) {
+  base = 0;
+  if (K > kStageK) return ip;
+  for (int64_t i = threadIdx.x; i < (t1 - t0) * K; i += kWarp) stage[i] = ip[t0 * K + i];
+  base = t0;
+  return stage;
+}
+inline size_t stage_bytes(int64_t K) { return K > kStageK ? 0 : kChunk * K * sizeof(int64_t); }
 constexpr int kThreads = 128;  // payload blocks
 
 struct Pack {
@@ -56,18 +70,21 @@ __global__ void setup_kernel(const int64_t* p, int64_t R, int64_t E, int64_t B, 
 }
 
 // One warp per chunk of tokens: lrank[t, k] and the chunk's count per expert.
-__global__ void rank_kernel(const int64_t* ip, int64_t T, int64_t K, int64_t E, int32_t* lrank,
-                            int32_t* ccount) {
-  extern __shared__ int32_t cnt[];  // [E]
+__global__ void rank_kernel(const int64_t* ip_global, int64_t T, int64_t K, int64_t E,
+                            int32_t* lrank, int32_t* ccount) {
+  extern __shared__ int64_t rank_smem[];  // staged routing [kChunk * K] | cnt [E]
   const int lane = threadIdx.x;
   const int64_t c = blockIdx.x;
+  int32_t* cnt = reinterpret_cast<int32_t*>(rank_smem + (K > kStageK ? 0 : kChunk * K));
   for (int64_t e = lane; e < E; e += kWarp) cnt[e] = 0;
-  __syncwarp();
   const int64_t t1 = min(T, (c + 1) * kChunk);
+  int64_t tb;
+  const int64_t* ip = stage_routing(ip_global, c * kChunk, t1, K, rank_smem, tb);
+  __syncwarp();
   for (int64_t t = c * kChunk; t < t1; ++t)
     for (int64_t kb = 0; kb < K; kb += kWarp) {
       const int64_t k = kb + lane;
-      const int64_t e = k < K ? ip[t * K + k] : -1;
+      const int64_t e = k < K ? ip[(t - tb) * K + k] : -1;
       const bool valid = e >= 0 && e < E;
       const unsigned peers = __match_any_sync(kFull, valid ? e : -2 - lane);
       int32_t base = 0;
@@ -90,19 +107,22 @@ __device__ __forceinline__ bool slot_kept(const Pack& a, const int64_t* own_kept
 // Dedup, one warp per chunk: the token row and first slot row of every (t, d) within the chunk.
 __global__ void dedup_index_kernel(Pack a, int32_t* tok_local, int32_t* slot_local,
                                    int32_t* ctok, int32_t* cslot) {
-  extern __shared__ int32_t sh[];  // tokc [R] | slotc [R] | stamp [R]
+  extern __shared__ int64_t index_smem[];  // staged routing [kChunk * K] | tokc | slotc | stamp
   const int64_t R = a.R, K = a.K, E = a.E, L = a.L;
+  int32_t* sh = reinterpret_cast<int32_t*>(index_smem + (K > kStageK ? 0 : kChunk * K));
   int32_t *tokc = sh, *slotc = sh + R, *stamp = sh + 2 * R;
   const int64_t* own_kept = a.plan + PlanOffsets(R, E).own_kept;
   const int lane = threadIdx.x;
   const int64_t c = blockIdx.x;
   for (int64_t d = lane; d < R; d += kWarp) { tokc[d] = 0; slotc[d] = 0; stamp[d] = -1; }
-  __syncwarp();
   const int64_t t1 = min(a.T, (c + 1) * kChunk);
+  int64_t tb;
+  const int64_t* ip = stage_routing(a.ip, c * kChunk, t1, K, index_smem, tb);
+  __syncwarp();
   for (int64_t t = c * kChunk; t < t1; ++t)
     for (int64_t kb = 0; kb < K; kb += kWarp) {
       const int64_t k = kb + lane;
-      const int64_t e = k < K ? a.ip[t * K + k] : -1;
+      const int64_t e = k < K ? ip[(t - tb) * K + k] : -1;
       const bool valid = e >= 0 && e < E;
       const int64_t d = valid ? e / L : -2 - lane;
       const bool kept = valid && slot_kept(a, own_kept, c, t, k, e);
@@ -119,7 +139,10 @@ __global__ void dedup_index_kernel(Pack a, int32_t* tok_local, int32_t* slot_loc
       }
       __syncwarp();
     }
-  for (int64_t d = lane; d < R; d += kWarp) { ctok[c * R + d] = tokc[d]; cslot[c * R + d] = slotc[d]; }
+  for (int64_t d = lane; d < R; d += kWarp) {
+    ctok[c * R + d] = tokc[d];
+    cslot[c * R + d] = slotc[d];
+  }
 }
 
 __device__ __forceinline__ int64_t row_of(const Pack& a, int64_t cap, int64_t d, int64_t i) {
@@ -136,7 +159,10 @@ __global__ void pairs_kernel(Pack a) {
   const int64_t* own_kept = a.plan + PlanOffsets(a.R, E).own_kept;
   const int64_t cap = a.plan[kStaticCap], hdr = cap >= 0 ? 1 : 0, c = t / kChunk;
   const uint8_t* src = a.xb + t * P;
-  if (threadIdx.x == 0) { nd = 0; bits = reinterpret_cast<uint64_t>(src) | static_cast<uint64_t>(P); }
+  if (threadIdx.x == 0) {
+    nd = 0;
+    bits = reinterpret_cast<uint64_t>(src) | static_cast<uint64_t>(P);
+  }
   __syncthreads();
   for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
     const int64_t e = a.ip[t * K + k];
@@ -173,7 +199,10 @@ __global__ void dedup_kernel(Pack a) {
   const int64_t* own_kept = a.plan + PlanOffsets(R, E).own_kept;
   const int64_t cap = a.plan[kStaticCap], hdr = cap >= 0 ? 1 : 0, c = t / kChunk;
   const uint8_t* src = a.xb + t * P;
-  if (threadIdx.x == 0) { nd = 0; bits = reinterpret_cast<uint64_t>(src) | static_cast<uint64_t>(P); }
+  if (threadIdx.x == 0) {
+    nd = 0;
+    bits = reinterpret_cast<uint64_t>(src) | static_cast<uint64_t>(P);
+  }
   for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
     const int64_t e = a.ip[t * K + k];
     const bool valid = e >= 0 && e < E;
@@ -279,7 +308,8 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
   TORCH_CHECK(wt.scalar_type() == at::kFloat, "epkit.pack: topk_weights must be float32");
-  TORCH_CHECK(idx.device() == dev && wt.device() == dev, "epkit.pack: tensors on different devices");
+  TORCH_CHECK(idx.device() == dev && wt.device() == dev,
+              "epkit.pack: tensors on different devices");
   const int64_t R = num_ranks;
   const int64_t E = experts_from_plan(plan_in.numel(), R), L = E / R;
   const int64_t T = idx.size(0), K = idx.size(1);
@@ -320,7 +350,7 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
   a.lrank = lrank.data_ptr<int32_t>();
   a.ebase = ebase.data_ptr<int32_t>();
   if (T > 0 && K > 0) {
-    const size_t smem = E * sizeof(int32_t);
+    const size_t smem = stage_bytes(K) + E * sizeof(int32_t);
     set_smem(reinterpret_cast<const void*>(&rank_kernel), smem);
     rank_kernel<<<chunks, kWarp, smem, stream()>>>(a.ip, T, K, E, lrank.data_ptr<int32_t>(),
                                                    ebase.data_ptr<int32_t>());
@@ -337,7 +367,7 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
     a.slot_local = slot_local.data_ptr<int32_t>();
     a.tok_base = tok_base.data_ptr<int32_t>();
     a.slot_base = slot_base.data_ptr<int32_t>();
-    const size_t smem = 3 * R * sizeof(int32_t);
+    const size_t smem = stage_bytes(K) + 3 * R * sizeof(int32_t);
     set_smem(reinterpret_cast<const void*>(&dedup_index_kernel), smem);
     dedup_index_kernel<<<chunks, kWarp, smem, stream()>>>(
         a, tok_local.data_ptr<int32_t>(), slot_local.data_ptr<int32_t>(),

@@ -110,14 +110,20 @@ __global__ void setup_kernel(Unpack a_in, int64_t* rchunk, int64_t* rrow, int64_
     }
     if (pairs) {
       int64_t at = 0;
-      for (int64_t j = 0; j < L; ++j) { blk[s * (L + 1) + j] = at; at += p[o.recv_kept + s * L + j]; }
+      for (int64_t j = 0; j < L; ++j) {
+        blk[s * (L + 1) + j] = at;
+        at += p[o.recv_kept + s * L + j];
+      }
       blk[s * (L + 1) + L] = at;
     }
   }
   if (pairs)
     for (int64_t j = threadIdx.x; j < L; j += blockDim.x) {
       int64_t at = p[o.offsets + j];
-      for (int64_t s = 0; s < R; ++s) { exp_base[s * L + j] = at; at += p[o.recv_kept + s * L + j]; }
+      for (int64_t s = 0; s < R; ++s) {
+        exp_base[s * L + j] = at;
+        at += p[o.recv_kept + s * L + j];
+      }
     }
 }
 
@@ -210,7 +216,10 @@ __global__ void dedup_kernel(Unpack a_in) {
   const uint8_t* row = row_bytes(a, s, i);
   const int64_t n = row_slots(a, row), t = dget<int32_t>(row + P), c = r / kChunk;
   const uint8_t* slots = slot_rows(a, s, r);
-  if (threadIdx.x == 0) { nd = 0; bits = reinterpret_cast<uint64_t>(row) | static_cast<uint64_t>(P); }
+  if (threadIdx.x == 0) {
+    nd = 0;
+    bits = reinterpret_cast<uint64_t>(row) | static_cast<uint64_t>(P);
+  }
   __syncthreads();
   for (int64_t q = threadIdx.x; q < n; q += blockDim.x) {
     const uint8_t* slot = slots + q * kSlotRowBytes;
