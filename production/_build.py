@@ -1,8 +1,8 @@
 """Build and load the C++ extension (JIT, cached per machine by torch.utils.cpp_extension).
 
 The first build takes about a minute on a 2-core machine; later imports reuse the cached
-library (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and take well under a
-second. CUDA sources (``csrc/cuda/*.cu``, the ``TORCH_LIBRARY_IMPL(epkit, CUDA, ...)`` kernels)
+library (see :func:`build_directory`: inside the virtual environment by default) and take well
+under a second. CUDA sources (``csrc/cuda/*.cu``, the ``TORCH_LIBRARY_IMPL(epkit, CUDA, ...)`` kernels)
 join the build where torch has CUDA, ``nvcc`` exists and a GPU is visible, or, for a compile
 check on a machine without a GPU, where ``EPKIT_FORCE_CUDA_BUILD=1`` (``make build-cuda``).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import threading
 import time
 
@@ -75,6 +76,25 @@ def _clear_stale_lock(build_dir: str) -> None:
             pass
 
 
+def build_directory(name: str) -> str:
+    """Where the extension is built and cached: per environment, so checkouts and virtual
+    environments never rebuild over each other (they would share torch's default
+    ``~/.cache/torch_extensions/<name>``, and one's build lock would block the others).
+    ``EPKIT_BUILD_DIR`` overrides; else ``<venv>/epkit-build/<name>``; else, where the prefix
+    is not writable, ``~/.cache/epkit/<hash of this source tree>/<name>``."""
+    root = os.environ.get("EPKIT_BUILD_DIR")
+    if not root:
+        root = os.path.join(sys.prefix, "epkit-build")
+        if not os.access(sys.prefix, os.W_OK):
+            import hashlib
+
+            tag = hashlib.sha1(CSRC.encode()).hexdigest()[:12]
+            root = os.path.join(os.path.expanduser("~"), ".cache", "epkit", tag)
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def load(verbose: bool = False) -> None:
     """Load the extension once per process (building it first if the cache is stale)."""
     global _loaded
@@ -88,11 +108,13 @@ def load(verbose: bool = False) -> None:
         cuda = cuda_build_wanted()
         srcs = sources(cuda)
         name = "epkit_C_cuda" if cuda else "epkit_C"
-        _clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
+        build_dir = build_directory(name)
+        _clear_stale_lock(build_dir)
         if cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"  # no GPU to ask: Hopper
         cpp_extension.load(
             name=name,
+            build_directory=build_dir,
             sources=srcs,
             extra_cflags=CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else []),
             extra_cuda_cflags=CUDA_CFLAGS,
