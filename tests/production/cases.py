@@ -49,8 +49,9 @@ def group_cases(draw, max_world=4, transports=("dedup", "pairs"),
     return R, xs, idxs, ws, gouts, opts
 
 
-def expected(xs, idxs, ws, gouts, opts):
-    """The reference's answer for rank_fns.forward_backward, per rank."""
+def expected(xs, idxs, ws, gouts, opts, ref=ref):
+    """The reference's answer for rank_fns.forward_backward, per rank (``ref``: the clear
+    tier, or ``epkit.reference.fast`` for big cases: the same bits)."""
     res = ref.dispatch(xs, idxs, ws, num_experts=opts["E"], align=opts["align"],
                        capacity=opts["capacity"])
     ydt = DTYPES[opts["y_dtype"]]
