@@ -99,13 +99,25 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/build/gpu-ext}"
 FAILED=0
 
+note_of() {  # a short line from a log: pytest's or verify's summary, else the first exception
+  local n
+  n=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected)|^epkit verify:.*(pass|fail)' "$1" | tail -1)
+  [ -z "$n" ] && n=$(grep -E '^[A-Za-z_.]*(Error|Exception)\b' "$1" | head -1)
+  [ -z "$n" ] && n=$(grep -v '^[[:space:]]*$' "$1" | tail -1)
+  echo "$n" | sed 's/^=* *//' | cut -c1-80
+}
+
 run_step() {  # name timeout log command...
   local name=$1 limit=$2 log=$3; shift 3
   local t=$(date +%s)
   timeout "$limit" "$@" > "$LOGS/$log" 2>&1
   local rc=$? secs=$(( $(date +%s) - t ))
   local note
-  note=$(grep -E '(passed|failed|error|skipped)' "$LOGS/$log" | tail -1 | cut -c1-70)
+  note=$(note_of "$LOGS/$log")
+  if [ $rc -eq 0 ] && [ "${FORCED:-0}" != 1 ] && [[ "$*" == *pytest* ]] \
+      && ! grep -qE '[0-9]+ passed' "$LOGS/$log"; then  # on a GPU, tests that all skip failed
+    rc=5; note="no test ran: $note"
+  fi
   if [ $rc -eq 0 ]; then record "$name" ok "$secs" "${note:-$log}"
   elif [ $rc -eq 124 ]; then record "$name" TIMEOUT "$secs" "over ${limit}s, see $log"; FAILED=1
   else record "$name" FAILED "$secs" "rc $rc: ${note:-see $log}"; FAILED=1
