@@ -33,6 +33,9 @@ import time
 
 TARGETS = {"speedup_vs_naive": (">=", 1.5), "overhead_vs_exchange": ("<=", 1.3),
            "pack_vs_memcpy": (">=", 0.5)}
+ALLOC_ENV = {"default": {}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
+             "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}}
+ALLOC_VARS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 ALL_METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
 
 
@@ -68,13 +71,19 @@ def parse_args(argv):
     ap.add_argument("--methods", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
                     default=None, help="comma list of rows (default all; with --quick all but "
                                        "'plain-torch padded')")
-    ap.add_argument("--overlap", action="store_true", help="run the lazy-exchange rows with --quick")
+    ap.add_argument("--overlap", action="store_true",
+                    help="run the lazy-exchange rows with --quick")
     ap.add_argument("--no-overlap", action="store_true", help="skip the lazy-exchange rows")
     ap.add_argument("--profile", action="store_true",
                     help="also profile epkit dedup steps on rank 0 (self CPU time per op)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the local kernel rows")
     ap.add_argument("--kernel-reps", type=int, default=None,
                     help="calls per kernel timing (default 30; 10 with --quick)")
+    ap.add_argument("--alloc", choices=sorted(ALLOC_ENV), default="default",
+                    help="how the ranks get large buffers: glibc and torch defaults; 'thp': "
+                         "torch's THP_MEM_ALLOC_ENABLE=1 (2 MiB-aligned, transparent huge "
+                         "pages); 'reuse': glibc's mmap off and trim threshold high, so freed "
+                         "large buffers are reused rather than mapped and first-touched anew")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait before the group gives up")
     args = ap.parse_args(argv)
@@ -84,7 +93,8 @@ def parse_args(argv):
         args.methods = [m for m in ALL_METHODS if not (args.quick and m == "plain-torch padded")]
     unknown = sorted(set(args.methods) - set(ALL_METHODS))
     if unknown or "epkit dedup" not in args.methods:
-        ap.error(f"--methods: choose from {', '.join(ALL_METHODS)} (epkit dedup always); got {unknown}")
+        ap.error(f"--methods: choose from {', '.join(ALL_METHODS)} (epkit dedup always); "
+                 f"got {unknown}")
     if args.quick and not args.overlap:
         args.no_overlap = True
     if args.kernel_reps is None:
@@ -253,14 +263,14 @@ def format_profile(rows: list[dict]) -> str:
 
 
 def format_kernels(kr: list[dict]) -> str:
-    lines = ["local kernels (rank 0 replays one step's kernel calls alone; GB/s = (arguments + "
-             "outputs) / time):"]
+    lines = ["local kernels (rank 0 replays one step's kernel calls alone, best of "
+             "N calls; GB/s = (arguments + outputs) / time):"]
     for k in kr:
         lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy of "
                      f"{k['memcpy_bytes'] / 1e6:.1f} MB {k['memcpy_gbps']:.1f} GB/s (fresh dst "
                      f"{k['memcpy_fresh_gbps']:.1f})")
         for name, r in k["rows"].items():
-            lines.append(f"    {name:<26}{r['median_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
+            lines.append(f"    {name:<26}{r['best_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
                          f"{r['vs_memcpy']:>7.2f} x memcpy")
     return "\n".join(lines)
 
@@ -302,7 +312,12 @@ def plot(path: str, results: dict, args) -> None:
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     started = time.monotonic()
+    os.environ.update(ALLOC_ENV[args.alloc])  # read by glibc / torch when each rank starts
+    import epkit.ops  # noqa: F401  (builds the extension here, if stale, not inside a timed group)
+
     info = machine_info()
+    info["alloc"] = {"mode": args.alloc, **{k: os.environ[k] for k in ALLOC_VARS
+                                            if k in os.environ}}
     cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
                timeout=args.timeout, methods=tuple(args.methods), tokens=args.tokens,
@@ -314,7 +329,8 @@ def main(argv=None) -> int:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
     deadline = max(120.0, 4 * args.timeout)
     print(f"epkit bench: {args.world_size} ranks (gloo, {args.threads} thread(s) each, "
-          f"{info['cores']} cores), {args.tokens} tokens/rank, hidden {args.hidden}, "
+          f"{info['cores']} cores, alloc {args.alloc}), {args.tokens} tokens/rank, "
+          f"hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, {args.dtype}, forward + backward; "
           f"median of {args.iters} iterations after {args.warmup} warm-up", flush=True)
     main_run = run_group(args.world_size, cfg, deadline)
@@ -333,7 +349,8 @@ def main(argv=None) -> int:
                              f"(algo GB/s: epkit dedup's {workloads[0]['algo_bytes'] / 1e6:.1f} "
                              "MB per rank / time):"))
     for wl in workloads[1:]:
-        print(format_table(table_rows(wl), f"{wl['world_size']} ranks, {wl['tokens']} tokens/rank:"))
+        print(format_table(table_rows(wl),
+                           f"{wl['world_size']} ranks, {wl['tokens']} tokens/rank:"))
     results = {"machine": info, "config": {k: v for k, v in vars(args).items()},
                "rows": rows, **figures}
     if "overlap" in main_run:

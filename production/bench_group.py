@@ -53,9 +53,9 @@ class _Recorder:
 
         def wrapped(output, input, output_split_sizes=None, input_split_sizes=None, *a, **kw):
             row = math.prod(input.shape[1:]) * input.element_size()
-            self.calls.append((int(input.shape[0]), int(output.shape[0]), int(row),
-                               None if not input_split_sizes else [int(v) for v in input_split_sizes],
-                               None if not output_split_sizes else [int(v) for v in output_split_sizes]))
+            ins = [int(v) for v in input_split_sizes] if input_split_sizes else None
+            outs = [int(v) for v in output_split_sizes] if output_split_sizes else None
+            self.calls.append((int(input.shape[0]), int(output.shape[0]), int(row), ins, outs))
             return real(output, input, output_split_sizes, input_split_sizes, *a, **kw)
 
         dist.all_to_all_single = wrapped

@@ -118,7 +118,7 @@ def sample_topk(rng: np.random.Generator, n: int, E: int, K: int,
 def sample_routing(rng: np.random.Generator, n: int, E: int, K: int, routing: str,
                    weights: Optional[np.ndarray], hot_expert: int = 0,
                    hot_fraction: float = 0.5) -> np.ndarray:
-    """``n`` tokens' routing ``[n, K]`` under ``routing`` (``weights`` from :func:`expert_weights`)."""
+    """``n`` tokens' routing ``[n, K]`` under ``routing`` (``weights``: :func:`expert_weights`)."""
     idx = sample_topk(rng, n, E, K, weights)
     if routing == "hot":
         idx[rng.random(n) < hot_fraction, 0] = hot_expert
@@ -235,7 +235,8 @@ def simulate(args) -> dict:
            "transports": {}}
     rank_load = load.reshape(R, E // R).sum(axis=1)
     out["rank_load"] = {"max": int(rank_load.max()), "mean": float(rank_load.mean()),
-                        "imbalance_max_over_mean": float(rank_load.max() / max(rank_load.mean(), 1e-12))}
+                        "imbalance_max_over_mean":
+                            float(rank_load.max() / max(rank_load.mean(), 1e-12))}
     used = int(counts.sum())
     mats = {}
     for tr in ("pairs", "dedup"):
