@@ -53,5 +53,5 @@ build-cuda:
 	  || $(VENV_CUDA)/bin/pip install -q "$(TORCH_CUDA)" numpy ml_dtypes
 	mkdir -p build/cuda-ext
 	CUDA_HOME=$(CUDA_HOME) MAX_JOBS=$(JOBS) EPKIT_FORCE_CUDA_BUILD=1 \
-	  TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" TORCH_EXTENSIONS_DIR=$(CURDIR)/build/cuda-ext \
+	  TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" EPKIT_BUILD_DIR=$(CURDIR)/build/cuda-ext \
 	  $(VENV_CUDA)/bin/python production/_build.py

@@ -96,7 +96,7 @@ cat "$LOGS/env.txt"
 if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 [ "${FORCED:-0}" = 1 ] && export EPKIT_FORCE_CUDA_BUILD=1
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/build/gpu-ext}"
+export EPKIT_BUILD_DIR="${EPKIT_BUILD_DIR:-$ROOT/build/gpu-ext}"
 FAILED=0
 
 note_of() {  # a short line from a log: pytest's or verify's summary, else the first exception
