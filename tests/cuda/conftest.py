@@ -15,10 +15,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HAVE_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA device")
-
-
 @pytest.fixture(scope="session")
 def cuda_ext():
     """The extension with its CUDA kernels (a GPU machine builds them on import)."""

@@ -10,6 +10,7 @@ No process group is involved, so group sizes above one are tested on a single GP
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from epkit import ops
@@ -18,6 +19,9 @@ from epkit.exchange import CODES
 
 C = ops.C
 SL = ops.plan_slices
+# The CUDA test modules' mark (here, not in conftest.py: `import conftest` may find another
+# directory's conftest when pytest runs several test folders).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def make_case(R, L, K, H, Ts, dtype, seed, unused=0.2, hot=False):

@@ -10,9 +10,8 @@ import torch
 
 import epkit
 import sim
-from conftest import needs_cuda
 
-pytestmark = [pytest.mark.cuda, needs_cuda]
+pytestmark = [pytest.mark.cuda, sim.needs_cuda]
 
 EXCHANGES = ["auto", "ragged", "padded", "equal", "lazy", "static"]
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import sim
-from conftest import needs_cuda
 
-pytestmark = [pytest.mark.cuda, needs_cuda]
+pytestmark = [pytest.mark.cuda, sim.needs_cuda]
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from conftest import needs_cuda
+import sim
 
-pytestmark = [pytest.mark.cuda, needs_cuda]
+
+pytestmark = [pytest.mark.cuda, sim.needs_cuda]
 
 
 def test_verify_nccl_world_size_1(cuda_ext, tmp_path):
