@@ -82,6 +82,19 @@ fi
 if ! "$PY" -c 'import epkit' >/dev/null 2>&1; then  # install the project itself, offline
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . >> "$LOGS/env.log" 2>&1
 fi
+if ! "$PY" -c 'import epkit' >/dev/null 2>&1; then  # no install possible: epkit from the tree
+  mkdir -p "$LOGS/shim/epkit"
+  cat > "$LOGS/shim/epkit/__init__.py" <<EOF
+# epkit from the source tree without an install: the package is production/, its subpackages
+# reference/ and verify/ live beside it.
+import os as _os
+__path__ = [_os.path.join("$ROOT", "production"), "$ROOT"]
+__file__ = _os.path.join("$ROOT", "production", "__init__.py")
+exec(compile(open(__file__).read(), __file__, "exec"))
+EOF
+  export PYTHONPATH="$LOGS/shim${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu_check: epkit imported from the source tree ($LOGS/shim)" | tee -a "$LOGS/env.log"
+fi
 MISSING=$("$PY" - <<'EOF'
 import importlib.util
 print(" ".join(m for m in ("numpy", "ml_dtypes", "pytest", "hypothesis", "tqdm")
