@@ -148,6 +148,8 @@ class Dispatcher:
             return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
         if tuple(topk_weights.shape) != tuple(topk_idx.shape):
             return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
+        if self.transport == "dedup" and topk_idx.shape[1] > 255:  # k travels in 8 bits
+            return Reason.TOPK_TOO_LARGE, topk_idx.shape[1], 255
         return Reason.OK, 0, 0
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -159,9 +161,6 @@ class Dispatcher:
         transport = ops.TRANSPORTS[self.transport]
         cap = -1 if self.capacity is None else int(self.capacity)
         code, a, b = self._local_error(x, topk_idx, topk_weights)
-        if transport == ops.DEDUP and topk_idx.dim() == 2 and topk_idx.shape[1] > 255:
-            raise ValueError("epkit: the dedup transport carries k in 8 bits (K <= 255); "
-                             f"got K = {topk_idx.shape[1]}: use transport='pairs'")
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static" and code == Reason.OK

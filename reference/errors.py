@@ -83,6 +83,7 @@ class Reason(enum.IntEnum):
     GRAD_DTYPE = 29            # a: dtype code
     STATIC_MAX = 30            # a: max_tokens_per_rank (-1 when missing)
     ROWS_DTYPE_MISMATCH = 31   # a: this rank's expert_y / gradient dtype code, b: rank 0's
+    TOPK_TOO_LARGE = 32        # a: K, b: the dedup transport's limit (255)
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -123,6 +124,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.GRAD_HIDDEN: f"gradient has hidden size {a} but the operation has {b}",
         Reason.GRAD_DTYPE: f"gradient must be float32 or bfloat16, got {dtype_name(a)}",
         Reason.STATIC_MAX: f"exchange='static' needs max_tokens_per_rank >= 0, got {a}",
+        Reason.TOPK_TOO_LARGE: f"top-k {a} exceeds the dedup transport's limit of {b} "
+                               "(k travels in 8 bits): use transport='pairs'",
         Reason.ROWS_DTYPE_MISMATCH: f"expert_y / gradient dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
     }[c]
 

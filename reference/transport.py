@@ -172,7 +172,9 @@ def _dedup_send(group: Group, s, rows, scales, idx, ws, kept):
     """Rank s's two sections: token rows ``payload | t | n`` and slot rows ``(k << 24 | j) | w``,
     peer d ascending; per peer, tokens ascending and each token's kept slots on d k ascending."""
     R, L, K = group.num_ranks, group.num_local_experts, group.topk
-    if K > DEDUP_MAX_TOPK or L >= DEDUP_MAX_LOCAL:
+    if K > DEDUP_MAX_TOPK:
+        raise error(s, Reason.TOPK_TOO_LARGE, K, DEDUP_MAX_TOPK)
+    if L >= DEDUP_MAX_LOCAL:
         raise ValueError(f"epkit.reference: the dedup wire format needs K <= {DEDUP_MAX_TOPK} and "
                          f"L < 2**24, got K={K}, L={L}")
     send, token_rows, slot_rows = [], [], []

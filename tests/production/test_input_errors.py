@@ -110,3 +110,17 @@ def test_bad_expert_y_on_middle_rank(group_pool, kind):
     for r, (err, shape) in enumerate(got):
         assert err == (want.value.rank, int(want.value.code), str(want.value)), (r, err, str(want.value))
         assert shape == xs[r].shape
+
+
+def test_topk_beyond_the_dedup_limit_on_one_rank(group_pool):
+    """K > 255 under dedup on rank 1 only: the collective InputError, not a timeout."""
+    Ebig, T = 512, 2
+    rng = np.random.default_rng(5)
+    Ks = [2, 300]
+    xs = [np.ones((T, 4), np.float32) for _ in Ks]
+    idxs = [np.stack([rng.permutation(Ebig)[:K] for _ in range(T)]) for K in Ks]
+    ws = [np.ones((T, K), np.float32) for K in Ks]
+    got = group_pool.run(rank_fns.raises_input_error, 2, xs, idxs, ws,
+                         [dict(num_experts=Ebig)] * 2)
+    for err, _ in got:
+        assert err is not None and err[0] == 1 and err[1] == int(Reason.TOPK_TOO_LARGE), err

@@ -197,6 +197,16 @@ def test_layout_and_bytes_errors(tier):
     assert err.value.code == Reason.X_DTYPE
 
 
+def test_topk_beyond_the_dedup_wire_limit():
+    big = [np.arange(256).reshape(1, 256)]
+    with pytest.raises(ref.InputError) as err:
+        ref.dispatch([np.ones((1, 2), np.float32)], big, [np.ones((1, 256), np.float32)],
+                     num_experts=256, transport="dedup", exchange="ragged")
+    assert err.value.code == Reason.TOPK_TOO_LARGE and err.value.rank == 0
+    ref.dispatch([np.ones((1, 2), np.float32)], big, [np.ones((1, 256), np.float32)],
+                 num_experts=256, transport="pairs", exchange="ragged")  # pairs has no limit
+
+
 def test_every_reason_is_tested():
     here = open(__file__).read()
     missing = [r.name for r in Reason if r != Reason.OK and f"Reason.{r.name}" not in here]
