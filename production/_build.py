@@ -67,9 +67,13 @@ def _clear_stale_lock(build_dir: str) -> None:
     except OSError:
         return
     if age > STALE_LOCK_S:
-        import warnings
+        # Some torch versions leave the lock behind after a good build: only a lock that no
+        # finished build followed deserves a word.
+        built = [os.path.getmtime(p) for p in glob.glob(os.path.join(build_dir, "*.so"))]
+        if not built or max(built) < os.path.getmtime(lock):
+            import warnings
 
-        warnings.warn(f"epkit: removing a stale build lock ({age:.0f} s old): {lock}")
+            warnings.warn(f"epkit: removing a stale build lock ({age:.0f} s old): {lock}")
         try:
             os.remove(lock)
         except OSError:
