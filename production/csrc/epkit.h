@@ -77,6 +77,54 @@ struct PlanOffsets {
   }
 };
 
+// Step 5 of the plan, shared by the CPU kernel and the CUDA kernel (one thread): the exchange
+// that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4.
+EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
+                                   const int64_t* words0, int64_t transport, int64_t exchange,
+                                   int64_t max_tokens, int64_t align, int64_t uniform,
+                                   int64_t maxrows, int64_t maxslots) {
+  const int64_t H = words0[4], K = p[kTopK], per = K < L ? K : L;
+  const int64_t itemsize = words0[6] == 2 ? 2 : 4;       // dtype code 2: bfloat16; else float32
+  const int64_t P = words0[7] ? H + H / 32 : H * itemsize;  // payload 1: MXFP8 bytes + codes
+  const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
+  p[kPayloadBytes] = P;
+  int64_t variant = kRagged;
+  if (max_tokens >= 0 || exchange == kReqStatic) variant = kStatic;
+  else if (exchange == kReqPadded) variant = kPadded;
+  else if (exchange == kReqEqual || ((exchange == kReqAuto || exchange == kReqLazy) && uniform))
+    variant = kEqual;
+  p[kVariant] = variant;
+  int64_t tokcap = -1, slotcap = -1;
+  if (variant == kStatic) {
+    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing.
+    const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
+    p[kStaticCap] = cap;
+    p[kSendRows] = p[kRecvRows] = R * (1 + cap);
+    p[kMaxChunk] = 1 + cap;
+    p[kExpertRows] = R * max_tokens * per + L * (align - 1);
+    tokcap = 1 + cap;
+    slotcap = 1 + max_tokens * per;
+  } else if (variant != kRagged) {
+    tokcap = maxrows;
+    slotcap = maxslots;
+  }
+  p[kTokCap] = tokcap;
+  p[kSlotCap] = transport == kDedup ? slotcap : -1;
+  int64_t SB = 0, RB = 0;
+  for (int64_t d = 0; d < R; ++d) {
+    for (int dir = 0; dir < 2; ++dir) {
+      int64_t nrows = p[(dir ? o.recv_counts : o.send_counts) + d];
+      int64_t nslots = p[(dir ? o.recv_slots : o.send_slots) + d];
+      if (tokcap >= 0) { nrows = tokcap; nslots = slotcap; }
+      const int64_t bytes = nrows * B + (transport == kDedup ? nslots * kSlotRowBytes : 0);
+      p[(dir ? o.recv_bytes : o.send_bytes) + d] = bytes;
+      (dir ? RB : SB) += bytes;
+    }
+  }
+  p[kSendBytes] = SB;
+  p[kRecvBytes] = RB;
+}
+
 // ---- ops (CPU) ---------------------------------------------------------------------------
 std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, int64_t num_experts,
                                                      int64_t num_ranks);

@@ -99,45 +99,8 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
   p[kUniform] = uniform; p[kMaxChunk] = maxrows;
 
-  // 5. The exchange that runs, and the dispatch chunks in bytes (docs/design.md, wire format).
-  const int64_t H = row(0)[4], K = p[kTopK], per = std::min(K, L);
-  const int64_t itemsize = row(0)[6] == 2 ? 2 : 4;  // dtype code 2: bfloat16; else float32
-  const int64_t P = row(0)[7] ? H + H / 32 : H * itemsize;  // payload 1: MXFP8 bytes + codes
-  const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
-  p[kPayloadBytes] = P;
-  int64_t variant = kRagged;
-  if (max_tokens >= 0 || exchange == kReqStatic) variant = kStatic;
-  else if (exchange == kReqPadded) variant = kPadded;
-  else if (exchange == kReqEqual || ((exchange == kReqAuto || exchange == kReqLazy) && uniform))
-    variant = kEqual;
-  p[kVariant] = variant;
-  int64_t tokcap = -1, slotcap = -1;
-  if (variant == kStatic) {
-    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing.
-    const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
-    p[kStaticCap] = cap;
-    p[kSendRows] = p[kRecvRows] = R * (1 + cap);
-    p[kMaxChunk] = 1 + cap;
-    p[kExpertRows] = R * max_tokens * per + L * (align - 1);
-    tokcap = 1 + cap;
-    slotcap = 1 + max_tokens * per;
-  } else if (variant != kRagged) {
-    tokcap = maxrows;
-    slotcap = maxslots;
-  }
-  p[kTokCap] = tokcap;
-  p[kSlotCap] = transport == kDedup ? slotcap : -1;
-  auto chunk_bytes = [&](int64_t nrows, int64_t nslots) {
-    if (tokcap >= 0) { nrows = tokcap; nslots = slotcap; }
-    return nrows * B + (transport == kDedup ? nslots * kSlotRowBytes : 0);
-  };
-  int64_t SB = 0, RB = 0;
-  for (int64_t d = 0; d < R; ++d) {
-    SB += p[o.send_bytes + d] = chunk_bytes(p[o.send_counts + d], p[o.send_slots + d]);
-    RB += p[o.recv_bytes + d] = chunk_bytes(p[o.recv_counts + d], p[o.recv_slots + d]);
-  }
-  p[kSendBytes] = SB;
-  p[kRecvBytes] = RB;
+  plan_exchange(p, o, R, L, row(0), transport, exchange, max_tokens, align, uniform, maxrows,
+                maxslots);
   return plan;
 }
 
