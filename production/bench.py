@@ -298,6 +298,9 @@ def plot(path: str, results: dict, args) -> None:
     b.set(yscale="log", xlabel="world size (ranks)", ylabel="median ms",
           title=f"{args.tokens} tokens per rank")
     b.set_xticks(sorted({r["world_size"] for r in rows}))
+    ticks = sorted({r["tokens"] for r in rows if r["world_size"] == args.world_size})
+    a.set_xticks(ticks, [str(t) for t in ticks])
+    a.minorticks_off()
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
     a.legend(fontsize=8)
