@@ -367,9 +367,11 @@ def main(argv=None) -> int:
     kr = workloads[0].get("kernels")
     if kr:
         results["kernels"] = kr
-        results["pack_vs_memcpy"] = kr[0]["rows"]["pack"]["vs_memcpy"]
-        results["pack_vs_memcpy_pairs"] = next(k["rows"]["pack"]["vs_memcpy"] for k in kr
-                                               if k["transport"] == "pairs")
+        for key, tr in (("pack_vs_memcpy", "dedup"), ("pack_vs_memcpy_pairs", "pairs")):
+            packs = [k["rows"]["pack"]["vs_memcpy"] for k in kr  # one thread first
+                     if k["transport"] == tr and "pack" in k["rows"]]
+            if packs:
+                results[key] = packs[0]
         print()
         print(format_kernels(kr))
     results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}
