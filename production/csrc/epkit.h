@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 // Device-agnostic helpers (the plan layout) are also compiled by nvcc for the CUDA kernels.
 #if defined(__CUDACC__)
@@ -169,6 +170,20 @@ inline T get(const uint8_t* p) { T v; std::memcpy(&v, p, sizeof(T)); return v; }
 // The static exchange: chunk d of a buffer starts at d * (1 + cap); its first row carries the
 // chunk's row count in-band (int64 at byte 0), its data rows follow.
 inline int64_t static_cap(const int64_t* plan) { return plan[kStaticCap]; }
+
+// Zero the rows of `rows [M, ...]` that no entry of `recv_map` names (the padding rows of an
+// expert-major buffer allocated with at::empty: cheaper than zeroing all of it first).
+inline void zero_unmapped_rows(Tensor& rows, const Tensor& recv_map) {
+  const int64_t M = rows.size(0);
+  std::vector<uint8_t> hit(M, 0);
+  const int64_t* mp = recv_map.data_ptr<int64_t>();
+  for (int64_t i = 0, n = recv_map.numel(); i < n; ++i)
+    if (mp[i] >= 0) hit[mp[i]] = 1;
+  uint8_t* z = static_cast<uint8_t*>(rows.data_ptr());
+  const int64_t rb = M ? rows.numel() / M * rows.element_size() : 0;
+  for (int64_t m = 0; m < M; ++m)
+    if (!hit[m]) std::memset(z + m * rb, 0, rb);
+}
 
 // Grain sizes for at::parallel_for: rows are wide (hidden >= 64 typically).
 constexpr int64_t kRowGrain = 16;

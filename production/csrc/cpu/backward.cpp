@@ -6,14 +6,15 @@ namespace epkit {
 // Combine backward, expert side. recv [N, H]: grad_out rows as sent by the sources (per slot
 // for pairs, per token and rank for dedup). For each slot row m:
 //   grad_y[m]          = cast_y(c_m * g)             (c_m = row_weight[m] if weighted, else 1)
-//   grad_row_weight[m] = sum_h g_h * y[m, h]          (float32, h ascending; 0 if unweighted)
+//   grad_row_weight[m] = sum_h g_h * y[m, h]          (float32 in 16 lanes (h mod 16), then the
+//                                                     lanes added; the order over H is free)
 // Padding rows get zeros.
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, const Tensor& recv_map,
                                                      const Tensor& row_weight,
                                                      const Tensor& y_in, bool weighted) {
   const Tensor recv = recv_in.contiguous(), y = y_in.contiguous();
   const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
-  Tensor grad_y = at::zeros({M, H}, y.options());
+  Tensor grad_y = at::empty({M, H}, y.options());
   Tensor grad_w = at::zeros({M}, at::kFloat);
   const int64_t* mp = recv_map.data_ptr<int64_t>();
   const float* wp = row_weight.data_ptr<float>();
@@ -35,12 +36,21 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, cons
             const Y* yr = yp + m * H;
             if (weighted) {
               const float w = wp[m];
-              float dot = 0.0f;
-              for (int64_t h = 0; h < H; ++h) {
+              float lane[16] = {0};
+              int64_t h = 0;
+              for (; h + 16 <= H; h += 16)
+                for (int i = 0; i < 16; ++i) {
+                  const float gh = widen(g[h + i]);
+                  gy[h + i] = narrow<Y>(w * gh);
+                  lane[i] = lane[i] + gh * widen(yr[h + i]);
+                }
+              for (; h < H; ++h) {
                 const float gh = widen(g[h]);
                 gy[h] = narrow<Y>(w * gh);
-                dot = dot + gh * widen(yr[h]);
+                lane[0] = lane[0] + gh * widen(yr[h]);
               }
+              float dot = 0.0f;
+              for (int i = 0; i < 16; ++i) dot = dot + lane[i];
               gwp[m] = dot;
             } else {
               for (int64_t h = 0; h < H; ++h) gy[h] = narrow<Y>(widen(g[h]));
@@ -49,6 +59,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, cons
       });
     });
   });
+  zero_unmapped_rows(grad_y, recv_map);  // padding rows; every other row was written
   return {grad_y, grad_w};
 }
 

@@ -31,6 +31,8 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   TORCH_CHECK(SB == plan[kSendBytes], "epkit.pack: send_bytes disagrees with the plan");
   const int64_t cap = static_cap(plan), tokcap = plan[kTokCap], slotcap = plan[kSlotCap];
   const int64_t* own_kept = plan + o.own_kept;
+  std::vector<int64_t> rank_of(E), local_of(E);
+  for (int64_t e = 0; e < E; ++e) { rank_of[e] = e / L; local_of[e] = e % L; }
 
   // Chunk d: [token (pairs: slot) section | dedup slot section], each a run of fixed-size rows;
   // under the static exchange each section opens with a header row carrying its count in-band.
@@ -74,7 +76,7 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
         const int64_t r = cursor[e]++;
-        if (r < own_kept[e]) mp[t * K + k] = start[e] + r - start[e / L * L];  // index in chunk
+        if (r < own_kept[e]) mp[t * K + k] = start[e] + r - start[rank_of[e] * L];  // index in chunk
       }
   } else {
     send_map = at::full({T, R}, -1, at::kLong);
@@ -85,7 +87,7 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
       for (int64_t k = 0; k < K; ++k) {
         const int64_t e = ip[t * K + k];
         if (e < 0) continue;
-        const int64_t d = e / L;
+        const int64_t d = rank_of[e];
         const bool keep = cursor[e]++ < own_kept[e];
         kept[t * K + k] = keep;
         if (mp[t * R + d] < 0) { mp[t * R + d] = local[d]++; slot_at[t * R + d] = nslot[d]; }
@@ -103,12 +105,12 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
         for (int64_t k = 0; k < K; ++k) {
           int64_t& i = mp[t * K + k];
           if (i < 0) continue;
-          const int64_t e = ip[t * K + k], d = e / L;
+          const int64_t e = ip[t * K + k], d = rank_of[e];
           uint8_t* row = sb + byte_of(d, i);
           copy_row(row, src, P);
           put<int32_t>(row + P, static_cast<int32_t>(t));
           put<int32_t>(row + P + 4, static_cast<int32_t>(k));
-          put<int32_t>(row + P + 8, static_cast<int32_t>(e % L));
+          put<int32_t>(row + P + 8, static_cast<int32_t>(local_of[e]));
           put<float>(row + P + 12, wp[t * K + k]);
           i = row_of(d, i);
         }
@@ -122,8 +124,8 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
           uint8_t* slot = sb + slot_sec[d] + slot_at[t * R + d] * kSlotRowBytes;
           for (int64_t k = 0; k < K; ++k) {
             const int64_t e = ip[t * K + k];
-            if (e < 0 || e / L != d || !kept[t * K + k]) continue;
-            put<int32_t>(slot + n * kSlotRowBytes, static_cast<int32_t>((k << 24) | (e % L)));
+            if (e < 0 || rank_of[e] != d || !kept[t * K + k]) continue;
+            put<int32_t>(slot + n * kSlotRowBytes, static_cast<int32_t>((k << 24) | (local_of[e])));
             put<float>(slot + n * kSlotRowBytes + 4, wp[t * K + k]);
             ++n;
           }
@@ -143,7 +145,10 @@ Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map, c10::SymIn
   const Tensor src = src_in.contiguous();
   const int64_t T = src.size(0), C = send_map.size(1), S = send_rows.expect_int();
   const int64_t nbytes = src.size(1) * src.element_size();
-  Tensor out = at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
+  int64_t named = 0;
+  for (int64_t i = 0, n = send_map.numel(); i < n; ++i) named += send_map.data_ptr<int64_t>()[i] >= 0;
+  Tensor out = named == S ? at::empty({S, src.size(1)}, src.options())
+                          : at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
   const int64_t* mp = send_map.data_ptr<int64_t>();

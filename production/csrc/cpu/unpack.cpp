@@ -32,7 +32,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   const int64_t* offsets = plan + o.offsets;
   const uint8_t* rb = recv.data_ptr<uint8_t>();
 
-  Tensor expert_x = at::zeros({M, H}, at::TensorOptions().dtype(dtype));
+  Tensor expert_x = at::empty({M, H}, at::TensorOptions().dtype(dtype));
   Tensor row_src = at::full({M, 3}, -1, at::kLong);
   Tensor row_weight = at::zeros({M}, at::kFloat);
   const int64_t C = pairs ? 1 : K;
@@ -126,6 +126,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
       }
     }
   });
+  zero_unmapped_rows(expert_x, recv_map);  // padding rows; every other row was written
   return {expert_x, row_src, row_weight, recv_map};
 }
 
