@@ -78,6 +78,24 @@ struct PlanOffsets {
   }
 };
 
+// Step 4 of the plan for one local expert j of `rank`, shared by the CPU and CUDA plan kernels:
+// kept rows per source (recv_kept), kept and dropped totals. Returns the padded segment size.
+// `words` is the gathered [R, W] count words, `kept` the [R, E] kept counts.
+EPKIT_HD inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int64_t* words,
+                                    int64_t W, const int64_t* kept, int64_t R, int64_t E,
+                                    int64_t L, int64_t rank, int64_t j, int64_t align) {
+  const int64_t e = rank * L + j;
+  int64_t k = 0, used = 0;
+  for (int64_t s = 0; s < R; ++s) {
+    k += kept[s * E + e];
+    used += words[s * W + kWordHeader + e];
+    p[o.recv_kept + s * L + j] = kept[s * E + e];
+  }
+  p[o.tokens_per_expert + j] = k;
+  p[o.dropped + j] = used - k;
+  return (k + align - 1) / align * align;
+}
+
 // Step 5 of the plan, shared by the CPU kernel and the CUDA kernel (one thread): the exchange
 // that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4.
 EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,

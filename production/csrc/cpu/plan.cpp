@@ -81,17 +81,8 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   // 4. This rank's experts: kept and dropped counts, padded offsets, kept per source.
   int64_t M = 0;
   for (int64_t j = 0; j < L; ++j) {
-    const int64_t e = rank * L + j;
-    int64_t k = 0, used = 0;
-    for (int64_t s = 0; s < R; ++s) {
-      k += kept[s * E + e];
-      used += cnt(s, e);
-      p[o.recv_kept + s * L + j] = kept[s * E + e];
-    }
-    p[o.tokens_per_expert + j] = k;
-    p[o.dropped + j] = used - k;
     p[o.offsets + j] = M;
-    M += (k + align - 1) / align * align;
+    M += plan_expert(p, o, g, W, kept.data(), R, E, L, rank, j, align);
   }
   p[o.offsets + L] = M;
   for (int64_t e = 0; e < E; ++e) p[o.own_kept + e] = kept[rank * E + e];

@@ -190,18 +190,8 @@ __global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank
   }
 
   // 4. This rank's experts (padded sizes parked in offsets, prefixed below) and own kept.
-  for (int64_t j = tid; j < L; j += nt) {
-    const int64_t e = rank * L + j;
-    int64_t k = 0, used = 0;
-    for (int64_t s = 0; s < R; ++s) {
-      k += kept[s * E + e];
-      used += cnt(s, e);
-      p[o.recv_kept + s * L + j] = kept[s * E + e];
-    }
-    p[o.tokens_per_expert + j] = k;
-    p[o.dropped + j] = used - k;
-    p[o.offsets + j] = (k + align - 1) / align * align;
-  }
+  for (int64_t j = tid; j < L; j += nt)
+    p[o.offsets + j] = plan_expert(p, o, g, W, kept, R, E, L, rank, j, align);
   for (int64_t e = tid; e < E; e += nt) p[o.own_kept + e] = kept[rank * E + e];
   __syncthreads();
   if (tid != 0) return;
