@@ -162,9 +162,14 @@ def train(args) -> list[float]:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
     if not args.dense:
-        # Drop every reference to the group (the model's layers hold it) before destroying it:
-        # a gloo group still alive at interpreter exit can abort the process.
-        del model, opt
+        # Drop every reference to the group (the model's layers hold it, and the last step's
+        # graph holds its pending exchanges) before destroying it, with every rank there:
+        # gloo work or a group still alive at interpreter exit can abort the process.
+        import gc
+
+        dist.barrier()
+        del model, opt, logits, loss, total
+        gc.collect()
         dist.destroy_process_group()
     return losses
 

@@ -23,7 +23,7 @@ class _DispatchWait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, state):
-        recv = state["finish"]()
+        recv, state["finish"] = state["finish"](), None  # the work is done: let it go
         H, mx = x.shape[1], state["mx"]
         expert_x, row_src, row_weight, recv_map = C.unpack(
             recv, state["plan"], state["transport"], H + H // 32 if mx else H,
@@ -91,7 +91,7 @@ def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, exper
 class _CombineWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, row_weight, state):
-        back = state["finish"]()
+        back, state["finish"] = state["finish"](), None  # the work is done: let it go
         d = state["dispatch"]
         out = C.reduce_tokens(back, d._send_map, d._topk_idx, d._topk_weights,
                               int(ops.host_plan(d._plan)[ops.EXPERTS]),
