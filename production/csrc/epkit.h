@@ -57,6 +57,12 @@ enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };
 enum Requested : int64_t { kReqRagged = 0, kReqPadded = 1, kReqEqual = 2, kReqAuto = 3,
                            kReqLazy = 4, kReqStatic = 5 };
 constexpr int64_t kSlotRowBytes = 8;    // dedup slot row: int32 (k << 24 | j), float32 w
+// The slot word's fields. k occupies the top 8 bits, so for k >= 128 the int32 is negative:
+// decode through uint32 (an arithmetic shift would give k - 256 and index out of bounds).
+EPKIT_HD inline int64_t slot_word_k(int32_t packed) {
+  return static_cast<int64_t>(static_cast<uint32_t>(packed) >> 24);
+}
+EPKIT_HD inline int64_t slot_word_j(int32_t packed) { return packed & 0xFFFFFF; }
 constexpr int64_t kDedupTokMeta = 8;    // dedup token row meta: int32 t, int32 n
 struct PlanOffsets {
   int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept,

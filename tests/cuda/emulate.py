@@ -167,6 +167,6 @@ def unpack_recv_map(recv: np.ndarray, plan: np.ndarray, K: int, P: int, pairs: b
         base = slot_rows(s, r)
         for q in range(nrow[r]):
             packed = i32(base + q * 8)
-            k, j = packed >> 24, packed & 0xFFFFFF
+            k, j = (packed & 0xFFFFFFFF) >> 24, packed & 0xFFFFFF  # k: unsigned top byte
             rm[r, k] = offsets[j] + jbase[r // UNPACK_CHUNK, j] + lrank[G[r] + q]
     return rm

@@ -90,7 +90,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
       const int32_t n = get<int32_t>(r.bytes + P + 4);
       for (int32_t i = 0; i < n; ++i) {
         const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
-        const int64_t k = packed >> 24, j = packed & 0xFFFFFF;
+        const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
         TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
         mp[r.row * K + k] = cursor[j]++;
       }
@@ -119,7 +119,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
       const int32_t cnt = get<int32_t>(meta + 4);
       for (int32_t i = 0; i < cnt; ++i) {
         const uint8_t* slot = r.slots + i * kSlotRowBytes;
-        const int64_t k = get<int32_t>(slot) >> 24, m = mp[r.row * K + k];
+        const int64_t k = slot_word_k(get<int32_t>(slot)), m = mp[r.row * K + k];
         copy_row(xb + m * P, r.bytes, P);
         sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = k;
         wp[m] = get<float>(slot + 4);

@@ -185,8 +185,8 @@ __global__ void rank_kernel(Unpack a_in, int32_t* lrank, int32_t* jcount) {
       int64_t j = -1;
       if (q < n) {
         const int32_t packed = dget<int32_t>(slots + q * kSlotRowBytes);
-        j = packed & 0xFFFFFF;
-        if (j >= L || (packed >> 24) >= a.K) { atomicOr(a.status, 8); j = -1; }
+        j = slot_word_j(packed);
+        if (j >= L || slot_word_k(packed) >= a.K) { atomicOr(a.status, 8); j = -1; }
       }
       const bool valid = j >= 0;
       const unsigned peers = __match_any_sync(kFull, valid ? j : -2 - lane);
@@ -224,7 +224,7 @@ __global__ void dedup_kernel(Unpack a_in) {
   for (int64_t q = threadIdx.x; q < n; q += blockDim.x) {
     const uint8_t* slot = slots + q * kSlotRowBytes;
     const int32_t packed = dget<int32_t>(slot);
-    const int64_t k = packed >> 24, j = packed & 0xFFFFFF;
+    const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
     if (j >= L || k < 0 || k >= K) continue;
     const int64_t m = offsets[j] + a.jbase[c * a.Lb + j] + a.lrank[a.G[r] + q];
     if (m < 0 || m >= a.M) { atomicOr(a.status, 16); continue; }
