@@ -18,8 +18,8 @@ _LAZY = {
     "dequantize_mxfp8": "epkit.mxfp8",
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
-    "exchange": "epkit.exchange",
-    "PeerError": "epkit.exchange",
+    "exchange": "epkit.collectives",
+    "PeerError": "epkit.collectives",
     "nn": "epkit.nn",  # a subpackage: the module itself (MoE layers)
 }
 

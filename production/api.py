@@ -16,10 +16,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import operator
+
 from epkit import lazy, mxfp8, ops
-from epkit.exchange import CODES as EXCHANGE_CODES
-from epkit.exchange import collective_error, group_name, resolve_group
-from epkit.reference.errors import DTYPE_CODES, InputError, Reason, error
+from epkit.agree import COMBINE, DISPATCH, agree, call_number, header, serial, tensor_error
+from epkit.collectives import CODES as EXCHANGE_CODES
+from epkit.collectives import group_name, resolve_group
+from epkit.reference.common import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
+from epkit.reference.errors import MAX_ALIGN, DTYPE_CODES, InputError, Reason, error
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
            "dequantize_mxfp8"]
@@ -27,8 +31,31 @@ __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
+PAYLOAD_CODES = {None: 0, "mxfp8": 1}
+_DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
+
+
 def _dtype_code(dt: torch.dtype) -> int:
     return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
+
+
+def _int_or(v, default):
+    """``v`` as an int if it is one (int, NumPy integer; not a float or a string), else
+    ``default``."""
+    if v is None or isinstance(v, bool):
+        return default
+    try:
+        return operator.index(v)
+    except TypeError:
+        return default
+
+
+def _code(table: dict, name) -> int:
+    """A name's option code, or -1 for a name that is not in ``table`` (or not hashable)."""
+    try:
+        return int(table.get(name, -1))
+    except TypeError:
+        return -1
 
 
 @dataclass
@@ -68,6 +95,12 @@ class Dispatch:
     _plan: torch.Tensor = field(default=None, repr=False)
     _config: "Dispatcher" = field(default=None, repr=False)
     _x_dtype: torch.dtype = field(default=None, repr=False)
+    # What combine checks the Dispatch against (a replaced field cannot make a kernel read
+    # past the end): the dispatch's call number, its rows and hidden size, its group.
+    _seq: int = field(default=-1, repr=False)
+    _rows: int = field(default=0, repr=False)
+    _hidden: int = field(default=0, repr=False)
+    _group_name: str = field(default="", repr=False)
 
     @property
     def num_rows(self) -> int:
@@ -101,15 +134,15 @@ class Dispatcher:
                  capacity: Optional[int] = None, transport: str = "dedup",
                  exchange: str = "auto", payload: Optional[str] = None,
                  max_tokens_per_rank: Optional[int] = None):
-        if transport not in ops.TRANSPORTS:
-            raise ValueError(f"epkit: transport must be one of {sorted(ops.TRANSPORTS)}, got {transport!r}")
-        if exchange not in EXCHANGE_CODES:
-            raise ValueError(f"epkit: exchange must be one of {sorted(EXCHANGE_CODES)}, got {exchange!r}")
-        if payload not in (None, "mxfp8"):
-            raise ValueError(f"epkit: payload must be None or 'mxfp8', got {payload!r}")
+        # Nothing here raises for a bad option: a rank that raised alone would leave its peers
+        # waiting in their first collective. Options are checked, and agreed between ranks,
+        # in the call header of every dispatch (epkit/agree.py).
+        if group is None and not dist.is_initialized():
+            raise RuntimeError("epkit: no process group: call torch.distributed."
+                               "init_process_group(...) first, or pass group=")
         self.group = resolve_group(group)
-        self.num_experts = int(num_experts)
-        self.align = int(align)
+        self.num_experts = num_experts
+        self.align = align
         self.capacity = capacity
         self.transport = transport
         self.exchange = exchange
@@ -118,20 +151,47 @@ class Dispatcher:
 
     # -- validation -------------------------------------------------------------------------------
 
-    def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
-        """Checks that need no tensor values: options, dtypes, shapes (reference/validate.py order)."""
-        E, R = self.num_experts, dist.get_world_size(self.group)
-        if self.align < 1:
-            return Reason.ALIGN, self.align, 0
-        if self.capacity is not None and int(self.capacity) < 0:
-            return Reason.CAPACITY, int(self.capacity), 0
-        if E < 1:
+    def _option_words(self) -> list[int]:
+        """``[E, align, capacity, transport, exchange, payload, max_tokens]`` as header codes
+        (agree.py): integers as given (-1 for None or a non-integer), names as their codes."""
+        return [_int_or(self.num_experts, -1), _int_or(self.align, -1),
+                _int_or(self.capacity, -1), _code(ops.TRANSPORTS, self.transport),
+                _code(EXCHANGE_CODES, self.exchange), _code(PAYLOAD_CODES, self.payload),
+                _int_or(self.max_tokens_per_rank, -1)]
+
+    def _option_error(self) -> tuple[int, int, int]:
+        """The options on their own (reference/validate.py's order)."""
+        R = dist.get_world_size(self.group)
+        E, align, cap, transport, exchange, payload, max_tokens = self._option_words()
+        if _int_or(self.align, None) is None or not 1 <= align <= MAX_ALIGN:
+            return Reason.ALIGN, align, 0
+        if self.capacity is not None and (_int_or(self.capacity, None) is None or cap < 0):
+            return Reason.CAPACITY, cap, 0
+        if _int_or(self.num_experts, None) is None or E < 1:
             return Reason.NUM_EXPERTS, E, 0
         if E % R:
             return Reason.EXPERTS_NOT_DIVISIBLE, E, R
-        if self.exchange == "static" and (self.max_tokens_per_rank is None
-                                          or int(self.max_tokens_per_rank) < 0):
-            return Reason.STATIC_MAX, -1 if self.max_tokens_per_rank is None else int(self.max_tokens_per_rank), 0
+        for option_id, value in ((1, transport), (2, exchange), (3, payload)):
+            if value < 0:
+                return Reason.OPTION, option_id, -1
+        if self.exchange == "static" and (self.max_tokens_per_rank is None or max_tokens < 0):
+            return Reason.STATIC_MAX, max_tokens, 0
+        if self.transport == "dedup" and E // R >= DEDUP_MAX_LOCAL:  # j travels in 24 bits
+            return Reason.TOO_MANY_LOCAL_EXPERTS, E // R, DEDUP_MAX_LOCAL - 1
+        return Reason.OK, 0, 0
+
+    def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
+        """Every check that needs no tensor values: options, types, devices, dtypes, shapes."""
+        code = self._option_error()
+        if code[0] != Reason.OK:
+            return code
+        for arg_id, t in ((1, x), (2, topk_idx), (3, topk_weights)):
+            bad = tensor_error(arg_id, t)
+            if bad:
+                return bad
+        for arg_id, t in ((2, topk_idx), (3, topk_weights)):
+            if t.device != x.device:
+                return Reason.DEVICE, arg_id, _DEVICE_CODES.get(t.device.type, 3)
         if x.dtype not in (torch.float32, torch.bfloat16):
             return Reason.X_DTYPE, _dtype_code(x.dtype), 0
         if topk_idx.dtype not in _INT_DTYPES:
@@ -148,56 +208,70 @@ class Dispatcher:
             return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
         if tuple(topk_weights.shape) != tuple(topk_idx.shape):
             return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
-        if self.transport == "dedup" and topk_idx.shape[1] > 255:  # k travels in 8 bits
-            return Reason.TOPK_TOO_LARGE, topk_idx.shape[1], 255
+        if self.transport == "dedup" and topk_idx.shape[1] > DEDUP_MAX_TOPK:  # k: 8 bits
+            return Reason.TOPK_TOO_LARGE, topk_idx.shape[1], DEDUP_MAX_TOPK
         return Reason.OK, 0, 0
 
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
         """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
+        if torch.compiler.is_compiling():
+            # Traced: options are constants of the graph; local errors ride in the count words.
+            return self._dispatch(x, topk_idx, topk_weights, self._local_error(x, topk_idx, topk_weights))
+        with serial(self.group):
+            code = self._local_error(x, topk_idx, topk_weights)
+            # The call header: every rank raises the same error here, before anything else.
+            agree(self.group, header(DISPATCH, self._option_words(), code),
+                  "epkit.dispatch (call header)")
+            return self._dispatch(x, topk_idx, topk_weights, code)
+
+    def _dispatch(self, x, topk_idx, topk_weights, local) -> Dispatch:
         R = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
         transport = ops.TRANSPORTS[self.transport]
+        E, align = int(self.num_experts), int(self.align)
         cap = -1 if self.capacity is None else int(self.capacity)
-        code, a, b = self._local_error(x, topk_idx, topk_weights)
+        # The number this call's header carried (traced: -1, no header at trace time; the
+        # combine op agrees at run time, comparing the ranks' constants).
+        seq = -1 if torch.compiler.is_compiling() else call_number(self.group) - 1
+        code, a, b = local
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
-        static = self.exchange == "static" and code == Reason.OK
+        static = self.exchange == "static"  # every rank takes the same path, bad input or not
         mx = self.payload == "mxfp8"
-        pre_error = [int(code), int(a), int(b), _dtype_code(x.dtype)]
+        pre_error = [int(code), int(a), int(b), _dtype_code(getattr(x, "dtype", None))]
         if (not static and not mx and self.exchange != "lazy"
                 and not torch.compiler.is_compiling()):
             # The eager path: one fused op, no host read here at all.
             *outs, plan = ops.prepare_dispatch(
-                x, topk_idx, topk_weights, group_name(self.group), rank, self.num_experts,
-                self.align, cap, transport, EXCHANGE_CODES[self.exchange], pre_error, 0)
-            return self._result(x, topk_idx, topk_weights, plan, *outs)
+                x, topk_idx, topk_weights, group_name(self.group), rank, E, align, cap, transport,
+                EXCHANGE_CODES[self.exchange], pre_error, 0)
+            return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
         max_tokens = int(self.max_tokens_per_rank) if static else -1
-        words = ops.C.prepare(x, topk_idx, topk_weights, self.num_experts, R,
+        words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
                               pre_error + [max_tokens], int(mx))
         # CUDA static: the shape that sizes the plan's host mirror without a host wait.
         shape = ([x.shape[1], topk_idx.shape[1], _dtype_code(x.dtype), int(mx)]
                  if static and x.is_cuda else None)
-        plan = ops.count_exchange(words, group_name(self.group), rank, self.num_experts,
-                                  self.align, cap, transport, EXCHANGE_CODES[self.exchange],
-                                  max_tokens, shape)
+        plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
+                                  EXCHANGE_CODES[self.exchange], max_tokens, shape)
         if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
             raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         if static:
             # Sizes from the configuration alone: no host read of any count (and, under
             # torch.compile, no data-dependent shape). docs/design.md, wire format.
-            L, K, H = self.num_experts // R, topk_idx.shape[1], x.shape[1]
+            L, K, H = E // R, topk_idx.shape[1], x.shape[1]
             P = H + H // 32 if mx else H * x.element_size()
             per = min(K, L)
             rows = max_tokens * (per if transport == ops.PAIRS else 1)  # data rows per chunk
             chunk = ops.dispatch_chunk_bytes(transport, P, 1 + rows, 1 + max_tokens * per)
             SB, N = R * chunk, R * (1 + rows)
-            M = R * max_tokens * per + L * (self.align - 1)
+            M = R * max_tokens * per + L * (align - 1)
         else:
             # The one host read of a dispatch (on CPU the plan is host memory already).
             SB, N, M = ops.host_plan(plan)[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
-        build = functools.partial(self._result, x, topk_idx, topk_weights, plan)
+        build = functools.partial(self._result, seq, x, topk_idx, topk_weights, plan)
         if self.exchange == "lazy":
             return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
                                        transport, M, build, mx)
@@ -210,9 +284,9 @@ class Dispatcher:
             x, topk_idx, topk_weights, plan, group_name(self.group), transport,
             EXCHANGE_CODES[self.exchange], SB, N, M))
 
-    def _result(self, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight, send_map,
-                recv_map, expert_scale=None, expert_x_hp=None) -> Dispatch:
-        sl = ops.plan_slices(dist.get_world_size(self.group), self.num_experts)
+    def _result(self, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
+                send_map, recv_map, expert_scale=None, expert_x_hp=None) -> Dispatch:
+        sl = ops.plan_slices(dist.get_world_size(self.group), int(self.num_experts))
         return Dispatch(
             expert_x=expert_x,
             tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
@@ -224,29 +298,62 @@ class Dispatcher:
             expert_scale=expert_scale,
             expert_x_hp=expert_x_hp,
             _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
-            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype,
+            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype, _seq=seq,
+            _rows=expert_x.shape[0], _hidden=expert_x.shape[1],
+            _group_name=group_name(self.group),
         )
 
     # -- combine ----------------------------------------------------------------------------------
 
     def combine(self, expert_y: torch.Tensor, d: Dispatch, weighted: bool = True) -> torch.Tensor:
-        """Bring expert outputs back and sum them per token; see :func:`epkit.combine`."""
-        # Collective: bad expert_y on any rank raises the same InputError on every rank
-        # (agreed inside the combine op, before any row moves).
-        check = [int(v) for v in _rows_error(expert_y, d.num_rows, d.expert_x.shape[1])]
-        check.append(_dtype_code(expert_y.dtype))
-        if self.exchange == "lazy":
-            collective_error(check[:3], check[3], self.group, "epkit.combine (validation)")
-            return lazy.issue_combine(expert_y, d, group_name(self.group),
-                                      ops.TRANSPORTS[self.transport], bool(weighted))
+        """Bring expert outputs back and sum them per token; see :func:`epkit.combine`.
+
+        Collective: a bad ``expert_y`` or ``Dispatch`` on any rank, or ranks combining
+        different dispatches, raise the same InputError on every rank before any row moves.
+        """
+        if torch.compiler.is_compiling():  # the header is agreed inside the op, at run time
+            return self._combine(expert_y, d, weighted, self._combine_header(expert_y, d))
+        with serial(self.group):
+            words = self._combine_header(expert_y, d)
+            agree(self.group, words, "epkit.combine (call header)")
+            return self._combine(expert_y, d, weighted, [])
+
+    def _combine_header(self, expert_y, d) -> list[int]:
+        code, ref, rows_dtype = (Reason.OK, 0, 0), -1, 0
+        options = self._option_words()
+        if not isinstance(d, Dispatch) or d._config is None:
+            code = Reason.FOREIGN_DISPATCH, 2, 0
+        elif d._group_name != group_name(self.group):
+            code = Reason.FOREIGN_DISPATCH, 1, 0
+        else:
+            options, ref = d._config._option_words(), d._seq
+            w = d.row_weight
+            if (not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.dim() != 1
+                    or w.shape[0] != d._rows):
+                code = Reason.FOREIGN_DISPATCH, 3, 0  # the kernels index row_weight by row
+            else:
+                code = tensor_error(4, expert_y) or _rows_error(expert_y, d._rows, d._hidden)
+                if code[0] == Reason.OK and expert_y.device != w.device:
+                    code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
+                rows_dtype = _dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
+        return header(COMBINE, options, code, rows_dtype, ref)
+
+    def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
+        cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines
+        transport = ops.TRANSPORTS[cfg.transport]
+        if cfg.exchange == "lazy":
+            return lazy.issue_combine(expert_y, d, group_name(self.group), transport,
+                                      bool(weighted))
         return ops.combine_tokens(
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
-            d._plan, group_name(self.group), ops.TRANSPORTS[self.transport],
-            EXCHANGE_CODES[self.exchange], bool(weighted), d._x_dtype, check)
+            d._plan, group_name(self.group), transport, EXCHANGE_CODES[cfg.exchange],
+            bool(weighted), d._x_dtype, check)
 
 
 def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, int]:
     """expert_y against its dispatch: dtype, then rows, then H (reference/validate.py)."""
+    if not isinstance(arr, torch.Tensor):
+        return Reason.NOT_A_TENSOR, 4, 0
     if arr.dtype not in (torch.float32, torch.bfloat16):
         return Reason.EXPERT_Y_DTYPE, _dtype_code(arr.dtype), 0
     n = arr.shape[0] if arr.dim() >= 1 else -1

@@ -139,7 +139,7 @@ def plain_step(padded, group, E, x, idx, w, grad):
 def _gather_max(times: list[float], group) -> list[float]:
     """Per iteration, the slowest rank's time."""
     t = torch.tensor(times, dtype=torch.float64)
-    from epkit.exchange import all_gather
+    from epkit.collectives import all_gather
 
     out = torch.zeros((dist.get_world_size(group) * t.numel(),), dtype=torch.float64)
     all_gather(out, t, group)

@@ -57,7 +57,7 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
     import torch.distributed as dist
 
     from epkit import ops
-    from epkit.exchange import all_gather
+    from epkit.collectives import all_gather
     from epkit.reference.errors import error
 
     R = dist.get_world_size(group)

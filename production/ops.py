@@ -22,8 +22,9 @@ import torch
 
 from epkit import _build
 from epkit.device import host_plan
-from epkit.exchange import all_gather, all_to_all, collective_error, group_from_name
-from epkit.reference.errors import error
+from epkit.agree import agree
+from epkit.collectives import all_gather, all_to_all, group_from_name
+from epkit.reference.errors import Reason, error
 
 _build.load()
 C = torch.ops.epkit
@@ -269,7 +270,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
                           exchange, -1)
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
     if exchange == 2 and not int(hp[UNIFORM]):
-        raise error(int(hp[NONUNIFORM_RANK]), 21)
+        raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = hp[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
     return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
                              SB, N, M), plan)
@@ -373,10 +374,12 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     rank; pairs: the expert side sends each slot's row and the source forms the same partials
     (with its own copy of the weights, bit-identical to ``row_weight``).
 
-    ``check`` is this rank's ``[code, a, b, y dtype code]`` for expert_y; the ranks agree on it
-    before any row moves (inside the op, so torch.compile sees no data-dependent branch).
+    ``check`` is this rank's call header (epkit/agree.py) when the ranks agree inside the op
+    (under torch.compile, so no data-dependent branch is traced); empty when the caller
+    agreed already (the eager path).
     """
-    collective_error(check[:3], check[3], group_from_name(group_name), "epkit.combine (validation)")
+    if check:
+        agree(group_from_name(group_name), check, "epkit.combine (call header)")
     R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
     back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")

@@ -39,13 +39,14 @@ class InputError(ValueError):
 DTYPE_CODES = {
     "float32": 1, "bfloat16": 2, "float16": 3, "float64": 4,
     "int8": 5, "int16": 6, "int32": 7, "int64": 8, "uint8": 9, "bool": 10,
-    "float8_e4m3fn": 11,
+    "float8_e4m3fn": 11, "uint16": 12, "uint32": 13, "uint64": 14, "float8_e5m2": 15,
+    "complex64": 16, "complex128": 17, "float8_e8m0fnu": 18,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 def dtype_name(code: int) -> str:
-    return _DTYPE_NAMES.get(int(code), f"dtype#{int(code)}")
+    return _DTYPE_NAMES.get(int(code), "an unsupported dtype")
 
 
 class Reason(enum.IntEnum):
@@ -84,9 +85,48 @@ class Reason(enum.IntEnum):
     STATIC_MAX = 30            # a: max_tokens_per_rank (-1 when missing)
     ROWS_DTYPE_MISMATCH = 31   # a: this rank's expert_y / gradient dtype code, b: rank 0's
     TOPK_TOO_LARGE = 32        # a: K, b: the dedup transport's limit (255)
+    # Production only (a multi-process group can disagree; the reference's one call cannot).
+    # They come from the call header every rank agrees on first (production/agree.py).
+    NOT_A_TENSOR = 33          # a: argument id (ARGUMENTS)
+    DEVICE = 34                # a: argument id, b: device code (DEVICES)
+    CALL_MISMATCH = 35         # a: this rank's operation (OPERATIONS), b: rank 0's
+    CALL_SEQUENCE = 36         # a: this rank's call number on the group, b: rank 0's
+    NUM_EXPERTS_MISMATCH = 37  # a: this rank's value, b: rank 0's
+    ALIGN_MISMATCH = 38        # a, b: as above
+    CAPACITY_MISMATCH = 39     # a, b: as above (-1: None)
+    TRANSPORT_MISMATCH = 40    # a, b: option codes (OPTION_NAMES)
+    EXCHANGE_MISMATCH = 41     # a, b: option codes
+    PAYLOAD_MISMATCH = 42      # a, b: option codes
+    MAX_TOKENS_MISMATCH = 43   # a, b: values (-1: None)
+    DISPATCH_MISMATCH = 44     # a: call number of the dispatch this rank combines, b: rank 0's
+    FOREIGN_DISPATCH = 45      # a: why (FOREIGN), b: detail
+    TOO_MANY_LOCAL_EXPERTS = 46  # a: experts per rank, b: the dedup limit (2**24 - 1)
+    SEND_COUNTS = 47           # a: entries, b: group size (epkit.exchange)
+    SEND_COUNTS_SUM = 48       # a: x rows, b: the sum of send_counts
+    SEND_COUNTS_NEGATIVE = 49  # a: the count
+    ROW_WIDTH_MISMATCH = 50    # a: elements per row on this rank, b: rank 0's
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
+ARGUMENTS = {1: "x", 2: "topk_idx", 3: "topk_weights", 4: "expert_y", 5: "dispatch",
+             6: "send_counts"}
+DEVICES = {0: "cpu", 1: "cuda", 2: "meta", 3: "another"}
+OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
+              2: "epkit.combine", 3: "epkit.exchange"}
+# Option codes as they travel in the call header (production/agree.py); -1: not a valid name.
+OPTION_NAMES = {
+    "transport": {0: "pairs", 1: "dedup"},
+    "exchange": {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "lazy", 5: "static"},
+    "payload": {0: "None", 1: "mxfp8"},
+}
+FOREIGN = {1: "was made on another process group than this Dispatcher's",
+           2: "is not an epkit.Dispatch",
+           3: "was altered after dispatch (a field no longer matches what dispatch returned)"}
+MAX_ALIGN = 1 << 20  # beyond it the padding alone would be an absurd allocation
+
+
+def _opt(kind: str, code: int) -> str:
+    return repr(OPTION_NAMES[kind].get(int(code), "an unknown name"))
 
 
 def format_reason(code: int, a: int = 0, b: int = 0) -> str:
@@ -104,7 +144,7 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.DTYPE_MISMATCH: f"x dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
         Reason.TOPK_MISMATCH: f"top-k {a} differs from rank 0's {b}",
         Reason.EXPERTS_NOT_DIVISIBLE: f"num_experts {a} is not a multiple of the group size {b}",
-        Reason.ALIGN: f"align must be >= 1, got {a}",
+        Reason.ALIGN: f"align must be in [1, {MAX_ALIGN}], got {a}",
         Reason.CAPACITY: f"capacity must be >= 0, got {a}",
         Reason.NONFINITE_WEIGHT: f"topk_weights row {a} holds a non-finite value",
         Reason.NONFINITE_PAYLOAD: f"x row {a} holds a non-finite value (MXFP8 payload)",
@@ -117,7 +157,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.EQUAL_NONUNIFORM: "exchange='equal' needs a uniform plan (every count the same)",
         Reason.NUM_EXPERTS: f"num_experts must be >= 1, got {a}",
         Reason.EXPERT_Y_DTYPE: f"expert_y must be float32 or bfloat16, got {dtype_name(a)}",
-        Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')} (choice #{b})",
+        Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')}: choose from "
+                       + ", ".join(map(repr, OPTION_NAMES.get(_OPTIONS.get(a), {}).values())),
         Reason.IDX_NOT_2D: f"topk_idx must be 2-D [T, K], got {a} dimensions",
         Reason.WEIGHTS_NOT_2D: f"topk_weights must be 2-D [T, K], got {a} dimensions",
         Reason.GRAD_ROWS: f"gradient has {a} rows but the operation produced {b}",
@@ -127,6 +168,35 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.TOPK_TOO_LARGE: f"top-k {a} exceeds the dedup transport's limit of {b} "
                                "(k travels in 8 bits): use transport='pairs'",
         Reason.ROWS_DTYPE_MISMATCH: f"expert_y / gradient dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
+        Reason.NOT_A_TENSOR: f"{ARGUMENTS.get(a, 'an argument')} must be a torch.Tensor",
+        Reason.DEVICE: f"{ARGUMENTS.get(a, 'an argument')} is on a {DEVICES.get(b, 'another')} "
+                       "device: epkit needs cpu or cuda tensors, all on the same device",
+        Reason.CALL_MISMATCH: f"called {OPERATIONS.get(a, OPERATIONS[0])} while rank 0 called "
+                              f"{OPERATIONS.get(b, OPERATIONS[0])}: the ranks are out of step "
+                              "(a call skipped or repeated on one rank)",
+        Reason.CALL_SEQUENCE: f"is at call #{a} on this group while rank 0 is at #{b}: the ranks "
+                              "are out of step (a call skipped or repeated on one rank)",
+        Reason.NUM_EXPERTS_MISMATCH: f"num_experts {a} differs from rank 0's {b}",
+        Reason.ALIGN_MISMATCH: f"align {a} differs from rank 0's {b}",
+        Reason.CAPACITY_MISMATCH: f"capacity {'None' if a < 0 else a} differs from rank 0's "
+                                  f"{'None' if b < 0 else b}",
+        Reason.TRANSPORT_MISMATCH: f"transport {_opt('transport', a)} differs from rank 0's "
+                                   f"{_opt('transport', b)}",
+        Reason.EXCHANGE_MISMATCH: f"exchange {_opt('exchange', a)} differs from rank 0's "
+                                  f"{_opt('exchange', b)}",
+        Reason.PAYLOAD_MISMATCH: f"payload {_opt('payload', a)} differs from rank 0's "
+                                 f"{_opt('payload', b)}",
+        Reason.MAX_TOKENS_MISMATCH: f"max_tokens_per_rank {'None' if a < 0 else a} differs from "
+                                    f"rank 0's {'None' if b < 0 else b}",
+        Reason.DISPATCH_MISMATCH: f"combines the dispatch of call #{a} while rank 0 combines "
+                                  f"that of call #{b}",
+        Reason.FOREIGN_DISPATCH: f"the Dispatch given to combine {FOREIGN.get(a, FOREIGN[2])}",
+        Reason.SEND_COUNTS: f"send_counts has {a} entries for a group of {b}",
+        Reason.SEND_COUNTS_SUM: f"x has {a} rows but send_counts sum to {b}",
+        Reason.SEND_COUNTS_NEGATIVE: f"send_counts holds the negative count {a}",
+        Reason.ROW_WIDTH_MISMATCH: f"rows of {a} elements differ from rank 0's {b} elements",
+        Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "
+                                       f"of {b} (j travels in 24 bits): use transport='pairs'",
     }[c]
 
 

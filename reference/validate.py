@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .common import EXCHANGES, FLOAT32, FLOAT_DTYPES, PAYLOADS, TRANSPORTS, dtype_code
-from .errors import InputError, Reason, error
+from .errors import MAX_ALIGN, InputError, Reason, error
 
 Triple = Tuple[int, int, int]
 OK: Triple = (Reason.OK, 0, 0)
@@ -47,7 +47,7 @@ HEADER_WORDS = 8
 
 def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exchange=None,
                    payload=None, max_tokens_per_rank=None) -> Triple:
-    if int(align) < 1:
+    if not 1 <= int(align) <= MAX_ALIGN:
         return (Reason.ALIGN, int(align), 0)
     if capacity is not None and int(capacity) < 0:
         return (Reason.CAPACITY, int(capacity), 0)

@@ -55,7 +55,7 @@ def measure(T, H, K, E, R, transport, reps, seed=0):
 
     from epkit import ops
     from epkit.api import _dtype_code
-    from epkit.exchange import CODES
+    from epkit.collectives import CODES
 
     C = ops.C
     dev = torch.device("cuda")

@@ -229,7 +229,7 @@ class ExpertParallelMoE(_MoEBase):
                  capacity: Optional[int] = None, transport: str = "dedup", exchange: str = "auto",
                  max_tokens_per_rank: Optional[int] = None, overlap: bool = True,
                  impl: str = "auto", payload: Optional[str] = None, device=None, dtype=None):
-        from epkit.exchange import resolve_group
+        from epkit.collectives import resolve_group
 
         group = resolve_group(group)
         R, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -15,7 +15,7 @@ import torch
 
 from epkit import ops
 from epkit.api import _dtype_code
-from epkit.exchange import CODES
+from epkit.collectives import CODES
 
 C = ops.C
 SL = ops.plan_slices

@@ -73,8 +73,8 @@ def raises_input_error(group, rank, x, idx, w, opts):
 
 def opcheck_all(group, rank):
     """torch.library.opcheck on every epkit op, with arguments taken from a real dispatch."""
-    from epkit import ops
-    from epkit.exchange import group_name
+    from epkit import agree, ops
+    from epkit.collectives import group_name
 
     C = torch.ops.epkit
     gname = group_name(group)
@@ -115,7 +115,8 @@ def opcheck_all(group, rank):
                                  transport, 0, SB, N, M)),
             (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),
                                 send_map, recv_map, plan, gname, transport, 0, True, x.dtype,
-                                [0, 0, 0, 1])),
+                                agree.header(agree.COMBINE, [E, 2, -1, transport, 0, 0, -1],
+                                             (0, 0, 0), 1, 0))),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
                                           gname, transport, 0, x.dtype)),
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,

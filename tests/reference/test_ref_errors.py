@@ -2,6 +2,8 @@
 
 import pickle
 
+import os
+
 import numpy as np
 import pytest
 
@@ -78,13 +80,13 @@ CASES = [
 
 # options: the same on every rank, so named for rank 0
 OPTION_CASES = [
-    ({"align": 0}, Reason.ALIGN, "align must be >= 1, got 0"),
+    ({"align": 0}, Reason.ALIGN, "align must be in [1, 1048576], got 0"),
     ({"capacity": -1}, Reason.CAPACITY, "capacity must be >= 0, got -1"),
     ({"num_experts": 0}, Reason.NUM_EXPERTS, "num_experts must be >= 1, got 0"),
     ({"num_experts": 4}, Reason.EXPERTS_NOT_DIVISIBLE, "num_experts 4 is not a multiple of the group size 3"),
-    ({"transport": "carrier-pigeon"}, Reason.OPTION, "unknown transport (choice #-1)"),
-    ({"exchange": "smoke-signals"}, Reason.OPTION, "unknown exchange (choice #-1)"),
-    ({"payload": "fp4"}, Reason.OPTION, "unknown payload (choice #-1)"),
+    ({"transport": "carrier-pigeon"}, Reason.OPTION, "unknown transport: choose from 'pairs', 'dedup'"),
+    ({"exchange": "smoke-signals"}, Reason.OPTION, "unknown exchange: choose from 'ragged', 'padded', 'equal', 'auto', 'lazy', 'static'"),
+    ({"payload": "fp4"}, Reason.OPTION, "unknown payload: choose from 'None', 'mxfp8'"),
     ({"exchange": "static"}, Reason.STATIC_MAX, "exchange='static' needs max_tokens_per_rank >= 0, got -1"),
     ({"exchange": "equal"}, Reason.EQUAL_NONUNIFORM,
      "exchange='equal' needs a uniform plan (every count the same)"),
@@ -207,7 +209,13 @@ def test_topk_beyond_the_dedup_wire_limit():
                  num_experts=256, transport="pairs", exchange="ragged")  # pairs has no limit
 
 
+PRODUCTION_TESTS = os.path.join(os.path.dirname(__file__), os.pardir, "production",
+                                "test_collective_safety.py")
+
+
 def test_every_reason_is_tested():
-    here = open(__file__).read()
+    """The reference's reasons are tested here; the production-only ones (from 33 on: the call
+    header's) in tests/production/test_collective_safety.py."""
+    here = open(__file__).read() + open(PRODUCTION_TESTS).read()
     missing = [r.name for r in Reason if r != Reason.OK and f"Reason.{r.name}" not in here]
     assert not missing, missing

@@ -15,6 +15,7 @@ backward being the exchange with send and receive counts swapped.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -94,28 +95,6 @@ def small_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def collective_error(triple, dtype_code: int, group, what: str) -> None:
-    """Agree on an input error with one small all-gather of ``[code, a, b, dtype]`` per rank.
-
-    Raises on every rank the error of the lowest bad rank, or, if none, the lowest rank whose
-    dtype differs from rank 0's (``ROWS_DTYPE_MISMATCH``): the rows of all ranks share one
-    exchange. Used where no count exchange runs (combine).
-    """
-    R = dist.get_world_size(group)
-    dev = small_device(group)
-    mine = torch.tensor([int(triple[0]), int(triple[1]), int(triple[2]), int(dtype_code)],
-                        dtype=torch.int64, device=dev)
-    words = torch.empty(4 * R, dtype=torch.int64, device=dev)
-    all_gather(words, mine, group, what)
-    rows = words.view(R, 4).tolist()
-    for r, (code, a, b, _) in enumerate(rows):
-        if code:
-            raise error(r, code, a, b)
-    for r, row in enumerate(rows):
-        if row[3] != rows[0][3]:
-            raise error(r, Reason.ROWS_DTYPE_MISMATCH, row[3], rows[0][3])
-
-
 def all_to_all(
     buf: torch.Tensor,
     send_counts: Sequence[int],
@@ -190,19 +169,60 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     Returns:
         ``[sum(recv_counts), ...]``: rows from source ranks in ascending order.
     """
+    from epkit import agree  # agree builds on this module
+
     group = resolve_group(group)
     R = dist.get_world_size(group)
     dev = small_device(group)
-    sc = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1).to(dev)
-    if sc.numel() != R:
-        raise ValueError(f"epkit.exchange: send_counts has {sc.numel()} entries, group has {R}")
-    gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
-    all_gather(gathered, sc, group, "epkit.exchange (count exchange)")
-    counts = gathered.view(R, R)  # counts[s, d]: rows s sends to d, known to every rank
+    with agree.serial(group):
+        sc, code = _counts_error(x, send_counts, R, variant)
+        ok = code[0] == Reason.OK
+        words = agree.header(agree.EXCHANGE, [-1, -1, -1, -1, _VARIANT_CODES.get(variant, -1), -1, -1],
+                             code, _dtype_code(x.dtype) if ok else 0,
+                             row_width=math.prod(x.shape[1:]) if ok else 0)
+        agree.agree(group, words, "epkit.exchange (call header)")
+        gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
+        all_gather(gathered, sc.to(dev), group, "epkit.exchange (count exchange)")
+    counts = gathered.view(R, R).cpu()  # counts[s, d]: rows s sends to d, known to every rank
     me = dist.get_rank(group)
     max_chunk = int(counts.max()) if counts.numel() else 0
-    if variant == "equal" and not bool((counts == counts.reshape(-1)[0]).all()):
-        raise error(me, Reason.EQUAL_NONUNIFORM)
-    if x.shape[0] != int(sc.sum()):
-        raise ValueError(f"epkit.exchange: x has {x.shape[0]} rows, send_counts sum to {int(sc.sum())}")
+    if variant == "equal":
+        odd = (counts != counts.reshape(-1)[0]).any(dim=1).nonzero()
+        if odd.numel():  # every rank names the same (lowest) source rank
+            raise error(int(odd[0]), Reason.EQUAL_NONUNIFORM)
     return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)
+
+
+_VARIANT_CODES = {"ragged": 0, "padded": 1, "equal": 2}
+
+
+def _dtype_code(dt) -> int:
+    from epkit.reference.errors import DTYPE_CODES
+
+    return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
+
+
+def _counts_error(x, send_counts, R: int, variant):
+    """``(send_counts [R] int64, (code, a, b))``: this rank's local error, if any, and the counts
+    to gather (zeros when they are unusable, so the gather keeps its size)."""
+    zeros = torch.zeros(R, dtype=torch.int64)
+    if not isinstance(x, torch.Tensor) or x.device.type not in ("cpu", "cuda"):
+        return zeros, (Reason.NOT_A_TENSOR, 1, 0) if not isinstance(x, torch.Tensor) else (Reason.DEVICE, 1, 2)
+    if x.dim() < 1:
+        return zeros, (Reason.SEND_COUNTS_SUM, -1, 0)
+    if variant not in _VARIANT_CODES:
+        return zeros, (Reason.OPTION, 2, -1)
+    try:
+        sc = torch.as_tensor(send_counts).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        return zeros, (Reason.NOT_A_TENSOR, 6, 0)
+    if sc.is_floating_point() or sc.is_complex() or sc.dtype == torch.bool:
+        return zeros, (Reason.NOT_A_TENSOR, 6, 0)
+    sc = sc.to(torch.int64).cpu()
+    if sc.numel() != R:
+        return zeros, (Reason.SEND_COUNTS, sc.numel(), R)
+    if bool((sc < 0).any()):
+        return zeros, (Reason.SEND_COUNTS_NEGATIVE, int(sc[sc < 0][0]), 0)
+    if x.shape[0] != int(sc.sum()):
+        return zeros, (Reason.SEND_COUNTS_SUM, x.shape[0], int(sc.sum()))
+    return sc, (Reason.OK, 0, 0)

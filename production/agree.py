@@ -1,0 +1,188 @@
+"""The call header: the first collective of every epkit call, so that no rank acts alone.
+
+A group stays in step only if every rank enters the same collectives with the same sizes. A
+check that raises on one rank before its first collective leaves the others waiting, and that
+rank's *next* call then pairs with their current one: silent wrong data. Options that differ
+between ranks (``num_experts`` sizes the count vector) make the ranks gather different lengths,
+which gloo answers with an abort. So every dispatch, combine and exchange opens with one
+all-gather of a header whose size depends on nothing at all::
+
+    HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
+              max_tokens, error code, a, b, rows dtype, row width]                 int64 [16]
+
+``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
+``ref`` the call number of the dispatch a combine consumes, the options as codes
+(``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name), ``(code, a, b)`` the rank's
+local error (every check that needs no collective: types, devices, options, shapes), and the
+dtype and width (elements per row) of rows that share one exchange (``epkit.exchange``'s x,
+combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
+derives the same error from the gathered ``[R, 16]`` words (:func:`group_error`), in this order:
+a rank in another operation or at another call number (out of step), the lowest rank with a
+local error, the first option that differs from rank 0's, a combine of another dispatch, a rows
+dtype unlike rank 0's. After an error the call numbers are re-synchronised (every rank takes
+the group's largest plus one), so the next valid call works.
+
+Calls on one group are serialised within a process (:func:`serial`): two threads sharing a
+Dispatcher (or a group) take turns instead of interleaving their collectives.
+
+Where it travels: on CPU (gloo, or the CPU half of ``cpu:gloo,cuda:nccl``) it is read on the
+host at no device cost. On an NCCL-only group it is a CUDA tensor and reading it is a host wait,
+except during CUDA-graph capture, where the error is computed on the device and kept pending
+until :func:`raise_pending` (``epkit.device.check_static``) reads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather, small_device
+from epkit.reference.errors import Reason, error
+
+__all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", "serial",
+           "raise_pending"]
+
+MAGIC = 0x45504B4954  # "EPKIT"
+HEADER = 16
+(W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
+ W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH) = range(HEADER)
+DISPATCH, COMBINE, EXCHANGE = 1, 2, 3
+
+# (header word, reason) of the options, in the order their disagreement is reported.
+_OPTION_WORDS = ((W_E, Reason.NUM_EXPERTS_MISMATCH), (W_ALIGN, Reason.ALIGN_MISMATCH),
+                 (W_CAP, Reason.CAPACITY_MISMATCH), (W_TRANSPORT, Reason.TRANSPORT_MISMATCH),
+                 (W_EXCHANGE, Reason.EXCHANGE_MISMATCH), (W_PAYLOAD, Reason.PAYLOAD_MISMATCH),
+                 (W_MAX_TOKENS, Reason.MAX_TOKENS_MISMATCH))
+
+
+class _GroupState:
+    def __init__(self):
+        self.seq = 0
+        self.lock = threading.RLock()
+        self.pending: list = []  # (error [4], gathered [R, 16]) on the device, unread
+
+
+_STATES: dict[str, _GroupState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def _state(group) -> _GroupState:
+    with _STATES_LOCK:
+        return _STATES.setdefault(group.group_name, _GroupState())
+
+
+@contextmanager
+def serial(group):
+    """Hold the group's call lock: one epkit call at a time on ``group`` in this process."""
+    if torch.compiler.is_compiling():  # traced code runs on one thread; a lock would break it
+        yield
+        return
+    with _state(group).lock:
+        yield
+
+
+def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: int = 0,
+           ref: int = -1, row_width: int = 0) -> list[int]:
+    """This rank's header without its call number (:func:`agree` stamps it).
+
+    ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens]`` as codes.
+    """
+    words = [MAGIC, int(op), 0, int(ref), *(int(v) for v in options)]
+    assert len(words) == W_CODE, "epkit: seven option words expected"
+    return words + [int(triple[0]), int(triple[1]), int(triple[2]), int(rows_dtype),
+                    int(row_width)]
+
+
+def group_error(h: torch.Tensor) -> torch.Tensor:
+    """``[code, rank, a, b]`` int64 (code 0: no error) from the gathered ``h [R, 16]``.
+
+    Tensor ops only, so the same function decides on the host and, during CUDA-graph capture,
+    on the device. Each check names the lowest rank it finds; the first check that fires wins.
+    """
+    R = h.shape[0]
+    ranks = torch.arange(R, device=h.device)
+    h0 = h[0].unsqueeze(0).expand_as(h)
+    checks = [  # (bad [R] bool, code [R], a [R], b [R])
+        (h[:, W_MAGIC] != MAGIC, Reason.CALL_MISMATCH, torch.zeros_like(ranks), h0[:, W_OP]),
+        (h[:, W_OP] != h0[:, W_OP], Reason.CALL_MISMATCH, h[:, W_OP], h0[:, W_OP]),
+        (h[:, W_SEQ] != h0[:, W_SEQ], Reason.CALL_SEQUENCE, h[:, W_SEQ], h0[:, W_SEQ]),
+        (h[:, W_CODE] != 0, h[:, W_CODE], h[:, W_A], h[:, W_B]),
+    ]
+    checks += [(h[:, w] != h0[:, w], reason, h[:, w], h0[:, w]) for w, reason in _OPTION_WORDS]
+    checks += [(h[:, W_REF] != h0[:, W_REF], Reason.DISPATCH_MISMATCH, h[:, W_REF], h0[:, W_REF]),
+               (h[:, W_DTYPE] != h0[:, W_DTYPE], Reason.ROWS_DTYPE_MISMATCH, h[:, W_DTYPE],
+                h0[:, W_DTYPE]),
+               (h[:, W_WIDTH] != h0[:, W_WIDTH], Reason.ROW_WIDTH_MISMATCH, h[:, W_WIDTH],
+                h0[:, W_WIDTH])]
+    out = torch.zeros(4, dtype=torch.int64, device=h.device)
+    for bad, code, a, b in reversed(checks):  # the earliest check that fires is kept last
+        first = torch.where(bad, ranks, R).min()
+        at = first.clamp(max=R - 1)
+        code = torch.as_tensor(code, dtype=torch.int64, device=h.device).expand(R)
+        found = torch.stack([code[at], at, a[at], b[at]])
+        out = torch.where(first < R, found, out)
+    return out
+
+
+def agree(group, words: list[int], what: str) -> None:
+    """All-gather this rank's header; raise the group's error on every rank, or return.
+
+    ``what`` names the step for a :class:`epkit.PeerError` if a peer never arrives.
+    """
+    state = _state(group)
+    R = dist.get_world_size(group)
+    words = list(words)
+    words[W_SEQ] = state.seq
+    dev = small_device(group)
+    mine = torch.tensor(words, dtype=torch.int64, device=dev)
+    gathered = torch.empty(R * HEADER, dtype=torch.int64, device=dev)
+    all_gather(gathered, mine, group, what)
+    h = gathered.view(R, HEADER)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # No host read inside a capture: the error waits on the device for raise_pending.
+        state.pending.append((group_error(h), h))
+        state.seq += 1
+        return
+    _raise(state, group_error(h).tolist(), h[:, W_SEQ].tolist())
+
+
+def _raise(state: _GroupState, err: list[int], seqs: list[int]) -> None:
+    code, rank, a, b = err
+    if code:
+        state.seq = max(seqs) + 1  # everyone's next call carries the same number again
+        raise error(rank, code, a, b)
+    state.seq += 1
+
+
+def raise_pending(group) -> None:
+    """Read the headers agreed on the device (CUDA-graph capture); raise the first error."""
+    state = _state(resolve(group))
+    pending, state.pending = state.pending, []
+    for err, h in pending:
+        code, rank, a, b = err.tolist()
+        if code:
+            state.seq = max(state.seq, max(h[:, W_SEQ].tolist()) + 1)
+            raise error(rank, code, a, b)
+
+
+def resolve(group):
+    return group if group is not None else dist.group.WORLD
+
+
+def call_number(group) -> int:
+    """The number the next epkit call on ``group`` will carry (a Dispatch records its own)."""
+    return _state(group).seq
+
+
+def tensor_error(arg_id: int, t) -> Optional[tuple[int, int, int]]:
+    """A local error if ``t`` is not a tensor epkit can use: not a tensor, or on a device that
+    is neither cpu nor cuda (meta, say)."""
+    if not isinstance(t, torch.Tensor):
+        return Reason.NOT_A_TENSOR, arg_id, 0
+    if t.device.type not in ("cpu", "cuda"):
+        return Reason.DEVICE, arg_id, 2 if t.device.type == "meta" else 3
+    return None

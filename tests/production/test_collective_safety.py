@@ -1,0 +1,132 @@
+"""Collective safety (docs/reliability.md, "The call header"): whatever one rank passes, every
+rank raises the same epkit.InputError, no process dies, nothing hangs, and the group stays in
+step: the next valid call equals the reference bit for bit.
+
+Each case runs at world sizes 2, 3 and 4 with the fault on rank 0 and on a middle rank.
+"""
+
+import numpy as np
+import pytest
+
+import safety_fns
+from epkit import reference as ref
+from epkit.reference.errors import Reason
+
+PLACES = [(R, f) for R in (2, 3, 4) for f in sorted({0, R // 2})]
+IDS = [f"R{R}-rank{f}" for R, f in PLACES]
+
+
+def reference_round(R):
+    xs, idxs, ws = zip(*(safety_fns.valid_inputs(r, R) for r in range(R)))
+    res = ref.dispatch(list(xs), list(idxs), list(ws), num_experts=safety_fns.E_PER_RANK * R)
+    ys = [(r.expert_x * np.float32(2.0)).astype(np.float32) for r in res]
+    return ref.combine(ys, res)
+
+
+def differs_from_rank0(faulty):
+    """The rank named when options differ: the lowest rank unlike rank 0."""
+    return faulty if faulty else 1
+
+
+def check(got, R, code, rank, text=None):
+    want = reference_round(R)
+    messages = {err[2] if err else None for err, _ in got}
+    assert len(messages) == 1, f"the ranks raised different errors: {messages}"
+    for r, (err, out) in enumerate(got):
+        assert err is not None, f"rank {r} raised nothing"
+        assert err[:2] == (rank, int(code)), (r, err)
+        if text:
+            assert text in err[2], err[2]
+        np.testing.assert_array_equal(out, want[r], err_msg=f"rank {r}: the next valid call")
+
+
+# (kind, reason, named rank given the faulty one, a text the message must hold)
+DISPATCH_CASES = [
+    ("typo_transport", Reason.OPTION, lambda f: f, "unknown transport"),
+    ("typo_exchange", Reason.OPTION, lambda f: f, "unknown exchange"),
+    ("meta_x", Reason.DEVICE, lambda f: f, "x is on a meta device"),
+    ("meta_idx", Reason.DEVICE, lambda f: f, "topk_idx is on a meta"),
+    ("list_x", Reason.NOT_A_TENSOR, lambda f: f, "x must be a torch.Tensor"),
+    ("numpy_w", Reason.NOT_A_TENSOR, lambda f: f, "topk_weights must be a torch.Tensor"),
+    ("none_idx", Reason.NOT_A_TENSOR, lambda f: f, "topk_idx must be"),
+    ("small_negative_experts", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be >= 1"),
+    ("negative_experts", Reason.NUM_EXPERTS, lambda f: f, "got -100"),
+    ("float_experts", Reason.NUM_EXPERTS, lambda f: f, None),
+    ("huge_align", Reason.ALIGN, lambda f: f, "align must be in [1, 1048576]"),
+    ("uint16_index", Reason.INDEX_DTYPE, lambda f: f, "got uint16"),
+    ("other_experts", Reason.NUM_EXPERTS_MISMATCH, differs_from_rank0, "differs from rank 0's"),
+    ("other_align", Reason.ALIGN_MISMATCH, differs_from_rank0, "align"),
+    ("other_capacity", Reason.CAPACITY_MISMATCH, differs_from_rank0, "capacity"),
+    ("other_transport", Reason.TRANSPORT_MISMATCH, differs_from_rank0, "'pairs'"),
+    ("other_exchange", Reason.EXCHANGE_MISMATCH, differs_from_rank0, "'padded'"),
+    ("other_payload", Reason.PAYLOAD_MISMATCH, differs_from_rank0, "'mxfp8'"),
+    ("other_max_tokens", Reason.MAX_TOKENS_MISMATCH, differs_from_rank0, "max_tokens_per_rank"),
+    ("too_many_local_experts", Reason.TOO_MANY_LOCAL_EXPERTS, lambda f: 0, "24 bits"),
+]
+
+
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+@pytest.mark.parametrize("kind,code,named,text", DISPATCH_CASES, ids=[c[0] for c in DISPATCH_CASES])
+def test_bad_dispatch_on_one_rank(group_pool, R, faulty, kind, code, named, text):
+    got = group_pool.run(safety_fns.bad_dispatch, R, [faulty] * R, [kind] * R)
+    check(got, R, code, named(faulty), text)
+
+
+COMBINE_CASES = [
+    ("dispatch_instead", Reason.CALL_MISMATCH, differs_from_rank0, "the ranks are out of step"),
+    ("short_expert_x", Reason.EXPERT_Y_ROWS, lambda f: f, "rows but the dispatch produced"),
+    ("short_row_weight", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
+    ("foreign_group", Reason.FOREIGN_DISPATCH, lambda f: f, "another process group"),
+    ("not_a_dispatch", Reason.FOREIGN_DISPATCH, lambda f: f, "is not an epkit.Dispatch"),
+    ("list_y", Reason.NOT_A_TENSOR, lambda f: f, "expert_y must be a torch.Tensor"),
+    ("other_dispatch", Reason.DISPATCH_MISMATCH, differs_from_rank0, "combines the dispatch"),
+]
+
+
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+@pytest.mark.parametrize("kind,code,named,text", COMBINE_CASES, ids=[c[0] for c in COMBINE_CASES])
+def test_bad_combine_on_one_rank(group_pool, R, faulty, kind, code, named, text):
+    got = group_pool.run(safety_fns.bad_combine, R, [faulty] * R, [kind] * R)
+    check(got, R, code, named(faulty), text)
+
+
+EXCHANGE_CASES = [
+    ("short_counts", Reason.SEND_COUNTS, lambda f: f),
+    ("sum", Reason.SEND_COUNTS_SUM, lambda f: f),
+    ("negative", Reason.SEND_COUNTS_NEGATIVE, lambda f: f),
+    ("width", Reason.ROW_WIDTH_MISMATCH, differs_from_rank0),
+    ("dtype", Reason.ROWS_DTYPE_MISMATCH, differs_from_rank0),
+]
+
+
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+@pytest.mark.parametrize("kind,code,named", EXCHANGE_CASES, ids=[c[0] for c in EXCHANGE_CASES])
+def test_bad_exchange_on_one_rank(group_pool, R, faulty, kind, code, named):
+    got = group_pool.run(safety_fns.bad_exchange, R, [faulty] * R, [kind] * R)
+    for r, (err, good) in enumerate(got):
+        assert err is not None and err[:2] == (named(faulty), int(code)), (r, err)
+        np.testing.assert_array_equal(good[:, 0], np.arange(R, dtype=np.float32))
+    assert len({err[2] for err, _ in got}) == 1
+
+
+OUT_OF_STEP = {int(Reason.CALL_MISMATCH), int(Reason.CALL_SEQUENCE),
+               int(Reason.DISPATCH_MISMATCH), int(Reason.FOREIGN_DISPATCH)}
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_two_threads_share_a_dispatcher(group_pool, R):
+    """Two threads on one Dispatcher: no wrong result, no abort, no hang. Calls pair across
+    ranks in each process's order, so where the threads interleave differently on different
+    ranks the call is refused on every rank with an out-of-step InputError (FOREIGN_DISPATCH:
+    the combine a thread still makes after its dispatch was refused)."""
+    got = group_pool.run(safety_fns.two_threads, R, [4] * R)
+    want = reference_round(R)
+    for r, (errors, refused, outs) in enumerate(got):
+        assert not errors, (r, errors)
+        assert set(refused) <= OUT_OF_STEP, (r, refused)
+        assert len(outs) + len(refused) >= 8, (r, len(outs), refused)
+        for out in outs:
+            np.testing.assert_array_equal(out, want[r])
+    # Every refusal of a call is collective: each rank refused as many calls.
+    assert len({len(refused) - refused.count(int(Reason.FOREIGN_DISPATCH))
+                for _, refused, _ in got}) == 1, got
