@@ -70,6 +70,10 @@ def test_bad_input_on_middle_rank(group_pool, kind):
     (dict(num_experts=5), Reason.EXPERTS_NOT_DIVISIBLE),
     (dict(num_experts=E, align=0), Reason.ALIGN),
     (dict(num_experts=E, capacity=-1), Reason.CAPACITY),
+    (dict(num_experts=E, transport="dedupe"), Reason.OPTION),  # the same typo on every rank
+    (dict(num_experts=E, exchange="raggedy"), Reason.OPTION),
+    (dict(num_experts=E, payload="fp4"), Reason.OPTION),
+    (dict(num_experts=E, align=1 << 40), Reason.ALIGN),
 
 ])
 def test_bad_options(group_pool, opts, code):
