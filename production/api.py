@@ -137,10 +137,7 @@ class Dispatcher:
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
         # in the call header of every dispatch (epkit/agree.py).
-        if group is None and not dist.is_initialized():
-            raise RuntimeError("epkit: no process group: call torch.distributed."
-                               "init_process_group(...) first, or pass group=")
-        self.group = resolve_group(group)
+        self.group = resolve_group(group)  # no process group at all: a clear RuntimeError
         self.num_experts = num_experts
         self.align = align
         self.capacity = capacity

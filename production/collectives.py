@@ -65,7 +65,17 @@ CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5
 
 
 def resolve_group(group):
-    return group if group is not None else dist.group.WORLD
+    """``group``, or the default group; a clear error when there is none (raised alone, but
+    then no rank has a group to wait in)."""
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "epkit: no process group: call torch.distributed.init_process_group(...) first "
+            "(under torchrun: init_process_group('gloo') on CPU, 'nccl' or 'cpu:gloo,cuda:nccl' "
+            "on GPU; one process alone: init_process_group('gloo', init_method="
+            "'tcp://127.0.0.1:29500', rank=0, world_size=1)), or pass group=")
+    return dist.group.WORLD
 
 
 def group_name(group) -> str:

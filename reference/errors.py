@@ -168,7 +168,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.TOPK_TOO_LARGE: f"top-k {a} exceeds the dedup transport's limit of {b} "
                                "(k travels in 8 bits): use transport='pairs'",
         Reason.ROWS_DTYPE_MISMATCH: f"expert_y / gradient dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
-        Reason.NOT_A_TENSOR: f"{ARGUMENTS.get(a, 'an argument')} must be a torch.Tensor",
+        Reason.NOT_A_TENSOR: f"{ARGUMENTS.get(a, 'an argument')} must be a torch.Tensor "
+                             "(from a NumPy array: torch.from_numpy(array))",
         Reason.DEVICE: f"{ARGUMENTS.get(a, 'an argument')} is on a {DEVICES.get(b, 'another')} "
                        "device: epkit needs cpu or cuda tensors, all on the same device",
         Reason.CALL_MISMATCH: f"called {OPERATIONS.get(a, OPERATIONS[0])} while rank 0 called "

@@ -5,6 +5,9 @@ step: the next valid call equals the reference bit for bit.
 Each case runs at world sizes 2, 3 and 4 with the fault on rank 0 and on a middle rank.
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -47,7 +50,8 @@ DISPATCH_CASES = [
     ("meta_x", Reason.DEVICE, lambda f: f, "x is on a meta device"),
     ("meta_idx", Reason.DEVICE, lambda f: f, "topk_idx is on a meta"),
     ("list_x", Reason.NOT_A_TENSOR, lambda f: f, "x must be a torch.Tensor"),
-    ("numpy_w", Reason.NOT_A_TENSOR, lambda f: f, "topk_weights must be a torch.Tensor"),
+    ("numpy_w", Reason.NOT_A_TENSOR, lambda f: f, "topk_weights must be a torch.Tensor (from a "
+                                                 "NumPy array: torch.from_numpy(array))"),
     ("none_idx", Reason.NOT_A_TENSOR, lambda f: f, "topk_idx must be"),
     ("small_negative_experts", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be >= 1"),
     ("negative_experts", Reason.NUM_EXPERTS, lambda f: f, "got -100"),
@@ -130,3 +134,25 @@ def test_two_threads_share_a_dispatcher(group_pool, R):
     # Every refusal of a call is collective: each rank refused as many calls.
     assert len({len(refused) - refused.count(int(Reason.FOREIGN_DISPATCH))
                 for _, refused, _ in got}) == 1, got
+
+
+NO_GROUP = """
+import torch, epkit
+for call in (lambda: epkit.dispatch(torch.ones(2, 4), torch.zeros(2, 1, dtype=torch.long),
+                                    torch.ones(2, 1), num_experts=2),
+             lambda: epkit.exchange(torch.ones(2, 4), [2])):
+    try:
+        call()
+    except RuntimeError as exc:
+        print("RAISED:", exc)
+"""
+
+
+def test_no_process_group_says_how_to_make_one():
+    out = subprocess.run([sys.executable, "-c", NO_GROUP], capture_output=True, text=True,
+                         timeout=120)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RAISED:")]
+    assert len(lines) == 2, out.stdout + out.stderr
+    for ln in lines:
+        assert "epkit: no process group" in ln and "init_process_group(" in ln, ln
+        assert "world_size=1" in ln, ln  # how to make a group of one
