@@ -20,6 +20,8 @@ _LAZY = {
     "PendingCombine": "epkit.lazy",
     "exchange": "epkit.collectives",
     "PeerError": "epkit.collectives",
+    "topk_from_routing_map": "epkit.routing",
+    "routing_map_from_topk": "epkit.routing",
     "nn": "epkit.nn",  # a subpackage: the module itself (MoE layers)
 }
 

@@ -8,11 +8,12 @@ which gloo answers with an abort. So every dispatch, combine and exchange opens 
 all-gather of a header whose size depends on nothing at all::
 
     HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
-              max_tokens, error code, a, b, rows dtype, row width]                 int64 [16]
+              max_tokens, error code, a, b, rows dtype, row width, capacity factor, 0]  int64 [18]
 
 ``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
 ``ref`` the call number of the dispatch a combine consumes, the options as codes
-(``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name), ``(code, a, b)`` the rank's
+(``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name; the capacity factor as its
+float64 bits), ``(code, a, b)`` the rank's
 local error (every check that needs no collective: types, devices, options, shapes), and the
 dtype and width (elements per row) of rows that share one exchange (``epkit.exchange``'s x,
 combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
@@ -47,16 +48,17 @@ __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", 
            "raise_pending"]
 
 MAGIC = 0x45504B4954  # "EPKIT"
-HEADER = 16
+HEADER = 18
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
- W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH) = range(HEADER)
+ W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_RESERVED) = range(HEADER)
 DISPATCH, COMBINE, EXCHANGE = 1, 2, 3
 
 # (header word, reason) of the options, in the order their disagreement is reported.
 _OPTION_WORDS = ((W_E, Reason.NUM_EXPERTS_MISMATCH), (W_ALIGN, Reason.ALIGN_MISMATCH),
                  (W_CAP, Reason.CAPACITY_MISMATCH), (W_TRANSPORT, Reason.TRANSPORT_MISMATCH),
                  (W_EXCHANGE, Reason.EXCHANGE_MISMATCH), (W_PAYLOAD, Reason.PAYLOAD_MISMATCH),
-                 (W_MAX_TOKENS, Reason.MAX_TOKENS_MISMATCH))
+                 (W_MAX_TOKENS, Reason.MAX_TOKENS_MISMATCH),
+                 (W_CAP_FACTOR, Reason.CAPACITY_FACTOR_MISMATCH))
 
 
 class _GroupState:
@@ -89,12 +91,14 @@ def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: i
            ref: int = -1, row_width: int = 0) -> list[int]:
     """This rank's header without its call number (:func:`agree` stamps it).
 
-    ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens]`` as codes.
+    ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens,
+    capacity factor bits]`` as codes (the factor may be left out: None).
     """
+    *options, factor = list(options) + [-1] if len(options) == 7 else list(options)
     words = [MAGIC, int(op), 0, int(ref), *(int(v) for v in options)]
-    assert len(words) == W_CODE, "epkit: seven option words expected"
+    assert len(words) == W_CODE, "epkit: eight option words expected"
     return words + [int(triple[0]), int(triple[1]), int(triple[2]), int(rows_dtype),
-                    int(row_width)]
+                    int(row_width), int(factor), 0]
 
 
 def group_error(h: torch.Tensor) -> torch.Tensor:

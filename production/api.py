@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+import math
 import operator
 
 from epkit import lazy, mxfp8, ops
@@ -23,7 +24,7 @@ from epkit.agree import COMBINE, DISPATCH, agree, call_number, header, serial, t
 from epkit.collectives import CODES as EXCHANGE_CODES
 from epkit.collectives import group_name, resolve_group
 from epkit.reference.common import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
-from epkit.reference.errors import MAX_ALIGN, DTYPE_CODES, InputError, Reason, error
+from epkit.reference.errors import MAX_ALIGN, DTYPE_CODES, InputError, Reason, error, factor_bits
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
            "dequantize_mxfp8"]
@@ -48,6 +49,16 @@ def _int_or(v, default):
         return operator.index(v)
     except TypeError:
         return default
+
+
+def _factor_bits(f) -> int:
+    """The capacity factor's header word: float64 bits, -1 for None or not a real number."""
+    if f is None or isinstance(f, (bool, str)):
+        return -1
+    try:
+        return factor_bits(float(f))
+    except (TypeError, ValueError):
+        return -1
 
 
 def _code(table: dict, name) -> int:
@@ -118,6 +129,10 @@ class Dispatcher:
         align: pad every expert's segment to a multiple of this (``>= 1``).
         capacity: keep at most this many slots per expert, the first in (source rank, token)
             order; ``None`` keeps all.
+        capacity_factor: instead of ``capacity``: a group-wide capacity of
+            ``ceil(capacity_factor * S / E)`` slots per expert, ``S`` the group's used slots
+            (``epkit.reference.capacity.capacity_from_factor``; the count exchange gives ``S``, so
+            no extra collective), bit for bit the same as passing that ``capacity``.
         transport: ``"dedup"`` (one row per token and destination rank, the default) or
             ``"pairs"`` (one row per slot). Same result, bit for bit; dedup moves fewer bytes.
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
@@ -133,7 +148,8 @@ class Dispatcher:
     def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
                  capacity: Optional[int] = None, transport: str = "dedup",
                  exchange: str = "auto", payload: Optional[str] = None,
-                 max_tokens_per_rank: Optional[int] = None):
+                 max_tokens_per_rank: Optional[int] = None,
+                 capacity_factor: Optional[float] = None):
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
         # in the call header of every dispatch (epkit/agree.py).
@@ -141,6 +157,7 @@ class Dispatcher:
         self.num_experts = num_experts
         self.align = align
         self.capacity = capacity
+        self.capacity_factor = capacity_factor
         self.transport = transport
         self.exchange = exchange
         self.payload = payload
@@ -149,21 +166,27 @@ class Dispatcher:
     # -- validation -------------------------------------------------------------------------------
 
     def _option_words(self) -> list[int]:
-        """``[E, align, capacity, transport, exchange, payload, max_tokens]`` as header codes
-        (agree.py): integers as given (-1 for None or a non-integer), names as their codes."""
+        """``[E, align, capacity, transport, exchange, payload, max_tokens, capacity factor]`` as
+        header codes (agree.py): integers as given (-1 for None or a non-integer), names as
+        their codes, the factor as its float64 bits."""
         return [_int_or(self.num_experts, -1), _int_or(self.align, -1),
                 _int_or(self.capacity, -1), _code(ops.TRANSPORTS, self.transport),
                 _code(EXCHANGE_CODES, self.exchange), _code(PAYLOAD_CODES, self.payload),
-                _int_or(self.max_tokens_per_rank, -1)]
+                _int_or(self.max_tokens_per_rank, -1), _factor_bits(self.capacity_factor)]
 
     def _option_error(self) -> tuple[int, int, int]:
         """The options on their own (reference/validate.py's order)."""
         R = dist.get_world_size(self.group)
-        E, align, cap, transport, exchange, payload, max_tokens = self._option_words()
+        E, align, cap, transport, exchange, payload, max_tokens, factor = self._option_words()
         if _int_or(self.align, None) is None or not 1 <= align <= MAX_ALIGN:
             return Reason.ALIGN, align, 0
         if self.capacity is not None and (_int_or(self.capacity, None) is None or cap < 0):
             return Reason.CAPACITY, cap, 0
+        if self.capacity_factor is not None:
+            if self.capacity is not None:
+                return Reason.CAPACITY_AND_FACTOR, 0, 0
+            if factor == -1 or not math.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
+                return Reason.CAPACITY_FACTOR, factor, 0
         if _int_or(self.num_experts, None) is None or E < 1:
             return Reason.NUM_EXPERTS, E, 0
         if E % R:
@@ -229,6 +252,7 @@ class Dispatcher:
         transport = ops.TRANSPORTS[self.transport]
         E, align = int(self.num_experts), int(self.align)
         cap = -1 if self.capacity is None else int(self.capacity)
+        factor = -1.0 if self.capacity_factor is None else float(self.capacity_factor)
         # The number this call's header carried (traced: -1, no header at trace time; the
         # combine op agrees at run time, comparing the ranks' constants).
         seq = -1 if torch.compiler.is_compiling() else call_number(self.group) - 1
@@ -243,7 +267,7 @@ class Dispatcher:
             # The eager path: one fused op, no host read here at all.
             *outs, plan = ops.prepare_dispatch(
                 x, topk_idx, topk_weights, group_name(self.group), rank, E, align, cap, transport,
-                EXCHANGE_CODES[self.exchange], pre_error, 0)
+                EXCHANGE_CODES[self.exchange], pre_error, 0, factor)
             return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
         max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
@@ -252,7 +276,7 @@ class Dispatcher:
         shape = ([x.shape[1], topk_idx.shape[1], _dtype_code(x.dtype), int(mx)]
                  if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
-                                  EXCHANGE_CODES[self.exchange], max_tokens, shape)
+                                  EXCHANGE_CODES[self.exchange], max_tokens, shape, factor)
         if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
             raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         if static:
@@ -365,7 +389,8 @@ def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, in
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              group=None, align: int = 1, capacity: Optional[int] = None, transport: str = "dedup",
              exchange: str = "auto", payload: Optional[str] = None,
-             max_tokens_per_rank: Optional[int] = None) -> Dispatch:
+             max_tokens_per_rank: Optional[int] = None,
+             capacity_factor: Optional[float] = None) -> Dispatch:
     """Dispatch this rank's tokens to the ranks hosting their top-k experts.
 
     Collective over ``group``: every rank calls it, with its own tokens.
@@ -385,7 +410,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """
     return Dispatcher(group, num_experts, align=align, capacity=capacity, transport=transport,
                       exchange=exchange, payload=payload,
-                      max_tokens_per_rank=max_tokens_per_rank).dispatch(x, topk_idx, topk_weights)
+                      max_tokens_per_rank=max_tokens_per_rank,
+                      capacity_factor=capacity_factor).dispatch(x, topk_idx, topk_weights)
 
 
 def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -> torch.Tensor:

@@ -180,14 +180,16 @@ def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async
 @torch.library.custom_op("epkit::count_exchange", mutates_args=())
 def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
                    capacity: int, transport: int, exchange: int,
-                   max_tokens_per_rank: int, static_shape: Optional[list[int]] = None
-                   ) -> torch.Tensor:
+                   max_tokens_per_rank: int, static_shape: Optional[list[int]] = None,
+                   capacity_factor: float = -1.0) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
     raises the same :class:`epkit.InputError` on all of them, before any token moves.
     On CUDA the plan stays on the device with its host mirror attached (``epkit/device.py``;
     ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
+    ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
+    the used slots of the gathered words (on CUDA reading ``S`` is one host wait).
     """
     import torch.distributed as dist
 
@@ -195,11 +197,18 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     if words.is_cuda:
         from epkit import device
 
+        if capacity_factor > 0:  # the gathered counts decide the capacity: read them once
+            R = dist.get_world_size(group)
+            gathered = words.new_empty((R * words.shape[0],))
+            all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
+            capacity = _factor_capacity(gathered.view(R, -1).cpu(), num_experts, capacity_factor)
         return device.count_exchange(words, group, rank, num_experts, align, capacity, transport,
                                      exchange, max_tokens_per_rank, static_shape)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
+    if capacity_factor > 0:
+        capacity = _factor_capacity(gathered.view(R, -1), num_experts, capacity_factor)
     plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport, exchange,
                   max_tokens_per_rank)
     code = int(plan[ERR_CODE])
@@ -208,9 +217,17 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     return plan
 
 
+def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) -> int:
+    """The capacity of ``factor`` from the gathered words ``[R, 8 + E + R]`` (host memory)."""
+    from epkit.reference.capacity import capacity_from_factor
+
+    used = int(gathered[:, WORD_HEADER:WORD_HEADER + num_experts].sum())
+    return capacity_from_factor(used, num_experts, factor)
+
+
 @count_exchange.register_fake
 def _(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-      max_tokens_per_rank, static_shape=None):
+      max_tokens_per_rank, static_shape=None, capacity_factor=-1.0):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -253,7 +270,8 @@ def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_byt
 @torch.library.custom_op("epkit::prepare_dispatch", mutates_args=())
 def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      group_name: str, rank: int, num_experts: int, align: int, capacity: int,
-                     transport: int, exchange: int, pre_error: list[int], payload: int
+                     transport: int, exchange: int, pre_error: list[int], payload: int,
+                     capacity_factor: float = -1.0
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor]:
     """Layout, count exchange, allocation and token exchange in one call.
@@ -267,7 +285,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     words = C.prepare(x, topk_idx, topk_weights, num_experts,
                       _world(group_name), pre_error, payload)
     plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
-                          exchange, -1)
+                          exchange, -1, None, capacity_factor)
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
     if exchange == 2 and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
@@ -284,7 +302,7 @@ def _world(group_name: str) -> int:
 
 @prepare_dispatch.register_fake
 def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity, transport,
-      exchange, pre_error, payload):
+      exchange, pre_error, payload, capacity_factor=-1.0):
     ctx = torch.library.get_ctx()
     N, M = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     R = _world(group_name)
@@ -306,7 +324,7 @@ def _fused_setup(ctx, inputs, output):
 def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
     grad_x, _, grad_w, *_rest = _dispatch_backward(ctx, grad_expert_x, None, grad_row_weight,
                                                     None, None)
-    return grad_x, None, grad_w, *([None] * 9)
+    return grad_x, None, grad_w, *([None] * 10)
 
 
 @torch.library.custom_op("epkit::dispatch_tokens_backward", mutates_args=())

@@ -8,14 +8,28 @@ moves: slot ``(s, t, k)`` to ``e`` is kept iff
     #(used slots to e on ranks < s) + #(used slots to e on rank s with token < t)  <  C
 
 A dropped slot behaves like ``-1`` from then on: it is not dispatched, contributes nothing to
-combine and gets zero gradient. ``capacity=None`` keeps every used slot.
+combine and gets zero gradient. ``capacity=None`` keeps every used slot. ``capacity_factor=f`` (production) means the capacity
+``capacity_from_factor(S, E, f)``.
 """
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import List, Optional, Sequence
 
 import numpy as np
+
+
+def capacity_from_factor(used_slots: int, num_experts: int, capacity_factor: float) -> int:
+    """The capacity a capacity factor stands for: ``ceil(capacity_factor * S / E)``.
+
+    ``S`` is the group's used slots (every rank's ``tokens_per_expert`` summed, which the count
+    exchange gives every rank, so a factor costs no collective), ``E`` the number of experts:
+    GShard's / Switch's / Megatron's ``capacity_factor * tokens * top_k / num_experts``, counted
+    in used slots. Exact: the factor's float64 value as a fraction, one ceiling, no rounding.
+    """
+    return math.ceil(Fraction(float(capacity_factor)) * int(used_slots) / int(num_experts))
 
 
 def kept_mask(topk_idx: Sequence[np.ndarray], num_experts: int,

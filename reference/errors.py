@@ -105,6 +105,9 @@ class Reason(enum.IntEnum):
     SEND_COUNTS_SUM = 48       # a: x rows, b: the sum of send_counts
     SEND_COUNTS_NEGATIVE = 49  # a: the count
     ROW_WIDTH_MISMATCH = 50    # a: elements per row on this rank, b: rank 0's
+    CAPACITY_FACTOR = 51       # a: the factor's float64 bits (-1: not a number)
+    CAPACITY_AND_FACTOR = 52   # (no details)
+    CAPACITY_FACTOR_MISMATCH = 53  # a, b: float64 bits (-1: None)
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -123,6 +126,19 @@ FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
            3: "was altered after dispatch (a field no longer matches what dispatch returned)"}
 MAX_ALIGN = 1 << 20  # beyond it the padding alone would be an absurd allocation
+
+
+def factor_bits(f) -> int:
+    """A capacity factor as it travels in the call header: its float64 bits (-1: None)."""
+    import struct
+
+    return -1 if f is None else struct.unpack("<q", struct.pack("<d", float(f)))[0]
+
+
+def _factor(bits: int) -> str:
+    import struct
+
+    return "None" if bits == -1 else repr(struct.unpack("<d", struct.pack("<q", int(bits)))[0])
 
 
 def _opt(kind: str, code: int) -> str:
@@ -196,6 +212,10 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.SEND_COUNTS_SUM: f"x has {a} rows but send_counts sum to {b}",
         Reason.SEND_COUNTS_NEGATIVE: f"send_counts holds the negative count {a}",
         Reason.ROW_WIDTH_MISMATCH: f"rows of {a} elements differ from rank 0's {b} elements",
+        Reason.CAPACITY_FACTOR: f"capacity_factor must be a finite number > 0, got {_factor(a)}",
+        Reason.CAPACITY_AND_FACTOR: "pass capacity or capacity_factor, not both",
+        Reason.CAPACITY_FACTOR_MISMATCH: f"capacity_factor {_factor(a)} differs from rank 0's "
+                                         f"{_factor(b)}",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "
                                        f"of {b} (j travels in 24 bits): use transport='pairs'",
     }[c]

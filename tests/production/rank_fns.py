@@ -32,7 +32,8 @@ def forward_backward(group, rank, x, idx, w, grad_out, opts):
     d = epkit.dispatch(xt, idx_t, wt, num_experts=opts["E"], group=group, align=opts["align"],
                        capacity=opts["capacity"], transport=opts["transport"],
                        exchange=opts["exchange"],
-                       max_tokens_per_rank=opts.get("max_tokens_per_rank"))
+                       max_tokens_per_rank=opts.get("max_tokens_per_rank"),
+                       capacity_factor=opts.get("capacity_factor"))
     if opts["exchange"] == "lazy":
         assert not hasattr(d, "expert_x")  # nothing to read before wait()
         d = d.wait()

@@ -95,10 +95,18 @@ def bad_dispatch(group, rank, faulty, kind):
             opts["exchange"] = "padded"
         elif kind == "other_payload":
             opts["payload"] = "mxfp8"
+        elif kind == "capacity_and_factor":
+            opts.update(capacity=2, capacity_factor=1.0)
+        elif kind == "zero_factor":
+            opts["capacity_factor"] = 0.0
+        elif kind == "other_factor":
+            opts["capacity_factor"] = 1.5
         elif kind == "uint16_index":
             idx = idx.to(torch.uint16)
     if kind == "other_max_tokens":
         opts.update(exchange="static", max_tokens_per_rank=8 if rank == faulty else 16)
+    if kind == "other_factor":
+        opts.setdefault("capacity_factor", 1.25)
     if kind == "too_many_local_experts":  # on every rank: j travels in 24 bits
         opts["num_experts"] = R * (1 << 24)
     err = _caught(lambda: epkit.dispatch(x, idx, w, group=group, **opts))
