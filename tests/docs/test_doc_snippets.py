@@ -1,4 +1,4 @@
-"""Every Python block of README.md and docs/usage.md runs, in order, so a snippet that stops
+"""Every Python block of README.md, docs/usage.md and docs/migrating.md runs, in order, so a snippet that stops
 working fails CI (issue 18 item 1).
 
 Each file's blocks run in one namespace per rank, on every rank of a 2-rank gloo group (the
@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir)
-FILES = ["README.md", "docs/usage.md"]
+FILES = ["README.md", "docs/usage.md", "docs/migrating.md"]
 
 PREAMBLE = r'''
 import torch
