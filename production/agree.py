@@ -5,7 +5,8 @@ check that raises on one rank before its first collective leaves the others wait
 rank's *next* call then pairs with their current one: silent wrong data. Options that differ
 between ranks (``num_experts`` sizes the count vector) make the ranks gather different lengths,
 which gloo answers with an abort. So every dispatch, combine and exchange opens with one
-all-gather of a header whose size depends on nothing at all::
+all-gather of a header whose size depends on nothing at all (and so do both backward passes,
+so a rank that skips ``backward()`` is an error on every rank, not a mismatched exchange)::
 
     HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
               max_tokens, error code, a, b, rows dtype, row width, capacity factor, 0]  int64 [18]
@@ -51,7 +52,8 @@ MAGIC = 0x45504B4954  # "EPKIT"
 HEADER = 18
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
  W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_RESERVED) = range(HEADER)
-DISPATCH, COMBINE, EXCHANGE = 1, 2, 3
+DISPATCH, COMBINE, EXCHANGE, DISPATCH_BACKWARD, COMBINE_BACKWARD = 1, 2, 3, 4, 5
+NO_OPTIONS = [-1] * 7  # backward passes: the forward agreed the options already
 
 # (header word, reason) of the options, in the order their disagreement is reported.
 _OPTION_WORDS = ((W_E, Reason.NUM_EXPERTS_MISMATCH), (W_ALIGN, Reason.ALIGN_MISMATCH),

@@ -22,7 +22,7 @@ import torch
 
 from epkit import _build
 from epkit.device import host_plan
-from epkit.agree import agree
+from epkit.agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
 from epkit.collectives import all_gather, all_to_all, group_from_name
 from epkit.reference.errors import Reason, error
 
@@ -327,6 +327,16 @@ def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
     return grad_x, None, grad_w, *([None] * 10)
 
 
+def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
+    """A backward pass's call header (epkit/agree.py): every rank is in the same pass, and the
+    gradient rows that share its exchange have one dtype."""
+    from epkit.reference.errors import DTYPE_CODES
+
+    code = DTYPE_CODES.get(str(grad.dtype).replace("torch.", ""), 0)
+    agree(group_from_name(group_name), header(op, NO_OPTIONS, (0, 0, 0), code),
+          f"{what} (call header)")
+
+
 @torch.library.custom_op("epkit::dispatch_tokens_backward", mutates_args=())
 def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
                              send_map: torch.Tensor, recv_map: torch.Tensor,
@@ -338,6 +348,7 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
+    _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
     R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
@@ -421,6 +432,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
+    _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
     recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(host_plan(plan)[SEND_ROWS]))
     recv = _move(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward")
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)

@@ -115,7 +115,8 @@ ARGUMENTS = {1: "x", 2: "topk_idx", 3: "topk_weights", 4: "expert_y", 5: "dispat
              6: "send_counts"}
 DEVICES = {0: "cpu", 1: "cuda", 2: "meta", 3: "another"}
 OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
-              2: "epkit.combine", 3: "epkit.exchange"}
+              2: "epkit.combine", 3: "epkit.exchange", 4: "the backward of epkit.dispatch",
+              5: "the backward of epkit.combine"}
 # Option codes as they travel in the call header (production/agree.py); -1: not a valid name.
 OPTION_NAMES = {
     "transport": {0: "pairs", 1: "dedup"},

@@ -202,3 +202,19 @@ def two_threads(group, rank, rounds):
     for t in threads:
         t.join()
     return errors, sorted(refused), outs
+
+
+def skip_backward(group, rank, faulty):
+    """Every rank runs dispatch + combine with gradients; ``faulty`` skips ``backward()`` and
+    goes on to its next dispatch while the others run the backward passes."""
+    R = dist.get_world_size(group)
+    x, idx, w = _inputs(rank, R)
+    x.requires_grad_(True)
+    d = epkit.dispatch(x, idx, w, num_experts=E_PER_RANK * R, group=group)
+    out = epkit.combine(d.expert_x * 2.0, d)
+    if rank == faulty:
+        err = _caught(lambda: epkit.dispatch(x.detach(), idx, w, num_experts=E_PER_RANK * R,
+                                             group=group))
+    else:
+        err = _caught(lambda: out.sum().backward())
+    return err, valid_round(group, rank)

@@ -97,6 +97,14 @@ def test_bad_combine_on_one_rank(group_pool, R, faulty, kind, code, named, text)
     check(got, R, code, named(faulty), text)
 
 
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+def test_one_rank_skips_backward(group_pool, R, faulty):
+    """The backward passes open with the call header too: a rank that moves on to its next
+    dispatch while the others run backward is CALL_MISMATCH everywhere, not an abort."""
+    got = group_pool.run(safety_fns.skip_backward, R, [faulty] * R)
+    check(got, R, Reason.CALL_MISMATCH, differs_from_rank0(faulty), "the backward of epkit.combine")
+
+
 EXCHANGE_CASES = [
     ("short_counts", Reason.SEND_COUNTS, lambda f: f),
     ("sum", Reason.SEND_COUNTS_SUM, lambda f: f),
