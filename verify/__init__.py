@@ -3,8 +3,12 @@
 - :func:`cases` (hypothesis strategy) draws whole-group :class:`Case` s;
 - :class:`Pool` runs them on ``R`` persistent worker ranks of one gloo group
   (:class:`TorchrunGroup` under ``torchrun``, NCCL on GPUs);
-- :func:`check_case` compares every rank's outputs and gradients with ``epkit.reference``;
+- :func:`check_case` compares every rank's outputs and gradients with ``epkit.reference``
+  under a contract (``exact``, ``reordered``, ``bounded``);
 - :class:`Suite` runs hypothesis over every mode and tallies the closing table;
+- :func:`check` is the pytest entry point (a whole run; raises ``AssertionError`` on failure);
+- :mod:`epkit.verify.adapt` helps write an adapter (``row_src`` from a permutation, a shim for
+  ``-1`` slots);
 - :func:`epkit.verify.cli.main` is ``epkit verify`` / ``python -m epkit.verify``.
 
 Adapters (``--impl module:factory``) are described in :mod:`epkit.verify.adapters` and
@@ -17,9 +21,14 @@ _LAZY = {
     "cases": "epkit.verify.strategies",
     "Pool": "epkit.verify.pool",
     "TorchrunGroup": "epkit.verify.pool",
-    "check_case": "epkit.verify.check",
-    "Verdict": "epkit.verify.check",
-    "PROPERTIES": "epkit.verify.check",
+    "check_case": "epkit.verify.checks",
+    "Verdict": "epkit.verify.checks",
+    "PROPERTIES": "epkit.verify.checks",
+    "CONTRACTS": "epkit.verify.checks",
+    "Capabilities": "epkit.verify.capabilities",
+    "row_src_from_slots": "epkit.verify.adapt",
+    "exchange_row_src": "epkit.verify.adapt",
+    "FullTopK": "epkit.verify.adapt",
     "Suite": "epkit.verify.runner",
     "SuiteResult": "epkit.verify.runner",
     "DEFAULT_IMPL": "epkit.verify.runner",
@@ -27,7 +36,7 @@ _LAZY = {
     "load_factory": "epkit.verify.adapters",
 }
 
-__all__ = [*_LAZY, "replay"]
+__all__ = [*_LAZY, "check", "replay"]
 
 
 def __getattr__(name):
@@ -40,14 +49,52 @@ def __getattr__(name):
     raise AttributeError(f"module 'epkit.verify' has no attribute {name!r}")
 
 
+def check(impl, *, examples=20, contract="exact", world_size=2, seed=0, supports=None,
+          accumulate=None, modes=None, pool=None, timeout=60.0, max_tokens=24,
+          shrink_seconds=10.0):
+    """Run the whole harness on ``impl`` (``"module:factory"``, ``"path.py:factory"``, or the
+    factory itself when it lives in an importable module) and raise ``AssertionError`` with the
+    report unless every mode passed ``contract`` for ``examples`` examples per property::
+
+        def test_my_dispatcher_conforms():
+            epkit.verify.check("my_project.ep:make_adapter", examples=30, contract="bounded")
+
+    ``supports``: capability declarations as on the command line (``["capacity=no"]`` or a
+    dict); ``modes``: fnmatch patterns over mode names. Returns the :class:`SuiteResult`."""
+    from epkit.verify.pool import Pool
+    from epkit.verify.runner import Suite, modes_of, select_modes
+
+    if callable(impl) and not isinstance(impl, str):
+        impl = f"{impl.__module__}:{impl.__qualname__}"
+    chosen = select_modes(modes_of(impl), modes)
+    if not chosen:
+        raise ValueError(f"no mode of {impl} matches {modes!r}")
+    own = pool is None
+    pool = pool or Pool(world_size, timeout=timeout)
+    try:
+        result = Suite(pool, impl=impl, modes=chosen, examples=examples, seed=seed,
+                       max_tokens=max_tokens, shrink_seconds=shrink_seconds, contract=contract,
+                       accumulate=accumulate, supports=supports).run()
+    finally:
+        if own:
+            pool.close()
+    if not result.ok:
+        reports = "\n\n".join(v.report() for v in result.failures)
+        raise AssertionError(f"epkit verify: {impl} fails contract {contract}\n"
+                             f"{result.table()}\n{reports}\n{result.summary()}")
+    return result
+
+
 def replay(case, impl=None, mode="default", *, pool=None, timeout=60.0, reference=None,
-           quiet=False):
+           quiet=False, contract="exact", supports=None, accumulate=None):
     """Run one case (e.g. from a failure report) and print what the checks say.
 
     ``mode`` is a mode name of ``impl`` (or a :class:`ModeSpec`). Returns the
     :class:`Verdict`. A pool of ``case.world_size`` ranks is started unless one is given."""
+    from epkit.verify.adapters import load_factory
+    from epkit.verify.capabilities import resolve_capabilities
     from epkit.verify.cases import ModeSpec
-    from epkit.verify.check import check_case
+    from epkit.verify.checks import check_case
     from epkit.verify.pool import Pool
     from epkit.verify.runner import DEFAULT_IMPL, modes_of
 
@@ -60,7 +107,9 @@ def replay(case, impl=None, mode="default", *, pool=None, timeout=60.0, referenc
     own = pool is None
     pool = pool or Pool(case.world_size, timeout=timeout)
     try:
-        verdict = check_case(case, mode, pool.run(case, impl, mode), impl, reference)
+        caps = resolve_capabilities(load_factory(impl), mode, supports)
+        verdict = check_case(case, mode, pool.run(case, impl, mode), impl, reference,
+                             contract=contract, capabilities=caps, accumulate=accumulate)
     finally:
         if own:
             pool.close()

@@ -9,10 +9,16 @@ Protocol (``--impl module:factory``)::
     #   waited for
     out = adapter.combine(expert_y, d, *, weighted)
 
+Instead of the expert-major fields, ``d`` may hold the reference's rank-major ones
+(``recv_x``, ``recv_topk_idx``, ``recv_topk_weights``, ``recv_src``; docs/verify.md).
+
 A factory may carry ``modes``: a list of :class:`~epkit.verify.cases.ModeSpec`; the harness then
 runs every mode, calling ``factory(group, **mode.kwargs)``. Without ``modes`` there is one mode,
-``default``. A call that raises ``NotImplementedError`` on every rank marks the mode (or the
-stage: dispatch, combine, a backward) *unsupported*: reported, not failed.
+``default``. It may carry ``capabilities`` (a dict, :mod:`epkit.verify.capabilities`): the
+strategies draw only inside them. A draw refused with ``NotImplementedError`` on every rank is
+redrawn without the refused feature and counted as refused (a failure when the feature is
+declared supported); a refusal that cannot be attributed leaves the example unchecked, which
+fails the mode. :mod:`epkit.verify.adapt` has helpers for adapters.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ class ModeSpec:
     - ``uniform``: the mode needs uniform plans (``exchange="equal"``); cases are drawn uniform.
     - ``static``: the factory also gets ``max_tokens_per_rank=case.max_tokens``, and dispatch may
       return extra all-padding rows after ``expert_offsets[-1]``.
+    - ``capabilities``: what this mode supports (``(("capacity", False), ...)`` or a dict), on
+      top of the factory's ``capabilities`` (:mod:`epkit.verify.capabilities`).
     """
 
     name: str = "default"
@@ -50,6 +52,11 @@ class ModeSpec:
     payload: str | None = None
     uniform: bool = False
     static: bool = False
+    capabilities: tuple = ()
+
+    def __post_init__(self):
+        if isinstance(self.capabilities, dict):
+            object.__setattr__(self, "capabilities", tuple(self.capabilities.items()))
 
     def factory_kwargs(self, case: "Case | None" = None) -> dict:
         kw = dict(self.kwargs)
@@ -150,13 +157,50 @@ class Case:
         return [p[0] for p in per], [p[1] for p in per], [p[2] for p in per]
 
     def expert_rows(self, rank: int, tag: int, valid: np.ndarray, dtype: str) -> np.ndarray:
-        """Random rows ``[len(valid), H]`` (expert_y, grad of expert_x); padding rows (where
-        ``valid`` is False) hold NaN when ``nan_padding`` and other random values otherwise."""
+        """Random rows ``[len(valid), H]`` by position (padding rows, where ``valid`` is False,
+        hold NaN when ``nan_padding``). The harness itself uses :meth:`slot_rows`."""
         rng = self._rng(rank, tag)
         v = _values(rng, (len(valid), self.hidden), "float32")
         if self.nan_padding:
             v[~valid] = np.nan
         return v.astype(np_dtype(dtype))
+
+    def slot_rows(self, rank: int, tag: int, row_src, dtype: str) -> np.ndarray:
+        """The rows fed to an implementation (expert_y, the gradient of expert_x) on ``rank``,
+        in *its* row order: the row of slot ``(s, t, k)`` (``row_src``) is a fixed random row of
+        that slot, wherever it lives, so any layout can be checked against the reference's.
+        Padding rows (``row_src`` -1, or not a slot of this case) hold NaN when
+        ``nan_padding``, else random values."""
+        src = np.asarray(row_src, dtype=np.int64).reshape(-1, 3)
+        M, H, K = len(src), self.hidden, self.topk
+        out = _values(self._rng(rank, tag + 16), (M, H), "float32")
+        s, t, k = src[:, 0], src[:, 1], src[:, 2]
+        real = (s >= 0) & (s < self.world_size) & (t >= 0) & (k >= 0) & (k < K)
+        real &= t < np.asarray(self.tokens, dtype=np.int64)[np.clip(s, 0, self.world_size - 1)]
+        if self.nan_padding:
+            out[~real] = np.nan
+        for r in np.unique(s[real]):
+            table = _values(self._rng(int(r), tag + 32), (self.tokens[r] * K, H), "float32")
+            rows = np.flatnonzero(real & (s == r))
+            out[rows] = table[t[rows] * K + k[rows]]
+        return out.astype(np_dtype(dtype))
+
+    def token_rows(self, rank: int, tag: int, recv_src, dtype: str) -> np.ndarray:
+        """Like :meth:`slot_rows` for a rank-major layout: the row of token ``(s, t)``
+        (``recv_src``) on ``rank`` is a fixed random row of that token and rank."""
+        src = np.asarray(recv_src, dtype=np.int64).reshape(-1, 2)
+        out = _values(self._rng(rank, tag + 16), (len(src), self.hidden), "float32")
+        s, t = src[:, 0], src[:, 1]
+        real = (s >= 0) & (s < self.world_size) & (t >= 0)
+        real &= t < np.asarray(self.tokens, dtype=np.int64)[np.clip(s, 0, self.world_size - 1)]
+        if self.nan_padding:
+            out[~real] = np.nan
+        for r in np.unique(s[real]):
+            table = _values(np.random.default_rng([self.seed, int(r), tag + 64, rank]),
+                            (self.tokens[r], self.hidden), "float32")
+            rows = np.flatnonzero(real & (s == r))
+            out[rows] = table[t[rows]]
+        return out.astype(np_dtype(dtype))
 
     def grad_out(self, rank: int) -> np.ndarray:
         """The gradient fed to combine's output on ``rank``: [T, H] in x's dtype."""
@@ -179,6 +223,15 @@ def _values(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     if len(shape) == 2 and shape[0]:
         v *= np.exp2(rng.integers(-6, 7, size=(shape[0], 1))).astype(np.float32)
     return v.astype(np_dtype(dtype))
+
+
+def sane_row_src(row_src, rows: int, width: int = 3) -> np.ndarray:
+    """``row_src`` as int64 ``[rows, width]`` (``recv_src``: width 2); anything malformed
+    (wrong shape or kind) reads as all padding (the dispatch check reports it)."""
+    a = None if row_src is None else np.asarray(row_src)
+    if a is None or a.shape != (rows, width) or a.dtype.kind not in "iu":
+        return np.full((rows, width), -1, dtype=np.int64)
+    return a.astype(np.int64)
 
 
 def valid_rows(tokens_per_expert, expert_offsets, rows: int) -> np.ndarray:

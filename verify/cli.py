@@ -6,6 +6,8 @@ Examples::
     python -m epkit.verify --world-size 3 --examples 20 --modes 'dedup/*,pairs/ragged'
     python -m epkit.verify --impl epkit.verify.adapters:plain_torch
     python -m epkit.verify --impl ./my_dispatcher.py:make --json report.json
+    python -m epkit.verify --impl ./my_dispatcher.py:make --contract bounded \\
+        --supports capacity=no --supports align=1 --junit-xml verify.xml
     torchrun --nproc-per-node 8 -m epkit.verify --backend nccl
 """
 
@@ -50,6 +52,20 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
     p.add_argument("--shrink-seconds", type=float, default=20.0,
                    help="time spent shrinking a failing case (default 20)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--contract", choices=("exact", "reordered", "bounded"), default="exact",
+                   help="exact: canonical layout, bit for bit (default); reordered: any row "
+                        "order inside an expert and any padding, values bit for bit; bounded: "
+                        "reordered, sums within the stated error bound")
+    p.add_argument("--accumulate", choices=("float32", "bfloat16"), default=None,
+                   help="the implementation's accumulation dtype, for the bound (default: "
+                        "declared, else float32)")
+    p.add_argument("--supports", action="append", default=[], metavar="KEY=VALUE",
+                   help="declare a capability (repeatable): capacity=yes|no, align=1|1,2,4|any, "
+                        "unused_slots=yes|no, mixed_dtypes=yes|no, weighted=yes|no, "
+                        "unweighted=yes|no, index_dtypes=int32,int64, max_topk=N, "
+                        "zero_token_ranks=yes|no, padding=zeros|ignored")
+    p.add_argument("--junit-xml", metavar="PATH",
+                   help="also write JUnit XML (one test case per mode and property)")
     return p
 
 
@@ -61,13 +77,27 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
              "--world-size", str(world_size), "--examples", str(args.examples)]
     if args.max_tokens != build_parser().get_default("max_tokens"):
         parts += ["--max-tokens", str(args.max_tokens)]
+    if args.contract != "exact":
+        parts += ["--contract", args.contract]
+    if args.accumulate:
+        parts += ["--accumulate", args.accumulate]
+    for item in args.supports:
+        parts += ["--supports", item]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from epkit.verify.capabilities import parse_supports
     from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
     from epkit.verify.runner import Suite, modes_of, select_modes
+
+    try:
+        parse_supports(args.supports)
+    except ValueError as exc:
+        print(f"epkit verify: {exc}", file=sys.stderr)
+        return 2
 
     modes = select_modes(modes_of(args.impl), args.modes)
     if args.list_modes:
@@ -108,9 +138,13 @@ def main(argv=None) -> int:
 
     suite = Suite(runner, impl=args.impl, modes=modes, examples=args.examples, seed=args.seed,
                   max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,
-                  progress=bar.update if bar is not None else None, on_failure=on_failure)
+                  progress=bar.update if bar is not None else None, on_failure=on_failure,
+                  contract=args.contract, accumulate=args.accumulate, supports=args.supports)
+    declared = sorted({c.describe() for c in suite.capabilities.values()})
     print(f"epkit verify: impl {args.impl}, {len(modes)} modes x {args.examples} examples, "
-          f"world size {runner.world_size} ({args.backend}), seed {suite.seed}", flush=True)
+          f"world size {runner.world_size} ({args.backend}), seed {suite.seed}, contract "
+          f"{args.contract}" + (f" (accumulate {args.accumulate})" if args.accumulate else "")
+          + f"; capabilities: {' | '.join(declared)}", flush=True)
     t0 = time.monotonic()
     try:
         result = suite.run()
@@ -120,11 +154,12 @@ def main(argv=None) -> int:
         runner.close()
     print()
     print(result.table())
-    if result.unsupported_modes:
-        print(f"unsupported: {', '.join(result.unsupported_modes)}")
     print(f"{time.monotonic() - t0:.1f}s, seed {suite.seed}; repeat with: --seed {suite.seed}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_json(), f, indent=2)
+    if args.junit_xml:
+        with open(args.junit_xml, "w") as f:
+            f.write(result.junit_xml())
     print(result.summary(), flush=True)
-    return 1 if result.failed else 0
+    return 0 if result.ok else 1

@@ -1,29 +1,40 @@
 """The conformance suite: hypothesis drives cases through a group, mode after mode.
 
-For each mode, hypothesis draws ``examples`` cases (:func:`epkit.verify.strategies.cases`),
-each runs on the group and is checked against the reference. The first failing case is shrunk
-(within ``shrink_seconds``; cases are memoized, so hypothesis' replays cost nothing) and the
-smallest one found is reported. A mode whose every property raised ``NotImplementedError`` is
-reported unsupported after its first example.
+For each mode, hypothesis draws ``examples`` cases (:func:`epkit.verify.strategies.cases`)
+inside the mode's capabilities (:mod:`epkit.verify.capabilities`); each runs on the group and
+is checked against the reference under the contract. A draw the implementation refuses
+(``NotImplementedError`` on every rank) is redrawn without the refused feature where the refusal
+can be attributed (the same case without capacity, with align 1, ...), and counted as refused;
+inside what the implementation declared, a refusal is a failure. Every requested example runs:
+the first failing case is shrunk (within ``shrink_seconds``, to a case failing the same
+property; cases are memoized, so hypothesis' replays cost nothing) and reported, then the rest
+of the examples run and are tallied. A mode that checked fewer examples than requested for a
+property it applies to fails, with a line saying why.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import fnmatch
 import random
 import time
 import zlib
 from dataclasses import dataclass, field
+from xml.sax.saxutils import quoteattr
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from epkit.verify.adapters import load_factory
+from epkit.verify.capabilities import FEATURES, resolve_capabilities
 from epkit.verify.cases import ModeSpec
-from epkit.verify.check import FAILED, PASSED, PROPERTIES, SKIPPED, UNSUPPORTED, Verdict, check_case
+from epkit.verify.checks import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
+                                 Mismatch, Verdict, check_case, weaker)
 from epkit.verify.strategies import cases
 
-__all__ = ["DEFAULT_IMPL", "Suite", "SuiteResult", "Tally", "modes_of", "select_modes"]
+__all__ = ["DEFAULT_IMPL", "ModeResult", "Suite", "SuiteResult", "Tally", "modes_of",
+           "select_modes"]
 
 DEFAULT_IMPL = "epkit.verify.adapters:epkit_factory"
 
@@ -46,23 +57,92 @@ def select_modes(modes: list[ModeSpec], patterns) -> list[ModeSpec]:
 
 @dataclass
 class Tally:
-    run: int = 0  # checked: passed + failed
+    """One property of one mode: ``requested`` examples it applies to, ``checked`` of them
+    (``passed`` + ``failed``), ``refused`` ones (with their reasons) and ``unchecked`` others
+    (not run after a timeout, or skipped)."""
+
+    requested: int = 0
+    checked: int = 0
     passed: int = 0
     failed: int = 0
-    unsupported: int = 0
-    skipped: int = 0
+    refused: int = 0
+    reasons: collections.Counter = field(default_factory=collections.Counter)  # refusals
+    unrun: collections.Counter = field(default_factory=collections.Counter)  # other reasons
 
-    def add(self, status: str):
-        if status == PASSED:
-            self.run += 1
-            self.passed += 1
-        elif status == FAILED:
-            self.run += 1
-            self.failed += 1
-        elif status == UNSUPPORTED:
-            self.unsupported += 1
+    @property
+    def run(self) -> int:  # the former name of ``checked``
+        return self.checked
+
+    @property
+    def unchecked(self) -> int:
+        return self.requested - self.checked
+
+    def add(self, status: str, reason: str | None = None):
+        if status == NA:
+            return
+        self.requested += 1
+        if status in (PASSED, FAILED):
+            self.checked += 1
+            self.passed += status == PASSED
+            self.failed += status == FAILED
+        elif status == REFUSED:
+            self.refused += 1
+            self.reasons[reason or "NotImplementedError"] += 1
         else:
-            self.skipped += 1
+            self.unrun[reason or "skipped"] += 1
+
+    def to_json(self) -> dict:
+        return {"requested": self.requested, "checked": self.checked, "passed": self.passed,
+                "failed": self.failed, "refused": self.refused, "reasons": dict(self.reasons),
+                "not_checked": dict(self.unrun)}
+
+
+@dataclass
+class ModeResult:
+    """Everything the closing table says about one mode."""
+
+    mode: ModeSpec
+    capabilities: object = None
+    tallies: dict = field(default_factory=lambda: {p: Tally() for p in PROPERTIES})
+    met: str | None = "exact"  # the strongest contract every checked example met
+    not_exact: collections.Counter = field(default_factory=collections.Counter)
+    worst: dict = field(default_factory=dict)  # property -> (bound units, ulps)
+    redrawn: collections.Counter = field(default_factory=collections.Counter)  # features
+    failure: Verdict | None = None
+    later_failures: int = 0  # failing examples after the reported (shrunk) one
+
+    def count(self, v: Verdict):
+        for p in PROPERTIES:
+            self.tallies[p].add(v.status.get(p, SKIPPED), v.refusal)
+        for p, level in v.met.items():
+            self.met = weaker(self.met, level)
+        for p, why in v.not_exact.items():
+            self.not_exact[why] += 1
+        for p, w in v.worst.items():
+            self.worst[p] = max(self.worst.get(p, (0.0, 0.0)), w)
+        if v.refused_for:
+            self.redrawn["+".join(v.refused_for)] += 1
+
+    def not_run(self, n: int, reason: str):
+        for p in PROPERTIES:
+            for _ in range(n):
+                self.tallies[p].add(SKIPPED, reason)
+
+    @property
+    def problem(self) -> str | None:
+        """Why the mode fails although no check failed: too few examples checked."""
+        short = [(t.checked, p, t) for p, t in self.tallies.items() if t.unchecked > 0]
+        if not short:
+            return None
+        _, p, t = min(short, key=lambda x: (x[0], PROPERTIES.index(x[1])))
+        why = [f"{n} refused ({r})" for r, n in t.reasons.most_common(3)]
+        why += [f"{n} {r}" for r, n in t.unrun.most_common(3)]
+        return f"only {t.checked} of {t.requested} examples checked for {p}: {', '.join(why)}"
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.problem is None and not any(
+            t.failed for t in self.tallies.values())
 
 
 @dataclass
@@ -71,11 +151,20 @@ class SuiteResult:
     world_size: int
     examples: int
     seed: int
+    contract: str = "exact"
+    accumulate: str = "float32"
     modes: list = field(default_factory=list)
-    tallies: dict = field(default_factory=dict)  # mode name -> property -> Tally
-    failures: list = field(default_factory=list)  # Verdicts (the shrunk case of each mode)
+    results: dict = field(default_factory=dict)  # mode name -> ModeResult
     seconds: float = 0.0
     restarts: int = 0
+
+    @property
+    def tallies(self) -> dict:
+        return {m: r.tallies for m, r in self.results.items()}
+
+    @property
+    def failures(self) -> list:
+        return [r.failure for r in self.results.values() if r.failure is not None]
 
     @property
     def passed(self) -> int:
@@ -83,27 +172,41 @@ class SuiteResult:
 
     @property
     def failed(self) -> int:
-        return sum(t.failed for m in self.tallies.values() for t in m.values())
+        """Failed checks, plus requested checks that were never made (refused, not run)."""
+        return sum(t.failed + t.unchecked for m in self.tallies.values() for t in m.values())
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results.values())
 
     @property
     def unsupported_modes(self) -> list[str]:
         return [m for m, props in self.tallies.items()
-                if all(t.run == 0 and t.unsupported > 0 for t in props.values())]
+                if all(t.checked == 0 and t.refused > 0 for t in props.values()
+                       if t.requested)]
 
     def cell(self, mode: str, prop: str) -> str:
         t = self.tallies[mode][prop]
         if t.failed:
-            return f"FAILED {t.failed}/{t.run}"
-        if t.run:
-            return f"{t.passed}/{t.run}" + ("" if not t.unsupported else " (part unsup.)")
-        if t.unsupported:
-            return "unsupported"
+            return f"FAILED {t.failed}/{t.requested}"
+        if t.unchecked:
+            return f"{t.checked}/{t.requested} SHORT"
+        if t.requested:
+            return f"{t.checked}/{t.requested}"
         return "-"
 
+    def met(self, mode: str) -> str:
+        r = self.results[mode]
+        if not any(t.checked for t in r.tallies.values()):
+            return "-"
+        return r.met or "none"
+
     def table(self) -> str:
-        """Closing table: a row per mode, a column per property; cells are passed/run."""
-        head = ["mode", *PROPERTIES]
-        rows = [[m.name, *(self.cell(m.name, p) for p in PROPERTIES)] for m in self.modes]
+        """Closing table: a row per mode, a column per property (checked/requested) and the
+        contract the mode meets; then a line per mode that needs one."""
+        head = ["mode", *PROPERTIES, "meets"]
+        rows = [[m.name, *(self.cell(m.name, p) for p in PROPERTIES), self.met(m.name)]
+                for m in self.modes]
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
 
         def line(r):
@@ -111,9 +214,35 @@ class SuiteResult:
                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
 
         out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
-        out.append("cells: passed/run (examples checked); FAILED f/run; unsupported = the "
-                   "implementation raised NotImplementedError; - = not applicable")
+        out.append(f"cells: checked/requested examples (contract {self.contract}); FAILED "
+                   "f/requested; SHORT = fewer checked than requested (a failure); - = not "
+                   "applicable; meets: the strongest contract every example met")
+        out += self.notes()
         return "\n".join(out)
+
+    def notes(self) -> list[str]:
+        lines = []
+        for m in self.modes:
+            r = self.results[m.name]
+            if r.problem:
+                lines.append(f"{m.name}: FAILED: {r.problem}")
+            if r.later_failures:
+                lines.append(f"{m.name}: {r.later_failures} more failing examples after the "
+                             "reported one")
+            met = self.met(m.name)
+            if met in ("reordered", "bounded"):
+                lines.append(f"{m.name}: meets {met}; not exact: "
+                             + ", ".join(w for w, _ in r.not_exact.most_common()))
+            if r.redrawn:
+                what = ", ".join(f"{n} ({f})" for f, n in r.redrawn.most_common())
+                keys = sorted({k for f in r.redrawn for k in f.split("+")})
+                lines.append(f"{m.name}: refused draws redrawn without the feature: {what}; "
+                             "to draw only inside, declare " + " ".join(
+                                 f"--supports {k}={_WITHOUT.get(k, 'no')}" for k in keys))
+            if self.contract == "bounded" and r.worst:
+                lines.append(f"{m.name}: largest error, in bounds (ulps): " + ", ".join(
+                    f"{p} {w[0]:.2g} ({w[1]:.2g})" for p, w in r.worst.items()))
+        return lines
 
     def summary(self) -> str:
         return f"{self.passed} passed, {self.failed} failed"
@@ -124,16 +253,63 @@ class SuiteResult:
             "world_size": self.world_size,
             "examples": self.examples,
             "seed": self.seed,
+            "contract": self.contract,
+            "accumulate": self.accumulate,
             "seconds": round(self.seconds, 3),
             "passed": self.passed,
             "failed": self.failed,
+            "ok": self.ok,
             "pool_restarts": self.restarts,
-            "results": {m: {p: vars(t) for p, t in props.items()}
+            "results": {m: {p: t.to_json() for p, t in props.items()}
                         for m, props in self.tallies.items()},
+            "modes": {m: {"meets": self.met(m), "problem": r.problem,
+                          "capabilities": r.capabilities.describe() if r.capabilities else None,
+                          "not_exact": dict(r.not_exact), "redrawn": dict(r.redrawn),
+                          "worst": {p: list(w) for p, w in r.worst.items()}}
+                      for m, r in self.results.items()},
             "unsupported_modes": self.unsupported_modes,
             "failures": [{"mode": v.mode.name, "properties": v.failed_properties,
                           "case": repr(v.case), "report": v.report()} for v in self.failures],
         }
+
+    def junit_xml(self) -> str:
+        """JUnit XML: one test case per mode and property."""
+        cases_xml, n_fail, n_skip = [], 0, 0
+        for m in self.modes:
+            r = self.results[m.name]
+            for p in PROPERTIES:
+                t = r.tallies[p]
+                body = ""
+                if t.failed or (r.failure is not None and p in r.failure.failed_properties):
+                    n_fail += 1
+                    text = r.failure.report() if r.failure is not None else ""
+                    body = (f"<failure message={quoteattr(f'{t.failed} of {t.requested} failed')}>"
+                            f"{_xml_text(text)}</failure>")
+                elif t.unchecked:
+                    n_fail += 1
+                    body = f"<failure message={quoteattr(r.problem or 'not checked')}/>"
+                elif not t.requested:
+                    n_skip += 1
+                    body = "<skipped message=\"not applicable\"/>"
+                cases_xml.append(f"  <testcase classname={quoteattr('epkit.verify.' + m.name)} "
+                                 f"name={quoteattr(p)} time=\"0\">{body}</testcase>")
+        head = (f"<testsuite name=\"epkit verify\" tests=\"{len(cases_xml)}\" "
+                f"failures=\"{n_fail}\" errors=\"0\" skipped=\"{n_skip}\" "
+                f"time=\"{self.seconds:.3f}\">")
+        props = (f"  <properties><property name=\"impl\" value={quoteattr(self.impl)}/>"
+                 f"<property name=\"seed\" value=\"{self.seed}\"/><property name=\"contract\" "
+                 f"value=\"{self.contract}\"/></properties>")
+        return "\n".join(['<?xml version="1.0" encoding="utf-8"?>', head, props, *cases_xml,
+                          "</testsuite>", ""])
+
+
+_WITHOUT = {"align": "1", "index_dtypes": "int64", "max_topk": "8"}  # a declaration per feature
+
+
+def _xml_text(text: str) -> str:
+    from xml.sax.saxutils import escape
+
+    return escape(text)
 
 
 class _CaseFailed(AssertionError):
@@ -144,11 +320,15 @@ class _CaseFailed(AssertionError):
 
 class Suite:
     """Run ``examples`` hypothesis cases per mode of ``impl`` on ``runner`` (a :class:`Pool`
-    or :class:`TorchrunGroup`) and tally the checks."""
+    or :class:`TorchrunGroup`) under ``contract`` and tally the checks. ``supports``: the
+    command line's capability declarations (``["capacity=no", ...]`` or a dict)."""
 
     def __init__(self, runner, *, impl: str = DEFAULT_IMPL, modes=None, examples: int = 20,
                  seed: int | None = None, max_tokens: int = 24, shrink_seconds: float = 20.0,
-                 reference=None, progress=None, on_failure=None, strategy_kwargs=None):
+                 reference=None, progress=None, on_failure=None, strategy_kwargs=None,
+                 contract: str = "exact", accumulate: str | None = None, supports=None):
+        if contract not in CONTRACTS:
+            raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}")
         self.runner = runner
         self.impl = impl
         self.modes = list(modes) if modes is not None else modes_of(impl)
@@ -160,76 +340,174 @@ class Suite:
         self.progress = progress or (lambda n: None)
         self.on_failure = on_failure or (lambda v: None)
         self.strategy_kwargs = dict(strategy_kwargs or {})
+        self.contract = contract
+        self.accumulate = accumulate
+        self.supports = supports
+        factory = load_factory(impl)
+        self.capabilities = {m.name: resolve_capabilities(factory, m, supports)
+                             for m in self.modes}
 
     def run(self) -> SuiteResult:
         t0 = time.monotonic()
+        caps0 = next(iter(self.capabilities.values()), None)
         res = SuiteResult(impl=self.impl, world_size=self.runner.world_size,
-                          examples=self.examples, seed=self.seed, modes=self.modes)
+                          examples=self.examples, seed=self.seed, modes=self.modes,
+                          contract=self.contract,
+                          accumulate=self.accumulate or getattr(caps0, "accumulate", None)
+                          or "float32")
         for mode in self.modes:
-            tallies, failure = self.run_mode(mode)
-            res.tallies[mode.name] = tallies
-            if failure is not None:
-                res.failures.append(failure)
-                self.on_failure(failure)
+            mr = self.run_mode(mode)
+            res.results[mode.name] = mr
+            if mr.failure is not None:
+                self.on_failure(mr.failure)
         res.seconds = time.monotonic() - t0
         res.restarts = getattr(self.runner, "restarts", 0)
         return res
 
-    def run_mode(self, mode: ModeSpec):
-        tallies = {p: Tally() for p in PROPERTIES}
-        memo: dict = {}
-        st = {"failed_at": None, "generated": 0, "stop": False, "no_shrink": False}
+    # -- one mode --------------------------------------------------------------------------
+    def run_mode(self, mode: ModeSpec) -> ModeResult:
+        caps = self.capabilities.get(mode.name) or resolve_capabilities(
+            load_factory(self.impl), mode, self.supports)
+        mr = ModeResult(mode=mode, capabilities=caps)
+        checked: dict = {}
+        evaluated: dict = {}
+        known: list = []  # features refusals were attributed to in this mode
+        st = {"failed_at": None, "primary": None, "generated": 0, "no_shrink": False,
+              "counting": True}
 
-        def execute(case):
-            if case in memo:
-                return memo[case]
-            if st["failed_at"] is not None and (
-                    st["no_shrink"] or time.monotonic() - st["failed_at"] > self.shrink_seconds):
-                return None  # shrink budget spent: unseen cases count as passing
-            results = self.runner.run(case, self.impl, mode)
-            v = check_case(case, mode, results, self.impl, self.reference)
-            memo[case] = v
-            if any((r.get("error") or {}).get("type") in ("Timeout", "WorkerDied")
-                   for r in results):
-                st["no_shrink"] = True  # every shrink step could cost a timeout: report as is
+        timeout = float(getattr(self.runner, "timeout", 30.0))
+
+        def run_check(case) -> Verdict:
+            if case not in checked:
+                t0 = time.monotonic()
+                results = self.runner.run(case, self.impl, mode)
+                took = time.monotonic() - t0
+                try:
+                    checked[case] = check_case(case, mode, results, self.impl, self.reference,
+                                               contract=self.contract, capabilities=caps,
+                                               accumulate=self.accumulate)
+                except Exception as exc:  # noqa: BLE001 - outputs the checks cannot read
+                    import traceback
+
+                    v = Verdict(case=case, mode=mode, impl=self.impl, contract=self.contract)
+                    for p in PROPERTIES:
+                        v.fail(p, None, "outputs", f"could not be compared ({type(exc).__name__}"
+                               f": {exc})")
+                        v.met[p] = None
+                    v.errors.append(traceback.format_exc(limit=-4))
+                    checked[case] = v
+                if took >= timeout and any(
+                        (r.get("error") or {}).get("type") in ("Timeout", "WorkerDied")
+                        for r in results):
+                    st["no_shrink"] = True  # a hang: every further case could cost a timeout
+            return checked[case]
+
+        def attribute(case, v, v2, keys) -> Verdict:
+            declared = [k for k in keys if caps.declared(k, case)]
+            if not declared:
+                return dataclasses.replace(v2, redrawn_from=case, refused_for=tuple(keys))
+            vf = dataclasses.replace(v, status=dict(v.status), mismatches=list(v.mismatches))
+            for p in PROPERTIES:
+                if vf.status.get(p) == REFUSED:
+                    vf.status[p] = FAILED
+            vf.mismatches.append(Mismatch(
+                "dispatch", None, "refusal", f"{v.refusal}: refused although declared "
+                f"supported ({', '.join(f'{k}: {getattr(caps, k)!r}' for k in declared)}); "
+                f"without {'+'.join(keys)} the case runs"))
+            return vf
+
+        def evaluate(case) -> Verdict:
+            if case in evaluated:
+                return evaluated[case]
+            v = run_check(case)
+            if v.refused and not st["no_shrink"]:
+                present = [f for f in FEATURES if f.present(case)]
+                words = (v.refusal or "").lower()
+                present.sort(key=lambda f: (f.key not in known,
+                                            not any(w in words for w in f.words)))
+                found = None
+                for f in present:
+                    c2 = f.remove(case)
+                    if c2 != case and not run_check(c2).refused:
+                        found = (c2, (f.key,))
+                        break
+                if found is None and len(present) > 1:
+                    c2 = case
+                    for f in present:
+                        c2 = f.remove(c2)
+                    if not run_check(c2).refused:
+                        found = (c2, tuple(f.key for f in present))
+                if found is not None:
+                    known.extend(k for k in found[1] if k not in known)
+                    v = attribute(case, v, checked[found[0]], found[1])
+            evaluated[case] = v
             return v
 
+        def tally(v):
+            st["generated"] += 1
+            self.progress(1)
+            mr.count(v)
+
         def prop(case):
-            if st["stop"]:
-                return
-            v = execute(case)
-            if v is None:
-                return
+            if case not in evaluated:
+                if st["failed_at"] is not None and (
+                        st["no_shrink"]
+                        or time.monotonic() - st["failed_at"] > self.shrink_seconds):
+                    return  # shrink budget spent: unseen cases count as passing
+                if st["no_shrink"]:
+                    return  # a timeout: the rest is reported as not run
+            v = evaluate(case)
             if st["failed_at"] is None and st["generated"] < self.examples:
-                st["generated"] += 1
-                self.progress(1)
-                for p in PROPERTIES:
-                    tallies[p].add(v.status.get(p, SKIPPED))
-                if all(v.status.get(p) in (UNSUPPORTED, SKIPPED) for p in PROPERTIES) and \
-                        any(v.status.get(p) == UNSUPPORTED for p in PROPERTIES):
-                    st["stop"] = True  # nothing of this mode runs: say so once
+                tally(v)
             if v.failed:
                 if st["failed_at"] is None:
                     st["failed_at"] = time.monotonic()
-                raise _CaseFailed(v)
+                    st["primary"] = v.failed_properties[0] if v.failed_properties else None
+                if st["primary"] is None or st["primary"] in v.failed_properties:
+                    raise _CaseFailed(v)
 
         strategy = cases(self.runner.world_size, mode, max_tokens=self.max_tokens,
-                         **self.strategy_kwargs)
+                         capabilities=caps, **self.strategy_kwargs)
+        base_seed = self.seed ^ zlib.crc32(mode.name.encode())
+        try:
+            self._hypothesis(strategy, prop, self.examples, base_seed,
+                             [Phase.explicit, Phase.generate, Phase.shrink])()
+        except _CaseFailed as exc:
+            mr.failure = exc.verdict
+        # Every requested example runs: after a failure (shrunk and reported above), the rest
+        # are drawn afresh and tallied without shrinking.
+
+        def rest(case):
+            if st["generated"] >= self.examples or st["no_shrink"]:
+                return
+            v = evaluate(case)
+            tally(v)
+            if v.failed:
+                mr.later_failures += 1
+
+        for attempt in range(1, 4):
+            left = self.examples - st["generated"]
+            if left <= 0 or st["no_shrink"]:
+                break
+            self._hypothesis(strategy, rest, left, base_seed ^ (0x9E3779B1 * attempt),
+                             [Phase.generate])()
+        left = self.examples - st["generated"]
+        if left > 0:
+            mr.not_run(left, "not run (the implementation hung)" if st["no_shrink"]
+                       else "not drawn")
+            self.progress(left)
+        return mr
+
+    @staticmethod
+    def _hypothesis(strategy, fn, examples, seed, phases):
         test = settings(
-            max_examples=self.examples,
+            max_examples=max(examples, 1),
             deadline=None,
             database=None,
             derandomize=False,
-            phases=[Phase.explicit, Phase.generate, Phase.shrink],
+            phases=phases,
             suppress_health_check=list(HealthCheck),
             report_multiple_bugs=False,
             verbosity=Verbosity.quiet,
-        )(given(strategy)(prop))
-        test = hypothesis_seed(self.seed ^ zlib.crc32(mode.name.encode()))(test)
-        failure = None
-        try:
-            test()
-        except _CaseFailed as exc:
-            failure = exc.verdict
-        self.progress(max(self.examples - st["generated"], 0))
-        return tallies, failure
+        )(given(strategy)(fn))
+        return hypothesis_seed(seed)(test)

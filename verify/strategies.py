@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from epkit.verify.capabilities import WIDE_TOPK, Capabilities
 from epkit.verify.cases import FLOAT_DTYPES, Case, ModeSpec
 
 __all__ = ["cases"]
@@ -25,37 +26,67 @@ def cases(
     max_local_experts: int = 6,
     max_topk: int = 8,
     max_hidden: int = 72,
+    capabilities: Capabilities | None = None,
+    wide_every: int = 20,
 ) -> Case:
-    """Draw a :class:`Case` for a group of up to ``world_size`` ranks, valid for ``mode``.
+    """Draw a :class:`Case` for a group of up to ``world_size`` ranks, valid for ``mode`` and
+    inside ``capabilities`` (:class:`~epkit.verify.capabilities.Capabilities`; default: all).
 
     ``mode`` (a :class:`ModeSpec`) constrains the draw: ``payload="mxfp8"`` gives ``H % 32 == 0``;
     ``uniform`` gives uniform plans without capacity; ``static`` keeps every rank's tokens
     within ``max_tokens``. Without a mode, payload and plan shape are drawn too.
+
+    About one draw in ``wide_every`` (0: never) is a wide top-k case: ``K`` in 129..255 (within
+    ``max_topk`` of the capabilities) and up to 512 experts, with few tokens and a narrow hidden
+    size; it shrinks to an ordinary draw.
     """
+    caps = capabilities or Capabilities()
     R = draw(st.integers(min_world_size, world_size), label="world_size")
-    L = draw(st.integers(1, max_local_experts), label="local_experts")
-    E = R * L
-    K = draw(st.integers(1, max_topk), label="topk")
+    cap_k = caps.max_topk or 255
+    wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
+            and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
     payload = mode.payload if mode is not None else draw(st.sampled_from([None, "mxfp8"]))
-    if payload == "mxfp8":
-        H = 32 * draw(st.integers(1, 3), label="hidden/32")
-    else:
-        H = draw(st.integers(1, max_hidden), label="hidden")
     uniform_only = mode is not None and mode.uniform
-    routing = "uniform" if uniform_only else draw(
-        st.sampled_from(["random", "grouped", "hot", "uniform"]), label="routing")
+    no_unused = not caps.allows("unused_slots")
+    if wide:
+        lo_k = min(129, cap_k)
+        L = draw(st.integers(-(-lo_k // R), 512 // R), label="local_experts (wide)")
+        E = R * L
+        K = draw(st.integers(min(lo_k, E), min(255, E, cap_k)), label="topk (wide)")
+        max_tokens_drawn, max_h = min(max_tokens, 6), 16
+    else:
+        L = draw(st.integers(1, max_local_experts), label="local_experts")
+        E = R * L
+        K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
+        max_tokens_drawn, max_h = max_tokens, max_hidden
+    if payload == "mxfp8":
+        H = 32 * (1 if wide else draw(st.integers(1, 3), label="hidden/32"))
+    else:
+        H = draw(st.integers(1, max_h), label="hidden")
+    routings = ["random", "grouped", "hot", "uniform"]
+    if no_unused:  # every slot used: K distinct experts per token, none left -1
+        routings = ["random", "hot", "uniform"]
+    routing = "uniform" if uniform_only else draw(st.sampled_from(routings), label="routing")
+    if no_unused:
+        K = min(K, R) if routing == "uniform" else min(K, E)
+    min_t = 0 if caps.allows("zero_token_ranks") else 1
     if routing == "uniform":
-        T = R * draw(st.integers(0, max_tokens // R), label="tokens/R")
+        T = R * draw(st.integers(min_t, max(max_tokens_drawn // R, min_t)), label="tokens/R")
         tokens = (T,) * R
     else:
-        tokens = tuple(
-            draw(st.lists(st.integers(0, max_tokens), min_size=R, max_size=R), label="tokens")
-        )
+        tokens = tuple(draw(st.lists(st.integers(min_t, max_tokens_drawn), min_size=R,
+                                     max_size=R), label="tokens"))
     dtype = draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
-    y_dtype = dtype if draw(st.integers(0, 3)) else draw(st.sampled_from(FLOAT_DTYPES))
+    y_dtype = dtype
+    if caps.allows("mixed_dtypes") and not draw(st.integers(0, 3), label="mixed dtypes?"):
+        y_dtype = draw(st.sampled_from(FLOAT_DTYPES), label="y_dtype")
     capacity = None
-    if not uniform_only and draw(st.booleans(), label="use capacity"):
+    if not uniform_only and caps.allows("capacity") and draw(st.booleans(), label="use capacity"):
         capacity = draw(st.integers(0, 16), label="capacity")
+    if caps.allows("weighted") and caps.allows("unweighted"):
+        weighted = draw(st.integers(0, 3), label="weighted") != 0  # mostly weighted
+    else:
+        weighted = caps.allows("weighted")
     return Case(
         world_size=R,
         num_experts=E,
@@ -64,12 +95,14 @@ def cases(
         tokens=tokens,
         dtype=dtype,
         y_dtype=y_dtype,
-        idx_dtype=draw(st.sampled_from(["int64", "int32"]), label="idx_dtype"),
+        idx_dtype=draw(st.sampled_from(list(caps.index_dtypes or ("int64", "int32"))),
+                       label="idx_dtype"),
         routing=routing,
-        unused_pct=draw(st.sampled_from([20, 0, 10, 50, 100]), label="unused_pct"),
-        align=draw(st.sampled_from([1, 2, 4, 3, 8]), label="align"),
+        unused_pct=0 if no_unused else draw(st.sampled_from([20, 0, 10, 50, 100]),
+                                            label="unused_pct"),
+        align=draw(st.sampled_from(list(caps.aligns())), label="align"),
         capacity=capacity,
-        weighted=draw(st.integers(0, 3), label="weighted") != 0,  # mostly weighted
+        weighted=weighted,
         payload=payload,
         nan_padding=draw(st.booleans(), label="nan_padding"),
         zero_rows=draw(st.integers(0, 4), label="zero_rows") == 4,  # shrinks to False

@@ -15,13 +15,14 @@ import numpy as np
 import torch
 
 from epkit.verify.adapters import load_factory
-from epkit.verify.cases import (STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype,
-                                valid_rows)
+from epkit.verify.cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
 
 __all__ = ["STAGES", "load_factory", "make_adapter", "run_rank", "to_numpy", "to_torch"]
 
 FIELDS = ("expert_x", "tokens_per_expert", "expert_offsets", "row_src", "row_weight")
 OPTIONAL_FIELDS = ("dropped_per_expert", "expert_scale")
+# A rank-major result (DeepEP's normal-mode layout) has these instead of FIELDS.
+RANK_MAJOR_FIELDS = ("recv_x", "recv_scale", "recv_topk_idx", "recv_topk_weights", "recv_src")
 
 def to_torch(a: np.ndarray, device="cpu") -> torch.Tensor:
     """NumPy (ml_dtypes included) -> torch, bit for bit."""
@@ -101,6 +102,8 @@ def _run(case, mode, adapter, rank, device, out, stage):
         x, idx, w, num_experts=case.num_experts, align=case.align, capacity=case.capacity
     )
     d = _waited(d, "expert_x")
+    if getattr(d, "expert_x", None) is None and getattr(d, "recv_x", None) is not None:
+        return _run_rank_major(case, adapter, d, x, rank, device, out, stage)
     got = {name: to_numpy(getattr(d, name)) for name in FIELDS}
     for name in OPTIONAL_FIELDS:
         got[name] = to_numpy(getattr(d, name, None))
@@ -111,11 +114,12 @@ def _run(case, mode, adapter, rank, device, out, stage):
     if case.payload is not None and getattr(d, "expert_x_hp", None) is not None:
         expert_x, g_dtype = d.expert_x_hp, "float32"
         got["expert_x_hp"] = to_numpy(expert_x)
-    rows = int(d.expert_x.shape[0])
-    valid = valid_rows(got["tokens_per_expert"], got["expert_offsets"], rows)
+    # The rows fed back are keyed by the implementation's own row_src (cases.slot_rows): any
+    # row order is handed the same row for the same slot.
+    src = sane_row_src(got["row_src"], int(d.expert_x.shape[0]))
 
     stage.name = "dispatch_backward"
-    g = case.expert_rows(rank, TAG_GRAD_X, valid, g_dtype)
+    g = case.slot_rows(rank, TAG_GRAD_X, src, g_dtype)
     out["grad_expert_x"] = g
     if expert_x.requires_grad:
         (gx,) = torch.autograd.grad(expert_x, x, to_torch(g, device), retain_graph=True)
@@ -126,7 +130,7 @@ def _run(case, mode, adapter, rank, device, out, stage):
         out["grad_x"] = "unsupported"
 
     stage.name = "combine"
-    y_np = case.expert_rows(rank, TAG_Y, valid, case.y_dtype)
+    y_np = case.slot_rows(rank, TAG_Y, src, case.y_dtype)
     out["expert_y"] = y_np
     y = to_torch(y_np, device).requires_grad_(True)
     o = _waited(adapter.combine(y, d, weighted=case.weighted))
@@ -139,4 +143,37 @@ def _run(case, mode, adapter, rank, device, out, stage):
     grads = torch.autograd.grad(o, inputs, to_torch(go, device), allow_unused=True)
     out["grad_y"] = to_numpy(grads[0])
     out["grad_w"] = to_numpy(grads[1]) if case.weighted else None
+    stage.name = None
+
+
+def _run_rank_major(case, adapter, d, x, rank, device, out, stage):
+    """The stages for a rank-major result: one row per token and destination rank. The rows
+    fed back are keyed by ``recv_src``; combine sums the per-rank rows of each token (the expert
+    side applied the weights), so it is called with ``weighted=False``."""
+    got = {name: to_numpy(getattr(d, name, None)) for name in RANK_MAJOR_FIELDS}
+    out["dispatch"] = got
+    out["layout"] = "rank_major"
+    src = sane_row_src(got["recv_src"], int(d.recv_x.shape[0]), width=2)
+
+    stage.name = "dispatch_backward"
+    g = case.token_rows(rank, TAG_GRAD_X, src, case.dtype)
+    out["grad_expert_x"] = g
+    if not d.recv_x.requires_grad:
+        raise AssertionError("recv_x does not require grad: dispatch is not differentiable")
+    (gx,) = torch.autograd.grad(d.recv_x, x, to_torch(g, device), retain_graph=True)
+    out["grad_x"] = to_numpy(gx)
+
+    stage.name = "combine"
+    y_np = case.token_rows(rank, TAG_Y, src, case.y_dtype)
+    out["expert_y"] = y_np
+    y = to_torch(y_np, device).requires_grad_(True)
+    o = _waited(adapter.combine(y, d, weighted=False))
+    out["out"] = to_numpy(o)
+
+    stage.name = "combine_backward"
+    go = case.grad_out(rank)
+    out["grad_out"] = go
+    (gy,) = torch.autograd.grad(o, [y], to_torch(go, device), allow_unused=True)
+    out["grad_y"] = to_numpy(gy)
+    out["grad_w"] = None
     stage.name = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from epkit.verify.adapters import epkit_modes
@@ -96,3 +97,69 @@ def test_mode_names_cover_every_knob():
     assert {"dedup/ragged", "pairs/lazy", "dedup/static/mxfp8"} <= names
     assert MODES["dedup/static"].static and MODES["pairs/equal"].uniform
     assert ModeSpec().factory_kwargs() == {}
+
+
+# -- capabilities and wide top-k ----------------------------------------------------------------
+from epkit.verify.capabilities import Capabilities, parse_supports, resolve_capabilities  # noqa: E402
+
+NARROW = Capabilities(**parse_supports(["capacity=no", "align=1,4", "unused_slots=no",
+                                        "mixed_dtypes=no", "unweighted=no",
+                                        "index_dtypes=int32", "max_topk=5",
+                                        "zero_token_ranks=no"]))
+
+
+@FAST
+@given(cases(3, capabilities=NARROW))
+def test_draws_stay_inside_declared_capabilities(c):
+    _check_routing(c)
+    assert c.capacity is None and c.align in (1, 4) and c.y_dtype == c.dtype
+    assert c.weighted and c.idx_dtype == "int32" and c.topk <= 5 and min(c.tokens) >= 1
+    _, idx, _ = c.all_inputs()
+    assert all((i >= 0).all() for i in idx), c
+
+
+def test_about_one_draw_in_twenty_is_wide_under_both_transports():
+    from hypothesis import Phase
+    from hypothesis import seed as hseed
+
+    for name in ("dedup/ragged", "pairs/static"):
+        seen = []
+
+        @hseed(20)
+        @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))
+        @given(cases(4, MODES[name]))
+        def draw(c):
+            seen.append(c)
+
+        draw()
+        wide = [c for c in seen if c.topk > 128]
+        assert 5 <= len(wide) <= 45, (name, len(wide))
+        assert max(c.topk for c in wide) <= 255 and max(c.num_experts for c in wide) <= 512
+        for c in wide[:3]:
+            _check_routing(c)
+
+
+def test_supports_parse_and_layer():
+    assert parse_supports(["align=any", "max_topk=16"]) == {"align": "any", "max_topk": 16}
+    for bad in (["capacity=maybe"], ["nonsense=1"], ["align=0"], ["capacity"]):
+        with pytest.raises(ValueError):
+            parse_supports(bad)
+
+    def factory(group):
+        return None
+
+    factory.capabilities = {"capacity": False, "align": 1}
+    mode = ModeSpec("m", capabilities={"align": "1,2"})
+    caps = resolve_capabilities(factory, mode, ["capacity=yes"])
+    assert caps.capacity is True and caps.aligns() == (1, 2)
+    assert caps.declared("capacity") and not caps.declared("unused_slots")
+
+
+def test_slot_rows_follow_the_slot_not_the_position():
+    c = Case(world_size=2, num_experts=2, topk=2, hidden=3, tokens=(2, 1), nan_padding=True)
+    src = np.array([[0, 1, 0], [-1, -1, -1], [1, 0, 1]])
+    a = c.slot_rows(0, 1, src, "float32")
+    b = c.slot_rows(1, 1, src[::-1], "float32")
+    assert _bits(a[0]) == _bits(b[2]) and _bits(a[2]) == _bits(b[0])
+    assert np.isnan(a[1]).all() and np.isfinite(a[[0, 2]]).all()

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import epkit.reference as ref
-from epkit.verify.cases import TAG_GRAD_X, TAG_Y, Case, ModeSpec, valid_rows
-from epkit.verify.check import (PROPERTIES, check_case, compare_bitwise,
+from epkit.verify.cases import TAG_GRAD_X, TAG_Y, Case, ModeSpec
+from epkit.verify.checks import (PROPERTIES, check_case, compare_bitwise,
                                 weight_grad_tolerance)
 
 CASE = Case(world_size=3, num_experts=6, topk=3, hidden=5, tokens=(4, 0, 6), dtype="bfloat16",
@@ -37,11 +37,10 @@ def perfect_results(case: Case, static_tail: int = 0):
         if case.payload:
             fields["expert_x_hp"] = ref.dequantize_mxfp8(d.expert_x, d.expert_scale)
             g_dtype = "float32"
-        M = len(fields["row_src"])
-        valid = valid_rows(d.tokens_per_expert, d.expert_offsets, M)
+        src = fields["row_src"]
         out.append({"rank": r, "error": None, "dispatch": fields,
-                    "grad_expert_x": case.expert_rows(r, TAG_GRAD_X, valid, g_dtype),
-                    "expert_y": case.expert_rows(r, TAG_Y, valid, case.y_dtype),
+                    "grad_expert_x": case.slot_rows(r, TAG_GRAD_X, src, g_dtype),
+                    "expert_y": case.slot_rows(r, TAG_Y, src, case.y_dtype),
                     "grad_out": case.grad_out(r)})
     m = [len(d.row_src) for d in res]
     gx = ref.dispatch_backward([o["grad_expert_x"][:n] for o, n in zip(out, m)], res)
@@ -159,14 +158,14 @@ def _err(stage, kind="NotImplementedError", unsupported=True):
             "message": "not yet", "traceback": "Traceback: ..."}
 
 
-def test_uniform_not_implemented_is_unsupported_from_that_stage_on():
+def test_uniform_not_implemented_is_refused_from_that_stage_on():
     results = perfect_results(CASE)
     for r in results:
         r["error"] = _err("combine")
     v = check_case(CASE, ModeSpec(), results)
     assert v.status["dispatch"] == v.status["dispatch_backward"] == "passed"
-    assert v.status["combine"] == v.status["combine_backward"] == "unsupported"
-    assert not v.failed
+    assert v.status["combine"] == v.status["combine_backward"] == "refused"
+    assert not v.failed and v.refused and "combine: NotImplementedError: not yet" in v.refusal
 
 
 def test_an_error_on_some_ranks_fails_and_shows_the_traceback():
@@ -192,6 +191,100 @@ def test_expected_input_error_must_be_raised_everywhere_with_the_same_text():
             for _ in range(3)]
     v = check_case(bad, ModeSpec(payload="mxfp8"), [{"error": e} for e in errs])
     assert v.status["dispatch"] == "passed" and not v.failed
+    assert v.status["combine"] == "n/a"
     errs[2]["message"] = "epkit: rank 9: something else"
     v = check_case(bad, ModeSpec(payload="mxfp8"), [{"error": e} for e in errs])
     assert v.failed_properties == ["dispatch"]
+
+
+# -- contracts ----------------------------------------------------------------------------------
+from epkit.verify.capabilities import Capabilities  # noqa: E402
+from epkit.verify.checks import sum_bound, ulps  # noqa: E402
+
+PLAIN_CASE = CASE.replace(capacity=None, align=1, nan_padding=False)
+
+
+def _reorder(results, case, rank=0):
+    """Reverse the rows of the first expert with two rows on ``rank`` (a valid reordering):
+    the dispatch fields move, the rows fed back follow their slots."""
+    r = results[rank]
+    d = r["dispatch"]
+    off, tpe = d["expert_offsets"], d["tokens_per_expert"]
+    j = int(np.flatnonzero(tpe >= 2)[0])
+    perm = np.arange(len(d["row_src"]))
+    lo = int(off[j])
+    perm[lo:lo + int(tpe[j])] = perm[lo:lo + int(tpe[j])][::-1]
+    for k in ("expert_x", "row_src", "row_weight"):
+        d[k] = d[k][perm]
+    for k in ("grad_expert_x", "expert_y", "grad_y"):
+        r[k] = r[k][perm]
+    return results
+
+
+def test_a_reordered_layout_passes_reordered_and_fails_exact_with_the_reason():
+    results = _reorder(perfect_results(PLAIN_CASE), PLAIN_CASE)
+    exact = check_case(PLAIN_CASE, ModeSpec(), results, contract="exact")
+    assert exact.failed_properties == ["dispatch"], exact.report()
+    assert exact.met["dispatch"] == "reordered"
+    assert exact.not_exact["dispatch"] == "row order inside experts"
+    for contract in ("reordered", "bounded"):
+        v = check_case(PLAIN_CASE, ModeSpec(), results, contract=contract)
+        assert not v.failed, v.report()
+
+
+def test_reordered_catches_a_mislabelled_row_src_and_a_row_in_the_wrong_expert():
+    results = perfect_results(PLAIN_CASE)
+    src = results[0]["dispatch"]["row_src"]
+    i, j = [m for m in range(len(src)) if src[m, 0] >= 0][:2]
+    src[[i, j]] = src[[j, i]]  # labels swapped, rows not
+    v = check_case(PLAIN_CASE, ModeSpec(), results, contract="bounded")
+    assert "dispatch" in v.failed_properties, v.report()
+    results = perfect_results(PLAIN_CASE)
+    d = results[0]["dispatch"]
+    d["tokens_per_expert"] = d["tokens_per_expert"].copy()
+    d["expert_offsets"] = d["expert_offsets"].copy()
+    d["expert_offsets"][1] += 1  # the first row of expert 1 now sits in expert 0
+    v = check_case(PLAIN_CASE, ModeSpec(), results, contract="reordered")
+    assert "dispatch" in v.failed_properties
+
+
+def test_padding_rows_must_be_zero_unless_declared_ignored():
+    case = PLAIN_CASE.replace(align=4)
+    results = perfect_results(case)
+    d = results[0]["dispatch"]
+    pad = np.flatnonzero(d["row_src"][:, 0] < 0)
+    assert len(pad)
+    d["expert_x"] = d["expert_x"].copy()
+    d["expert_x"][pad[0]] = 1.0
+    assert "dispatch" in check_case(case, ModeSpec(), results, contract="reordered").failed_properties
+    ignored = Capabilities(padding="ignored")
+    v = check_case(case, ModeSpec(), results, contract="reordered", capabilities=ignored)
+    assert not v.failed, v.report()
+    assert "dispatch" in check_case(case, ModeSpec(), results, contract="exact",
+                                    capabilities=ignored).failed_properties
+
+
+def test_bounded_accepts_rounding_and_rejects_a_relative_two_to_minus_nine():
+    case = PLAIN_CASE.replace(dtype="float32", y_dtype="float32")
+    results = perfect_results(case)
+    out = results[0]["out"]
+    t = int(np.flatnonzero(np.abs(out).sum(1) > 0)[0])
+    out[t, 0] = np.nextafter(out[t, 0], np.float32(np.inf))  # one ulp: another order could
+    v = check_case(case, ModeSpec(), results, contract="bounded")
+    assert not v.failed and v.met["combine"] == "bounded" and v.worst["combine"][0] <= 1
+    assert v.not_exact["combine"] == "combine summation order"
+    assert check_case(case, ModeSpec(), results, contract="reordered").failed_properties == [
+        "combine"]
+    out[t, 0] *= np.float32(1 + 2.0**-9)
+    v = check_case(case, ModeSpec(), results, contract="bounded")
+    assert v.failed_properties == ["combine"] and "bounds (" in v.report()
+
+
+def test_the_bound_formula():
+    # one float32 term of magnitude 1: gamma(3, 2**-24) * 1 * (1 + 2**-24) + 2**-24 + tiny
+    b = float(sum_bound(1.0, 1.0, np.array(1.0), "float32"))
+    g = 3 * 2.0**-24 / (1 - 3 * 2.0**-24)
+    assert abs(b - (g * (1 + 2.0**-24) + 2.0**-24 + 3 * 2.0**-133 + 2.0**-53)) < 1e-20
+    assert sum_bound(1.0, 1.0, np.array(4.0), "bfloat16", "bfloat16") > 6 * 2.0**-8
+    assert float(ulps(2.0**-23, 1.0, "float32")) == 1.0
+    assert float(ulps(2.0**-7, 1.0, "bfloat16")) == 1.0

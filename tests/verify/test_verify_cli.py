@@ -100,3 +100,36 @@ def test_nccl_under_torchrun():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"world size {n} (nccl)" in proc.stdout
     assert _last_line(proc.stdout).endswith("passed, 0 failed")
+
+
+def test_contract_supports_and_junit_xml(tmp_path, capsys):
+    import xml.etree.ElementTree as ET
+
+    from verify_testlib import GATE
+
+    xml_path = tmp_path / "v.xml"
+    rc = main(["--world-size", "2", "--examples", "6", "--impl", f"{GATE}:false_green",
+               "--supports", "capacity=no", "--contract", "bounded", "--seed", "2",
+               "--no-progress", "--shrink-seconds", "1", "--junit-xml", str(xml_path)])
+    text = capsys.readouterr().out
+    assert rc == 1 and "contract bounded; capabilities: capacity=no" in text
+    suite = ET.parse(xml_path).getroot()
+    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    assert set(cases) == {"dispatch", "dispatch_backward", "combine", "combine_backward",
+                          "weight_grad"}
+    assert cases["combine"].find("failure") is not None
+    assert cases["dispatch"].find("failure") is None
+    assert int(suite.get("failures")) >= 1
+    assert main(["--supports", "capacity=perhaps", "--impl", PLAIN]) == 2
+
+
+def test_a_short_mode_exits_1_with_a_one_line_reason(capsys):
+    from verify_testlib import MISBEHAVING
+
+    rc = main(["--world-size", "2", "--examples", "4", "--impl",
+               f"{MISBEHAVING}:combine_not_implemented",
+               "--seed", "1", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "default: FAILED: only 0 of 4 examples checked for combine: 4 refused" in text
+    assert not _last_line(text).endswith(" 0 failed")

@@ -7,7 +7,7 @@ import torch
 
 from epkit.verify.adapters import plain_torch
 from epkit.verify.cases import Case
-from epkit.verify.check import check_case
+from epkit.verify.checks import check_case
 from epkit.verify.runner import Suite
 from verify_testlib import PLAIN
 

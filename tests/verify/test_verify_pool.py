@@ -14,7 +14,7 @@ import pytest
 
 from epkit.verify import Pool
 from epkit.verify.cases import Case, ModeSpec
-from epkit.verify.check import check_case
+from epkit.verify.checks import check_case
 
 from verify_testlib import MISBEHAVING, PLAIN
 
@@ -40,7 +40,7 @@ def test_uniform_not_implemented_keeps_the_group(pool):
     results = pool.run(CASE, f"{MISBEHAVING}:combine_not_implemented", ModeSpec())
     assert all(r["error"]["stage"] == "combine" for r in results)
     v = check_case(CASE, ModeSpec(), results)
-    assert v.status["dispatch"] == "passed" and v.status["combine"] == "unsupported"
+    assert v.status["dispatch"] == "passed" and v.status["combine"] == "refused"
     assert pool.restarts == before
 
 
@@ -115,3 +115,15 @@ def test_a_hanging_impl_fails_once_per_mode_without_shrinking(small_pool):
     assert res.failed and time.monotonic() - t0 < 45
     (verdict,) = res.failures
     assert "timeout" in verdict.report()
+
+
+def test_an_error_on_one_rank_does_not_end_the_mode(small_pool):
+    """Only a hang (a case that ran into the timeout) stops a mode; a rank that raises makes
+    its peers give up quickly, the group is rebuilt, and every example still runs."""
+    from epkit.verify.runner import Suite
+
+    res = Suite(small_pool, impl=f"{MISBEHAVING}:raise_on_one_rank", examples=4, seed=1,
+                shrink_seconds=0).run()
+    t = res.tallies["default"]["dispatch"]
+    assert t.requested == 4 and t.failed == 4, res.table()
+    assert "rank 0 gave up" in res.failures[0].report()

@@ -10,3 +10,5 @@ BROKEN = str(HERE / "broken_adapters.py")
 MISBEHAVING = str(HERE / "pool_adapters.py")
 PLAIN = "epkit.verify.adapters:plain_torch"
 WORLD = 3
+GATE = str(HERE / "gate_adapters.py")
+TITAN = str(HERE / "titan_port.py")

@@ -1,0 +1,223 @@
+"""What an implementation says it supports, and the features a draw can be refused for.
+
+A capability is *undeclared* (``None``: drawn; a refusal is redrawn without the feature and
+counted as refused), *declared supported* (drawn; a refusal is a failure) or *declared
+unsupported* (never drawn). Declarations come from, in increasing precedence, the factory's
+``capabilities`` attribute, the mode's (:class:`~epkit.verify.cases.ModeSpec` ``capabilities``)
+and ``--supports KEY=VALUE`` on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["ALIGNS", "ANY", "Capabilities", "FEATURES", "Feature", "parse_supports",
+           "resolve_capabilities"]
+
+ALIGNS = (1, 2, 4, 3, 8)  # the aligns drawn when any is allowed
+ANY = "any"
+INDEX_DTYPES = ("int64", "int32")
+WIDE_TOPK = 8  # a top-k above this is a "wide" draw (max_topk)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Declared capabilities; ``None`` = undeclared (see the module docstring).
+
+    capacity, unused_slots (``-1`` slots), mixed_dtypes (x and expert_y of different dtypes),
+    weighted, unweighted, zero_token_ranks: yes / no. align: ``(1,)``, a tuple of aligns, or
+    ``"any"``. index_dtypes: a tuple of ``int32`` / ``int64``. max_topk: the largest top-k.
+    padding: ``"zeros"`` (padding rows of expert_x / grad expert_y hold zeros) or ``"ignored"``
+    (they are not looked at; contracts reordered / bounded only). accumulate: the accumulation
+    dtype of the sums (``float32`` / ``bfloat16``; ``--accumulate`` overrides it)."""
+
+    capacity: bool | None = None
+    align: tuple | str | None = None
+    unused_slots: bool | None = None
+    mixed_dtypes: bool | None = None
+    weighted: bool | None = None
+    unweighted: bool | None = None
+    index_dtypes: tuple | None = None
+    max_topk: int | None = None
+    zero_token_ranks: bool | None = None
+    padding: str = "zeros"
+    accumulate: str | None = None
+
+    # -- what may be drawn ------------------------------------------------------------------
+    def aligns(self) -> tuple:
+        if self.align is None or self.align == ANY:
+            return ALIGNS
+        return tuple(self.align)
+
+    def allows(self, key: str) -> bool:
+        return getattr(self, key) is not False
+
+    def declared(self, key: str, case=None) -> bool:
+        """Is ``key`` (a feature name) declared supported, for ``case``'s value of it?"""
+        v = getattr(self, key)
+        if v is None:
+            return False
+        if key == "align":
+            return v == ANY or (case is not None and case.align in v)
+        if key == "index_dtypes":
+            return case is not None and case.idx_dtype in v
+        if key == "max_topk":
+            return case is not None and case.topk <= v
+        return v is True
+
+    def merged(self, other: "Capabilities | dict | None") -> "Capabilities":
+        if other is None:
+            return self
+        if isinstance(other, Capabilities):
+            other = {f.name: getattr(other, f.name) for f in dataclasses.fields(other)
+                     if getattr(other, f.name) != getattr(Capabilities(), f.name)}
+        return dataclasses.replace(self, **parse_supports(other))
+
+    def describe(self) -> str:
+        parts = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or (f.name == "padding" and v == "zeros"):
+                continue
+            if isinstance(v, bool):
+                v = "yes" if v else "no"
+            elif isinstance(v, tuple):
+                v = ",".join(str(a) for a in v)
+            parts.append(f"{f.name}={v}")
+        return " ".join(parts) or "undeclared"
+
+
+_BOOL = {"yes": True, "y": True, "true": True, "1": True, "on": True,
+         "no": False, "n": False, "false": False, "0": False, "off": False}
+_KEYS = {f.name for f in dataclasses.fields(Capabilities)}
+
+
+def _value(key: str, raw):
+    if key in ("padding", "accumulate"):
+        v = str(raw).strip().lower()
+        allowed = ("zeros", "ignored") if key == "padding" else ("float32", "bfloat16")
+        if v not in allowed:
+            raise ValueError(f"--supports {key}: expected one of {', '.join(allowed)}, got {raw!r}")
+        return v
+    if key == "align":
+        if isinstance(raw, (tuple, list)):
+            return tuple(int(a) for a in raw)
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return (raw,)
+        v = str(raw).strip().lower()
+        if v == ANY:
+            return ANY
+        try:
+            aligns = tuple(int(a) for a in v.split(",") if a.strip())
+        except ValueError:
+            raise ValueError(f"--supports align: expected 1, a list such as 1,2,4, or any; "
+                             f"got {raw!r}") from None
+        if not aligns or min(aligns) < 1:
+            raise ValueError(f"--supports align: aligns are >= 1, got {raw!r}")
+        return aligns
+    if key == "index_dtypes":
+        names = tuple(raw) if isinstance(raw, (tuple, list)) else tuple(
+            a.strip() for a in str(raw).split(",") if a.strip())
+        bad = [n for n in names if n not in INDEX_DTYPES]
+        if bad or not names:
+            raise ValueError(f"--supports index_dtypes: int32 and/or int64, got {raw!r}")
+        return names
+    if key == "max_topk":
+        v = int(raw)
+        if not 1 <= v <= 255:
+            raise ValueError(f"--supports max_topk: 1..255, got {raw!r}")
+        return v
+    if isinstance(raw, bool):
+        return raw
+    v = _BOOL.get(str(raw).strip().lower())
+    if v is None:
+        raise ValueError(f"--supports {key}: expected yes or no, got {raw!r}")
+    return v
+
+
+def parse_supports(items) -> dict:
+    """``["capacity=no", "align=1,2"]`` or ``{"capacity": False}`` -> validated field values."""
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for item in items or ():
+            if isinstance(item, tuple):
+                pairs.append(item)
+                continue
+            key, sep, val = str(item).partition("=")
+            if not sep:
+                raise ValueError(f"--supports wants KEY=VALUE, got {item!r}")
+            pairs.append((key, val))
+    out = {}
+    for key, raw in pairs:
+        key = key.strip().replace("-", "_")
+        if key not in _KEYS:
+            raise ValueError(f"--supports: unknown key {key!r} (known: {', '.join(sorted(_KEYS))})")
+        out[key] = _value(key, raw)
+    if out.get("weighted") is False and out.get("unweighted") is False:
+        raise ValueError("--supports: weighted=no and unweighted=no leave nothing to draw")
+    return out
+
+
+def resolve_capabilities(factory, mode, supports=None) -> Capabilities:
+    """The factory's ``capabilities``, then the mode's, then ``supports`` (the CLI's)."""
+    caps = Capabilities()
+    for layer in (getattr(factory, "capabilities", None), getattr(mode, "capabilities", None),
+                  supports):
+        if layer:
+            caps = caps.merged(dict(layer) if isinstance(layer, tuple) else layer)
+    return caps
+
+
+# -- features a refusal can be attributed to ------------------------------------------------
+@dataclass(frozen=True)
+class Feature:
+    """A refusable feature of a case: ``present(case)`` and ``remove(case)`` (the same case
+    without it); ``key`` is the capability that declares it, ``words`` hint at it in a
+    refusal's message."""
+
+    key: str
+    present: object
+    remove: object
+    words: tuple = ()
+
+
+def _has_unused(case) -> bool:
+    _, idx, _ = case.all_inputs()
+    return any((i < 0).any() for i in idx)
+
+
+def _no_unused(case):
+    if case.routing == "uniform":
+        return case.replace(topk=min(case.topk, case.world_size))
+    return case.replace(routing="random" if case.routing == "grouped" else case.routing,
+                        topk=min(case.topk, case.num_experts), unused_pct=0)
+
+
+def _no_zero_ranks(case):
+    if case.routing == "uniform":
+        return case.replace(tokens=tuple(t or case.world_size for t in case.tokens))
+    return case.replace(tokens=tuple(t or 1 for t in case.tokens))
+
+
+FEATURES = (
+    Feature("capacity", lambda c: c.capacity is not None, lambda c: c.replace(capacity=None),
+            ("capacity", "drop")),
+    Feature("align", lambda c: c.align != 1, lambda c: c.replace(align=1), ("align", "pad")),
+    Feature("unused_slots", _has_unused, _no_unused, ("-1", "unused", "negative")),
+    Feature("mixed_dtypes", lambda c: c.y_dtype != c.dtype,
+            lambda c: c.replace(y_dtype=c.dtype), ("dtype",)),
+    Feature("weighted", lambda c: c.weighted, lambda c: c.replace(weighted=False),
+            ("weight", "prob")),
+    Feature("unweighted", lambda c: not c.weighted, lambda c: c.replace(weighted=True),
+            ("unweighted", "weight")),
+    Feature("index_dtypes", lambda c: True,
+            lambda c: c.replace(idx_dtype="int32" if c.idx_dtype == "int64" else "int64"),
+            ("int32", "int64", "index", "idx")),
+    Feature("max_topk", lambda c: c.topk > WIDE_TOPK, lambda c: c.replace(topk=WIDE_TOPK),
+            ("topk", "top-k", "top_k")),
+    Feature("zero_token_ranks", lambda c: 0 in c.tokens, _no_zero_ranks,
+            ("zero", "empty", "no tokens")),
+)
