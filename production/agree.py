@@ -128,7 +128,8 @@ def group_error(h: torch.Tensor) -> torch.Tensor:
     for bad, code, a, b in reversed(checks):  # the earliest check that fires is kept last
         first = torch.where(bad, ranks, R).min()
         at = first.clamp(max=R - 1)
-        code = torch.as_tensor(code, dtype=torch.int64, device=h.device).expand(R)
+        if not isinstance(code, torch.Tensor):  # a fill, not a host copy (CUDA-graph capture)
+            code = torch.full((R,), int(code), dtype=torch.int64, device=h.device)
         found = torch.stack([code[at], at, a[at], b[at]])
         out = torch.where(first < R, found, out)
     return out
@@ -144,11 +145,17 @@ def agree(group, words: list[int], what: str) -> None:
     words = list(words)
     words[W_SEQ] = state.seq
     dev = small_device(group)
-    mine = torch.tensor(words, dtype=torch.int64, device=dev)
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:  # no host-to-device copy in a capture: the words become fill kernels
+        mine = torch.empty(HEADER, dtype=torch.int64, device=dev)
+        for i, v in enumerate(words):
+            mine[i] = v
+    else:
+        mine = torch.tensor(words, dtype=torch.int64, device=dev)
     gathered = torch.empty(R * HEADER, dtype=torch.int64, device=dev)
     all_gather(gathered, mine, group, what)
     h = gathered.view(R, HEADER)
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing:
         # No host read inside a capture: the error waits on the device for raise_pending.
         state.pending.append((group_error(h), h))
         state.seq += 1

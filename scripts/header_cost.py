@@ -1,0 +1,88 @@
+"""What the call header costs (docs/reliability.md 1b): the 18-word all-gather every epkit call
+opens with, against a whole dispatch + combine + backward step, on a local gloo group.
+
+    .venv/bin/python scripts/header_cost.py [--ranks 4] [--tokens 2048] [--hidden 1024]
+
+A step makes four headers (dispatch, combine and their backward passes). Prints the median of
+the header alone and of the step, and the share of the step the four headers take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank(rank, args, store_path, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, args.ranks), rank=rank,
+                            world_size=args.ranks)
+    import epkit
+    from epkit import agree
+
+    group = dist.group.WORLD
+    words = agree.header(agree.EXCHANGE, agree.NO_OPTIONS, (0, 0, 0))
+    head = []
+    for i in range(args.header_iters + 20):
+        t0 = time.perf_counter()
+        agree.agree(group, words, "header_cost")
+        if i >= 20:
+            head.append(time.perf_counter() - t0)
+    g = torch.Generator().manual_seed(rank)
+    T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_(True)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g).requires_grad_(True)
+    disp = epkit.Dispatcher(group, E)
+    steps = []
+    for i in range(args.steps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        d = disp.dispatch(x, idx, w)
+        y = disp.combine(d.expert_x * 2, d)
+        y.float().sum().backward()
+        if i >= 2:
+            steps.append(time.perf_counter() - t0)
+    if rank == 0:
+        results.put((statistics.median(head), statistics.median(steps)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--header-iters", type=int, default=500)
+    args = ap.parse_args()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(tempfile.mkdtemp(prefix="epkit-header-"), "store")
+    procs = [ctx.Process(target=_rank, args=(r, args, store, results)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    head, step = results.get(timeout=1200)
+    for p in procs:
+        p.join()
+    print(f"header_cost: {args.ranks} gloo ranks, T={args.tokens} H={args.hidden} "
+          f"E={args.experts} K={args.topk} bfloat16")
+    print(f"  one call header (18-word all-gather): {head * 1e6:.0f} us (median of "
+          f"{args.header_iters})")
+    print(f"  dispatch + combine + backward step:   {step * 1e3:.1f} ms (median of {args.steps})")
+    print(f"  four headers per step: {4 * head / step * 100:.2f} % of the step")
+
+
+if __name__ == "__main__":
+    main()

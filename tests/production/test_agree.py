@@ -1,0 +1,63 @@
+"""The call header's decision (production/agree.py) on synthetic gathered headers: which error
+wins, which rank it names; and the pending path CUDA-graph capture uses, read by
+raise_pending (docs/reliability.md 1b)."""
+
+import pytest
+import torch
+
+from epkit import agree
+from epkit.reference.errors import InputError, Reason
+
+OPTS = [8, 1, -1, 1, 3, 0, -1]  # E, align, capacity, dedup, auto, no payload, no max_tokens
+
+
+def headers(R, **edits):
+    """``[R, HEADER]``: R identical dispatch headers at call 5, then ``edits[rank] = {word: v}``."""
+    h = torch.tensor([agree.header(agree.DISPATCH, OPTS, (0, 0, 0))] * R)
+    h[:, agree.W_SEQ] = 5
+    for rank, words in edits.items():
+        for w, v in words.items():
+            h[int(rank[1:]), w] = v
+    return h
+
+
+def decide(h):
+    return tuple(agree.group_error(h).tolist())
+
+
+def test_agreement_is_no_error():
+    assert decide(headers(4)) == (0, 0, 0, 0)
+
+
+def test_lowest_bad_rank_is_named():
+    h = headers(4, r2={agree.W_CODE: int(Reason.ALIGN), agree.W_A: 0},
+                r3={agree.W_CODE: int(Reason.CAPACITY), agree.W_A: -1})
+    assert decide(h) == (int(Reason.ALIGN), 2, 0, 0)
+
+
+def test_out_of_step_beats_a_local_error():
+    h = headers(3, r1={agree.W_CODE: int(Reason.ALIGN)}, r2={agree.W_OP: agree.COMBINE})
+    assert decide(h) == (int(Reason.CALL_MISMATCH), 2, agree.COMBINE, agree.DISPATCH)
+    h = headers(3, r1={agree.W_SEQ: 9}, r2={agree.W_CODE: int(Reason.ALIGN)})
+    assert decide(h) == (int(Reason.CALL_SEQUENCE), 1, 9, 5)
+    h = headers(2, r1={agree.W_MAGIC: 0})  # a collective that is not an epkit call
+    assert decide(h)[:2] == (int(Reason.CALL_MISMATCH), 1)
+
+
+def test_local_errors_beat_option_mismatches_which_go_in_order():
+    h = headers(3, r1={agree.W_E: 16}, r2={agree.W_CODE: int(Reason.X_DTYPE), agree.W_A: 3})
+    assert decide(h) == (int(Reason.X_DTYPE), 2, 3, 0)
+    h = headers(3, r1={agree.W_TRANSPORT: 0}, r2={agree.W_E: 16})
+    assert decide(h) == (int(Reason.NUM_EXPERTS_MISMATCH), 2, 16, 8)  # E is checked first
+
+
+def test_pending_errors_raise_later_and_resync():
+    g = type("Group", (), {"group_name": "test-agree-pending"})()
+    state = agree._state(g)
+    bad = headers(2, r1={agree.W_SEQ: 7})
+    state.pending.append((agree.group_error(bad), bad))
+    with pytest.raises(InputError) as err:
+        agree.raise_pending(g)
+    assert err.value.code == Reason.CALL_SEQUENCE and err.value.rank == 1
+    assert state.seq == 8 and not state.pending  # everyone's next call carries 8
+    agree.raise_pending(g)  # nothing left: no error
