@@ -2,13 +2,16 @@
 
     torchrun --nproc-per-node 2 examples/train_moe.py --steps 50      # expert parallel
     python examples/train_moe.py --dense --steps 50                    # the same model, one process
+    torchrun --nproc-per-node 2 examples/train_moe.py --compare-dense  # both at once, side by side
 
 gloo on CPU, NCCL on GPU (one GPU per rank). Every rank builds the same dense model from the
 seed, ``epkit.nn.to_expert_parallel`` keeps each rank's experts, every rank trains on its share
 of each global batch, and the replicated parameters' gradients are summed over the group
 (``sync_replicated_grads``). Each rank's loss is its tokens' cross-entropy sum divided by the
 global token count, so the group's summed loss and gradients are the dense model's on the whole
-batch: the per-step losses of the two runs agree to float32 rounding.
+batch: the per-step losses of the two runs agree to float32 rounding. ``--compare-dense``
+checks it in one run: rank 0 also trains the dense model (DenseMoE layers, its own optimizer)
+on the whole global batch and prints both losses and their difference every step.
 
 The data: sequences over a vocabulary of ``V`` tokens where the next token is ``(3 * t + 1) % V``
 most of the time and random otherwise, so the loss falls from ``log V`` towards the noise floor.
@@ -98,8 +101,15 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense", action="store_true", help="one process, DenseMoE (the reference run)")
     p.add_argument("--losses", help="write the per-step losses here (JSON list), rank 0")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--compare-dense", action="store_true",
+                   help="rank 0 also trains the dense model on the whole batch and reports the "
+                        "difference of the losses every step")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (the per-step losses are still printed)")
+    args = p.parse_args(argv)
+    if args.compare_dense and args.dense:
+        p.error("--compare-dense runs the dense model beside the expert-parallel one: drop --dense")
+    return args
 
 
 def setup_distributed():
@@ -128,22 +138,31 @@ def train(args) -> list[float]:
     torch.manual_seed(args.seed)
     model = TinyMoELM(args.vocab, args.seq, args.hidden, args.ffn, args.experts, args.top_k,
                       args.layers, shared=args.shared_expert).to(device)
+    dense = dense_opt = None
+    if args.compare_dense and rank == 0:  # the dense twin: same weights, trained on it all
+        import copy
+
+        dense = copy.deepcopy(model)
+        dense_opt = torch.optim.AdamW(dense.parameters(), lr=args.lr, weight_decay=0.01)
     if not args.dense:
         model = enn.to_expert_parallel(model)  # keeps this rank's experts, router replicated
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     tokens_per_step = args.batch * args.seq
-    losses = []
+    losses, gaps = [], []
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
         mode = "dense" if args.dense else f"expert-parallel x{world}"
         bar = tqdm(total=args.steps, desc=f"train_moe ({mode})", file=sys.stderr)
+    def loss_of(net, seqs):
+        logits = net(seqs[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, args.vocab).float(), seqs[:, 1:].reshape(-1),
+                               reduction="sum") / tokens_per_step
+
     for step in range(args.steps):
         seqs = torch.tensor_split(batch(step, args), world)[rank].to(device)  # this rank's share
-        logits = model(seqs[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), seqs[:, 1:].reshape(-1),
-                               reduction="sum") / tokens_per_step
+        loss = loss_of(model, seqs)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         total = loss.detach().clone()
@@ -152,12 +171,25 @@ def train(args) -> list[float]:
             dist.all_reduce(total)
         opt.step()
         losses.append(total.item())
+        line = f"step {step:4d}  loss {losses[-1]:.6f}"
+        if dense is not None:
+            dense_loss = loss_of(dense, batch(step, args).to(device))
+            dense_opt.zero_grad(set_to_none=True)
+            dense_loss.backward()
+            dense_opt.step()
+            gaps.append(abs(losses[-1] - dense_loss.item()) / abs(dense_loss.item()))
+            line += f"  dense {dense_loss.item():.6f}  relative difference {gaps[-1]:.1e}"
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            bar.write(f"step {step:4d}  loss {losses[-1]:.6f}", file=sys.stdout)
+            bar.write(line, file=sys.stdout)
+        elif rank == 0:
+            print(line, flush=True)
     if bar is not None:
         bar.close()
+    if gaps:
+        print(f"expert-parallel x{world} against dense: largest relative loss difference "
+              f"{max(gaps):.1e} over {len(gaps)} steps (float32 sums in another order)", flush=True)
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
@@ -168,7 +200,7 @@ def train(args) -> list[float]:
         import gc
 
         dist.barrier()
-        del model, opt, logits, loss, total
+        del model, opt, loss, total
         gc.collect()
         dist.destroy_process_group()
     return losses

@@ -7,9 +7,11 @@ over the padded exchange, and the floor (bare ``all_to_all_single`` calls moving
 dedup's bytes). A row's figure is the median over the timed iterations of the slowest rank's
 time (see :mod:`epkit.bench_group`). Also: the lazy exchange overlapping independent compute,
 and epkit's local kernels against memcpy (:mod:`epkit.bench_kernels`).
+A progress bar runs on stderr (where it is a terminal) and each table prints as soon as its
+part of the run finishes.
 
     epkit bench                          # the default workload, full report
-    epkit bench --quick --json out.json  # under 45 s on a 2-core machine
+    epkit bench --quick --json out.json  # about 30 s on 2 idle cores, 60 s at a load of 4
     epkit bench --plot docs/bench.png    # adds the sweeps over tokens per rank and world size
 
 Figures of merit (in the JSON):
@@ -37,28 +39,33 @@ ALLOC_ENV = {"default": {}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
              "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}}
 ALLOC_VARS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 ALL_METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
+QUICK_DURATION = ("measured: about 30 s on 2 idle cores, 60 s at a load of 4; the first "
+                  "extension build aside")
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
+    from epkit.cli import HelpFormatter
+
     ap = argparse.ArgumentParser(prog="epkit bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--world-size", type=int, default=4, help="ranks of the local gloo group")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per rank")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size H of a token row")
+    ap.add_argument("--topk", type=int, default=8, help="experts per token K")
+    ap.add_argument("--experts", type=int, default=64, help="experts E (a multiple of --world-size)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="token dtype")
     ap.add_argument("--iters", type=int, default=20, help="timed iterations (at least 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (at least 1)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of every rank's inputs")
     ap.add_argument("--quick", action="store_true",
                     help="10 iterations, 2 warm-up rounds, no padded plain-torch row, no overlap "
-                         "rows, kernels at one thread (under 45 s)")
+                         f"rows, kernels at one thread ({QUICK_DURATION})")
     ap.add_argument("--json", metavar="PATH", help="write every row and the ratios here")
     ap.add_argument("--plot", metavar="PATH",
                     help="PNG of time against tokens per rank and against world size (runs "
@@ -86,6 +93,13 @@ def parse_args(argv):
                          "large buffers are reused rather than mapped and first-touched anew")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait before the group gives up")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="no progress bar (it is shown on stderr when stderr is a terminal)")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.iters, args.warmup = 10, 2
@@ -118,9 +132,11 @@ def parse_args(argv):
 
 # ---- running a group -----------------------------------------------------------------------
 
-def run_group(world: int, cfg: dict, deadline_s: float) -> dict:
+def run_group(world: int, cfg: dict, deadline_s: float, on_message=None) -> dict:
     """Spawn ``world`` ranks (FileStore rendezvous in a private temp dir, so no port is
-    raced for), run :func:`epkit.bench_group.worker` on each, return rank 0's result."""
+    raced for), run :func:`epkit.bench_group.worker` on each, return rank 0's result.
+    ``on_message(kind, payload)``: rank 0's reports as it goes (``"progress"``, then each
+    finished part: ``"workload"``, ``"kernels"``, ``"overlap"``, ``"profile"``)."""
     from epkit import bench_group
     from epkit.verify.pool import _NoMainImport
 
@@ -146,6 +162,10 @@ def run_group(world: int, cfg: dict, deadline_s: float) -> dict:
                 elif any(p.exitcode not in (None, 0) for p in procs):
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                     error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+                continue
+            if status not in ("ok", "error"):
+                if on_message is not None:
+                    on_message(status, payload)
                 continue
             pending -= 1
             if status == "error":
@@ -275,42 +295,115 @@ def format_kernels(kr: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, results: dict, args) -> None:
+STYLE = {"epkit dedup": ("C0", "o", "-"), "epkit pairs": ("C1", "s", "-"),
+         "plain-torch": ("C3", "^", "-"), "plain-torch padded": ("C4", "v", "--"),
+         "floor": ("0.35", "D", ":")}
+LABELS = {"floor": "floor: bare all_to_all_single of epkit dedup's bytes"}
+
+
+def _log_ticks(ax, values) -> None:
+    """Log y axis with ticks at 1, 2, 5 x 10^n labelled in plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    lo, hi = min(values), max(values)
+    ax.set_ylim(lo / 1.6, hi * 1.6)
+
+
+def _panel(ax, rows, key, fixed, fixed_value, xscale) -> list[float]:
+    """One panel: median ms against ``key`` (tokens or world size) at ``fixed = fixed_value``;
+    every non-epkit-dedup point annotated with its ratio to epkit dedup at the same x."""
+    pts = {}
+    for r in rows:
+        if r[fixed] == fixed_value:
+            pts.setdefault(r["name"], {})[r[key]] = r["median_ms"]
+    base = pts.get("epkit dedup", {})
+    values = []
+    for name in ALL_METHODS:
+        if name not in pts:
+            continue
+        xs = sorted(pts[name])
+        ys = [pts[name][x] for x in xs]
+        values += ys
+        color, marker, ls = STYLE[name]
+        ax.plot(xs, ys, marker=marker, ls=ls, color=color, label=LABELS.get(name, name))
+        if name == "epkit dedup":
+            continue
+        for x, y in zip(xs, ys):
+            if x not in base:
+                continue
+            text = (f"÷{base[x] / y:.1f}" if name == "floor" else f"×{y / base[x]:.1f}")
+            ax.annotate(text, (x, y), textcoords="offset points", fontsize=7, color=color,
+                        xytext=(5, -10 if name == "floor" else 3),
+                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.75))
+    xs = sorted({r[key] for r in rows if r[fixed] == fixed_value})
+    ax.set_xscale(xscale)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.margins(x=0.1)
+    return values
+
+
+def plot(path: str, results: dict, args=None) -> None:
+    """Time against tokens per rank and against world size; ``args``: the run's options
+    (default: ``results["config"]``, so a JSON written by ``--json`` replots alone)."""
+    import types
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if args is None:
+        args = types.SimpleNamespace(**results["config"])
     rows = results["rows"]
-    for name in ALL_METHODS:
-        pts = sorted((r["tokens"], r["median_ms"]) for r in rows
-                     if r["name"] == name and r["world_size"] == args.world_size)
-        if pts:
-            a.plot(*zip(*pts), marker="o", label=name)
-        pts = sorted((r["world_size"], r["median_ms"]) for r in rows
-                     if r["name"] == name and r["tokens"] == args.tokens)
-        if pts:
-            b.plot(*zip(*pts), marker="o", label=name)
-    a.set(xscale="log", yscale="log", xlabel="tokens per rank",
-          ylabel="median ms (fwd + bwd, max over ranks)",
-          title=f"{args.world_size} ranks, hidden {args.hidden}, top-{args.topk}/{args.experts}")
-    b.set(yscale="log", xlabel="world size (ranks)", ylabel="median ms",
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2), layout="constrained")
+    va = _panel(a, rows, "tokens", "world_size", args.world_size, "log")
+    vb = _panel(b, rows, "world_size", "tokens", args.tokens, "linear")
+    a.set(xlabel="tokens per rank",
+          ylabel="median ms per step (forward + backward, slowest rank)",
+          title=f"{args.world_size} ranks, hidden {args.hidden}, top-{args.topk} of "
+                f"{args.experts} experts")
+    b.set(xlabel="world size (ranks)", ylabel="median ms per step",
           title=f"{args.tokens} tokens per rank")
-    b.set_xticks(sorted({r["world_size"] for r in rows}))
-    ticks = sorted({r["tokens"] for r in rows if r["world_size"] == args.world_size})
-    a.set_xticks(ticks, [str(t) for t in ticks])
-    a.minorticks_off()
-    for ax in (a, b):
-        ax.grid(True, which="both", alpha=0.3)
-    a.legend(fontsize=8)
-    fig.suptitle(f"epkit bench, gloo on {os.cpu_count()} CPU cores, {args.dtype}", fontsize=10)
-    fig.tight_layout()
+    for ax, vals in ((a, va), (b, vb)):
+        if vals:
+            _log_ticks(ax, vals)
+        ax.grid(True, which="major", alpha=0.3)
+    a.legend(fontsize=8, loc="upper left")
+    machine = results.get("machine", {})
+    load = ""
+    if "loadavg_start" in machine and "loadavg_end" in machine:
+        load = (f" (1-minute load {machine['loadavg_start'][0]:.1f} at the start, "
+                f"{machine['loadavg_end'][0]:.1f} at the end)")
+    fig.suptitle(f"epkit bench: dispatch -> identity expert -> combine, gloo on "
+                 f"{machine.get('cores', os.cpu_count())} CPU cores{load}, {args.dtype}",
+                 fontsize=11)
+    fig.text(0.01, 0.005,
+             "Numbers beside the points: ×r = that row's time ÷ epkit dedup's at the same x "
+             "(plain-torch's r is speedup_vs_naive); ÷r on the floor = epkit dedup's time ÷ the "
+             "floor's (overhead_vs_exchange, target ≤ 1.3).\nThe floor replays exactly the "
+             "all_to_all_single calls of one epkit dedup step (same split sizes and bytes, "
+             "buffers made once): the exchange alone, no packing, no plan, no autograd.",
+             fontsize=8, ha="left", va="bottom")
+    fig.get_layout_engine().set(rect=(0, 0.07, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 # ---- main ----------------------------------------------------------------------------------
+
+def _progress_bar(total: int, off: bool):
+    """A tqdm bar on stderr (shown where stderr is a terminal, never with ``off``); its
+    ``write`` prints a table above it."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="epkit bench", unit="round", file=sys.stderr,
+                disable=True if off else None, dynamic_ncols=True, leave=False)
+
 
 def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -336,34 +429,48 @@ def main(argv=None) -> int:
           f"hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts, {args.dtype}, forward + backward; "
           f"median of {args.iters} iterations after {args.warmup} warm-up", flush=True)
-    main_run = run_group(args.world_size, cfg, deadline)
-    workloads = list(main_run["workloads"])
+    groups = [(args.world_size, cfg)]
     if args.plot:
-        for w in args.sweep_world:
-            if w != args.world_size:
-                sub = dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
-                           kernel_threads=[])
-                workloads += run_group(w, sub, deadline)["workloads"]
+        groups += [(w, dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
+                            kernel_threads=[])) for w in args.sweep_world if w != args.world_size]
+    from epkit.bench_group import progress_units
+
+    bar = _progress_bar(sum(progress_units(c) for _, c in groups), args.no_progress)
+    first = []
+
+    def on_message(kind, payload):
+        if kind == "progress":
+            bar.update(payload)
+            return
+        if kind == "workload":
+            if first:
+                text = format_table(table_rows(payload), f"{payload['world_size']} ranks, "
+                                                         f"{payload['tokens']} tokens/rank:")
+            else:
+                first.append(payload)
+                text = format_table(table_rows(payload), (
+                    f"{args.world_size} ranks, {args.tokens} tokens/rank (algo GB/s: epkit "
+                    f"dedup's {payload['algo_bytes'] / 1e6:.1f} MB per rank / time):"))
+        else:
+            text = {"kernels": format_kernels, "overlap": format_overlap,
+                    "profile": format_profile}[kind](payload)
+        bar.write("\n" + text, file=sys.stdout)
+        sys.stdout.flush()
+
+    try:
+        runs = [run_group(w, c, deadline, on_message) for w, c in groups]
+    finally:
+        bar.close()
+    main_run = runs[0]
+    workloads = [wl for run in runs for wl in run["workloads"]]
     rows = [r for wl in workloads for r in table_rows(wl)]
     head = table_rows(workloads[0])
     figures = ratios(head)
-    print()
-    print(format_table(head, f"{args.world_size} ranks, {args.tokens} tokens/rank "
-                             f"(algo GB/s: epkit dedup's {workloads[0]['algo_bytes'] / 1e6:.1f} "
-                             "MB per rank / time):"))
-    for wl in workloads[1:]:
-        print(format_table(table_rows(wl),
-                           f"{wl['world_size']} ranks, {wl['tokens']} tokens/rank:"))
     results = {"machine": info, "config": {k: v for k, v in vars(args).items()},
                "rows": rows, **figures}
-    if "overlap" in main_run:
-        results["overlap"] = main_run["overlap"]
-        print()
-        print(format_overlap(main_run["overlap"]))
-    if "profile" in main_run:
-        results["profile"] = main_run["profile"]
-        print()
-        print(format_profile(main_run["profile"]))
+    for key in ("overlap", "profile"):
+        if key in main_run:
+            results[key] = main_run[key]
     kr = workloads[0].get("kernels")
     if kr:
         results["kernels"] = kr
@@ -372,8 +479,6 @@ def main(argv=None) -> int:
                      if k["transport"] == tr and "pack" in k["rows"]]
             if packs:
                 results[key] = packs[0]
-        print()
-        print(format_kernels(kr))
     results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}
     print("\nfigures of merit:")
     print("\n".join(target_lines(results)))

@@ -36,6 +36,20 @@ import torch.distributed as dist
 
 METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
 
+# Rank 0 reports to the parent as it goes (set by :func:`worker`): ``_emit("progress", n)``
+# after every n rounds or kernel replays, ``_emit(part, result)`` as each part finishes, so
+# ``epkit bench`` moves its progress bar and prints each table at once. Other ranks: no-op.
+_emit = lambda kind, payload: None  # noqa: E731
+
+
+def progress_units(cfg: dict) -> int:
+    """How many ``progress`` units one group reports with ``cfg`` (the bar's total)."""
+    rounds = cfg["warmup"] + cfg["iters"]
+    n = rounds * len(cfg["token_list"])
+    if cfg.get("kernel_threads") and cfg["tokens"] in cfg["token_list"]:
+        n += 2 * len(cfg["kernel_threads"])
+    return n + (rounds if cfg.get("overlap") else 0) + (1 if cfg.get("profile") else 0)
+
 
 # ---- recording what each step hands to all_to_all_single ----------------------------------
 
@@ -172,6 +186,7 @@ def interleaved(steps: dict, warmup: int, iters: int, group, record: set = froze
             t1 = time.perf_counter()
             if i >= warmup:
                 local[name].append(t1 - t0)
+        _emit("progress", 1)
     return {name: _gather_max(v, group) for name, v in local.items()}, recorders
 
 
@@ -211,8 +226,10 @@ def run_workload(cfg: dict, T: int, group) -> dict:
                           exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]])
     algo = _reduce_max(rec.bytes_sent(), group)
     out = {"tokens": T, "world_size": R, "algo_bytes": algo, "rows": rows}
+    _emit("workload", dict(out))
     if cfg.get("kernel_threads") and T == cfg["tokens"]:
         out["kernels"] = run_kernels(cfg, group, x, idx, w, grad)
+        _emit("kernels", out["kernels"])
     return out
 
 
@@ -231,6 +248,7 @@ def run_kernels(cfg: dict, group, x, idx, w, grad) -> list:
             for threads in cfg["kernel_threads"]:
                 out.append(dict(replay(rec.calls, cfg["kernel_reps"], threads),
                                 transport=transport))
+                _emit("progress", 1)
         dist.barrier(group)
     return out
 
@@ -355,6 +373,9 @@ def _die_with_parent(parent_pid: int):
 def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int) -> None:
     """Entry point of one rank (spawned by :func:`epkit.bench.run_group`)."""
     _die_with_parent(parent_pid)
+    global _emit
+    if rank == 0:
+        _emit = lambda kind, payload: queue.put((rank, kind, payload))  # noqa: E731
     try:
         torch.set_num_threads(cfg["threads"])
         dist.init_process_group("gloo", init_method="file://" + store, rank=rank,
@@ -368,8 +389,11 @@ def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int)
             result["workloads"].append(run_workload(cfg, T, group))
         if cfg.get("overlap"):
             result["overlap"] = run_overlap(cfg, group)
+            _emit("overlap", result["overlap"])
         if cfg.get("profile"):
             result["profile"] = run_profile(cfg, group)
+            _emit("progress", 1)
+            _emit("profile", result["profile"])
         queue.put((rank, "ok", result if rank == 0 else None))
         dist.barrier()
         dist.destroy_process_group()

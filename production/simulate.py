@@ -297,55 +297,149 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+# colour-bar ticks, coarse to fine: the finest levels that leave at most 9 ticks in range
+TICK_LEVELS = ((1.0, 0.1, 10.0, 0.01, 100.0, 0.001, 1000.0), (0.5, 2.0, 0.05, 20.0, 0.005, 200.0),
+               (0.2, 5.0, 0.02, 50.0, 0.002, 500.0), (0.8, 1.25), (0.67, 1.5, 0.33, 3.0),
+               (0.9, 1.1))
+
+
+def relative_ticks(m: float) -> list[float]:
+    """Round factors within ``[1/m, m]``: all of a level or none, at most 9 (at least 1)."""
+    ticks: list[float] = []
+    for level in TICK_LEVELS:
+        more = [t for t in level if 1 / m <= t <= m]
+        if len(ticks) + len(more) > 9:
+            break
+        ticks += more
+    return sorted(ticks)
+
+
+def _times(v: float) -> str:
+    return f"×{v:g}"
+
+
+def _relative(B: np.ndarray):
+    """``(off, mean, rel)``: the bytes without the diagonal, the mean off-diagonal pair, and
+    every pair divided by that mean."""
+    R = B.shape[0]
+    off = B.astype(np.float64).copy()
+    np.fill_diagonal(off, 0.0)
+    mean = off.sum() / max(1, R * (R - 1))
+    return off, mean, (off / mean if mean > 0 else off)
+
+
+def heatmap_caption(B: np.ndarray) -> str:
+    """The heatmap's caption: what to look for, and how much of it this matrix holds."""
+    R = B.shape[0]
+    off, mean, rel = _relative(B)
+    cols, rows = off.sum(0), off.sum(1)
+    hot_col, hot_row = int(cols.argmax()), int(rows.argmax())
+    cmean, rmean = cols.mean() or 1.0, rows.mean() or 1.0
+    spread = float(np.percentile(np.abs(rel[~np.eye(R, dtype=bool)] - 1), 90)) if R > 1 else 0.0
+    return (f"What to look for: a red column is a destination rank receiving more than its "
+            f"share (hot experts), a red row a source sending more; pale means even.\n"
+            f"Here: hottest destination rank {hot_col} receives ×{cols[hot_col] / cmean:.2f} "
+            f"the mean; busiest source rank {hot_row} sends ×{rows[hot_row] / rmean:.2f}; "
+            f"90 % of pairs lie within ±{100 * spread:.0f} % of the mean pair. Grey: the "
+            "diagonal (a local copy, not sent) and empty pairs.")
+
+
 def heatmap(path: str, B: np.ndarray, title: str, ranks_per_node: int) -> None:
+    """The ``[R, R]`` byte matrix as each pair's bytes relative to the mean pair: a diverging
+    colour scale centred on the mean (white), logarithmic and symmetric (``×1/m`` to ``×m``, at
+    least ``×0.8`` to ``×1.25``), ticks at round factors (:func:`relative_ticks`); the diagonal
+    (a local copy) and empty pairs grey; node boundaries drawn and labelled; a caption saying
+    what to look for and naming the hottest column and row (:func:`heatmap_caption`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     R = B.shape[0]
-    data = np.ma.masked_equal(B.astype(np.float64) / 1e6, 0)
-    fig, ax = plt.subplots(figsize=(6.4, 5.4))
-    norm = LogNorm(vmin=max(float(data.min()), 1e-6), vmax=max(float(data.max()), 1e-6)) \
-        if data.count() else None
-    im = ax.imshow(data, cmap="viridis", norm=norm, interpolation="nearest")
-    fig.colorbar(im, ax=ax, label="MB sent (log scale)")
-    if 1 < ranks_per_node < R and R // ranks_per_node <= 64:
-        for b in range(ranks_per_node, R, ranks_per_node):
-            ax.axhline(b - 0.5, color="white", lw=0.4, alpha=0.6)
-            ax.axvline(b - 0.5, color="white", lw=0.4, alpha=0.6)
-    ax.set(xlabel="destination rank", ylabel="source rank", title=title)
-    ax.title.set_fontsize(9)
-    fig.tight_layout()
+    _, mean, rel = _relative(B)
+    data = np.ma.masked_less_equal(rel, 0.0)
+    m = max(1.25, float(data.max()) if data.count() else 1.0,
+            1.0 / float(data.min()) if data.count() else 1.0)
+    cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.8")
+    fig = plt.figure(figsize=(7.6, 7.4), layout="constrained")
+    ax = fig.add_subplot()
+    im = ax.imshow(data, cmap=cmap, norm=LogNorm(vmin=1 / m, vmax=m), interpolation="nearest")
+    cb = fig.colorbar(im, ax=ax, shrink=0.82, pad=0.02)
+    ticks = relative_ticks(m)
+    cb.ax.yaxis.set_major_locator(FixedLocator(ticks))
+    cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _times(v)))
+    cb.ax.yaxis.set_minor_locator(NullLocator())
+    cb.set_label(f"bytes sent / the mean pair's {mean / 1e6:,.2f} MB (log scale; white = mean)")
+    nodes = R // ranks_per_node if 1 < ranks_per_node < R and R % ranks_per_node == 0 else 0
+    if nodes:
+        if nodes <= 64:
+            alpha = 0.5 if nodes <= 16 else 0.25
+            for b in range(ranks_per_node, R, ranks_per_node):
+                ax.axhline(b - 0.5, color="black", lw=0.5, alpha=alpha)
+                ax.axvline(b - 0.5, color="black", lw=0.5, alpha=alpha)
+        every = max(1, math.ceil(nodes / 16))  # at most 16 node labels per axis
+        centres = [n * ranks_per_node + (ranks_per_node - 1) / 2 for n in range(0, nodes, every)]
+        labels = [f"node {n}" if nodes <= 8 else str(n) for n in range(0, nodes, every)]
+        starts = list(range(0, R, ranks_per_node * every))
+        ax.set_xticks(starts, [str(v) for v in starts])
+        ax.set_yticks(starts, [str(v) for v in starts])
+        top = ax.secondary_xaxis("top")
+        top.set_xticks(centres, labels, fontsize=7)
+        top.tick_params(length=0)
+        right = ax.secondary_yaxis("right")
+        right.set_yticks(centres, labels, fontsize=7)
+        right.tick_params(length=0)
+        node_word = f"nodes of {ranks_per_node} ranks" + (" (every %d labelled)" % every if every > 1 else "")
+        top.set_xlabel(node_word, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set(xlabel="destination rank", ylabel="source rank")
+    fig.suptitle(title, fontsize=10)
+    caption = heatmap_caption(B)
+    fig.text(0.01, 0.005, caption, fontsize=7.5, ha="left", va="bottom", wrap=True)
+    fig.get_layout_engine().set(rect=(0, 0.075, 1, 0.925))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
+    from epkit.cli import HelpFormatter
+
     ap = argparse.ArgumentParser(prog="epkit simulate", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=64)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--ranks", type=int, default=64, help="ranks R of the simulated group")
+    ap.add_argument("--experts", type=int, default=256, help="experts E (a multiple of --ranks)")
+    ap.add_argument("--topk", type=int, default=8, help="experts per token K")
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--routing", choices=ROUTINGS, default="uniform")
+    ap.add_argument("--hidden", type=int, default=7168, help="hidden size H of a token row")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="token dtype")
+    ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                    help="routing distribution (see above)")
     ap.add_argument("--skew", type=float, default=1.2, help="Zipf exponent (routing zipf)")
-    ap.add_argument("--hot-expert", type=int, default=0)
+    ap.add_argument("--hot-expert", type=int, default=0, help="the hot expert (routing hot)")
     ap.add_argument("--hot-fraction", type=float, default=0.5,
                     help="fraction of tokens naming the hot expert (routing hot)")
-    ap.add_argument("--ranks-per-node", type=int, default=8)
+    ap.add_argument("--ranks-per-node", type=int, default=8,
+                    help="ranks per node: intra-node pairs use --intra-gbps")
     ap.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per rank, each way")
     ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per rank, each way")
     ap.add_argument("--latency-us", type=float, default=0.0, help="fixed cost per exchange")
-    ap.add_argument("--capacity-factor", type=float, default=None)
-    ap.add_argument("--exchange", choices=["ragged", "padded"], default="ragged")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--capacity-factor", type=float, default=None,
+                    help="capacity C = ceil(F * R * T * K / E) slots per expert (default: none)")
+    ap.add_argument("--exchange", choices=["ragged", "padded"], default="ragged",
+                    help="exchange whose bytes are counted")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the routing")
+    ap.add_argument("--json", metavar="PATH", help="write the report's figures here")
     ap.add_argument("--plot", metavar="PATH", help="PNG heatmap of the rank x rank dispatch bytes")
-    ap.add_argument("--plot-transport", choices=["dedup", "pairs"], default="dedup")
+    ap.add_argument("--plot-transport", choices=["dedup", "pairs"], default="dedup",
+                    help="whose dispatch bytes --plot shows")
+    return ap
+
+
+def parse_args(argv):
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.ranks < 1 or args.experts % args.ranks:
         ap.error("--experts must be a positive multiple of --ranks")
@@ -369,9 +463,11 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         c = res["config"]
+        routing = c["routing"] + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
         heatmap(args.plot, mats[args.plot_transport],
-                f"{args.plot_transport} dispatch bytes, {c['ranks']} ranks, {c['experts']} "
-                f"experts, top-{c['topk']}, {c['tokens']} tok/rank, {c['routing']}",
+                f"{args.plot_transport} dispatch: bytes each source rank sends each destination "
+                f"rank\n{c['ranks']} ranks, {c['experts']} experts, top-{c['topk']}, "
+                f"{c['tokens']} tokens/rank, hidden {c['hidden']} {c['dtype']}, {routing} routing",
                 args.ranks_per_node)
         print(f"wrote {args.plot}")
     return 0

@@ -1,6 +1,8 @@
 """epkit.nn: MoE layers built on ``epkit.dispatch`` / ``epkit.combine``.
 
-- :class:`DenseMoE`: a single-process top-k SwiGLU MoE layer, the reference.
+- :class:`DenseMoE`: a single-process top-k SwiGLU MoE layer, the reference; its
+  :class:`Router` offers softmax or sigmoid scores, group-limited top-k, an expert bias for
+  selection, and :func:`load_balancing_loss` (``aux_loss_coef``).
 - :class:`ExpertParallelMoE`: the same layer with its experts spread over a process group
   (``ExpertParallelMoE.from_dense(dense, group)``), equal to DenseMoE up to the order of some
   float32 sums.
@@ -19,6 +21,7 @@ from epkit.nn.moe import (
     SwiGLU,
     SwiGLUExperts,
     expert_parameters,
+    load_balancing_loss,
     replicated_parameters,
     sync_replicated_grads,
     to_expert_parallel,
@@ -28,5 +31,5 @@ from epkit.nn.moe import (
 __all__ = [
     "DenseMoE", "ExpertParallelMoE", "Router", "SwiGLU", "SwiGLUExperts", "grouped_mm",
     "grouped_mm_backend", "expert_parameters", "replicated_parameters", "sync_replicated_grads",
-    "to_expert_parallel", "weighted_sum",
+    "to_expert_parallel", "weighted_sum", "load_balancing_loss",
 ]

@@ -15,7 +15,16 @@ def _number(v):
     return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
-def test_tiny_run_writes_the_ratios(tmp_path, capsys):
+def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
+    from epkit.bench_group import progress_units
+
+    seen, totals, real = [], [], bench.run_group
+
+    def spy(world, cfg, deadline, on_message=None):  # rank 0's reports, as the bar sees them
+        totals.append(progress_units(cfg))
+        return real(world, cfg, deadline, lambda k, p: (seen.append((k, p)), on_message(k, p)))
+
+    monkeypatch.setattr(bench, "run_group", spy)
     out = tmp_path / "bench.json"
     rc = bench.main(["--world-size", "2", "--tokens", "32", "--hidden", "64", "--experts", "8",
                      "--topk", "2", "--iters", "10", "--warmup", "1", "--kernel-reps", "3",
@@ -38,7 +47,15 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys):
     assert ov["available"] in (True, False) and "dispatch then compute" in ov["rows"]
     kern = res["kernels"][0]["rows"]
     assert {"pack", "unpack", "gather_rows", "reduce_tokens"} <= set(kern)
-    assert "speedup_vs_naive" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "speedup_vs_naive" in text
+    # progress: one unit per round and kernel replay, exactly the bar's total; each part's
+    # table reported as it finished, in order, and printed once, before the figures of merit
+    assert sum(p for k, p in seen if k == "progress") == sum(totals) > 0
+    parts = [k for k, _ in seen if k != "progress"]
+    assert parts == ["workload", "kernels", "overlap"]
+    assert text.count("2 ranks, 32 tokens/rank") == 1 and text.count("local kernels") == 1
+    assert text.index("local kernels") < text.index("overlap (") < text.index("figures of merit")
 
 
 def test_ratios_and_targets():
@@ -49,3 +66,29 @@ def test_ratios_and_targets():
     lines = bench.target_lines({**r, "pack_vs_memcpy": 0.4})
     assert any("pack_vs_memcpy" in ln and "MISSED" in ln for ln in lines)
     assert any("speedup_vs_naive" in ln and "met" in ln for ln in lines)
+
+
+def test_plot_annotates_the_ratios_and_replots_from_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for t, ms in ((256, 10.0), (1024, 40.0)):
+        rows += [{"name": "epkit dedup", "tokens": t, "world_size": 4, "median_ms": ms},
+                 {"name": "plain-torch", "tokens": t, "world_size": 4, "median_ms": 3 * ms},
+                 {"name": "floor", "tokens": t, "world_size": 4, "median_ms": ms / 2.5}]
+    fig, ax = plt.subplots()
+    bench._panel(ax, rows, "tokens", "world_size", 4, "log")
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["×3.0", "×3.0", "÷2.5", "÷2.5"]      # plain-torch / epkit, epkit / floor
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["256", "1024"]
+    assert any("floor: bare all_to_all_single" in str(h.get_label()) for h in ax.get_lines())
+    plt.close(fig)
+    cfg = {"world_size": 4, "tokens": 1024, "hidden": 64, "topk": 2, "experts": 8,
+           "dtype": "bfloat16"}
+    png = tmp_path / "p.png"
+    bench.plot(str(png), {"rows": rows, "config": cfg})      # no args: the JSON's config
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

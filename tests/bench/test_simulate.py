@@ -113,3 +113,18 @@ def test_main_writes_json_and_heatmap(tmp_path, capsys):
             assert s["predicted_ms"] > 0
     assert res["dropped"]["slots"] >= 0 and res["expert_load"]["imbalance_max_over_mean"] >= 1
     assert "dedup" in capsys.readouterr().out
+
+
+def test_heatmap_scale_and_caption():
+    from epkit.simulate import heatmap_caption, relative_ticks
+
+    assert relative_ticks(1.25) == [0.8, 0.9, 1.0, 1.1, 1.25]       # uniform: a narrow scale
+    assert relative_ticks(8.0) == [0.2, 0.5, 0.8, 1.0, 1.25, 2.0, 5.0]
+    assert all(len(relative_ticks(m)) <= 9 for m in (1.3, 2.2, 7, 30, 900, 1e5))
+    B = np.full((8, 8), 10, np.int64)
+    B[:, 5] = 40                                   # rank 5 receives 4x what the others do
+    np.fill_diagonal(B, 999)                       # the local copy is left out
+    cap = heatmap_caption(B)
+    assert "What to look for" in cap and "hottest destination rank 5" in cap
+    # off the diagonal column 5 receives 7 * 40 = 280, every other column 7 * 10 = 70: mean 96.25
+    assert f"×{280 / 96.25:.2f} the mean" in cap and "busiest source rank" in cap

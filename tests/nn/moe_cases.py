@@ -9,7 +9,10 @@ import epkit.nn as enn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 BASE = dict(H=16, F=32, E=12, K=3, shared=False, dtype="float32", opts={}, tokens=(7, 0, 11, 4),
-            batch=None, impl="auto", payload=None)
+            batch=None, impl="auto", payload=None, router={}, aux=None)
+
+# the router options of epkit.nn (expert_bias: a seeded non-zero bias, see build_dense)
+DSV3 = dict(score="sigmoid", n_groups=4, topk_groups=2, expert_bias=True, route_scale=2.5)
 
 # name -> (ranks, overrides); E = 12 divides every group size 1..4.
 CASES = {
@@ -26,7 +29,14 @@ CASES = {
     "r2-bf16": (2, dict(dtype="bfloat16")),
     "r2-mxfp8-shared": (2, dict(H=32, payload="mxfp8", shared=True)),
     "r3-mxfp8-bf16": (3, dict(H=32, payload="mxfp8", dtype="bfloat16")),
+    "r2-sigmoid": (2, dict(router=dict(score="sigmoid"))),
+    "r4-grouped": (4, dict(router=dict(n_groups=4, topk_groups=2))),
+    "r3-bias": (3, dict(router=dict(expert_bias=True))),
+    "r2-aux": (2, dict(aux=0.01)),
+    "r4-dsv3-shared-aux": (4, dict(router=DSV3, aux=0.001, shared=True)),
+    "r3-bf16-aux-grouped": (3, dict(dtype="bfloat16", router=dict(n_groups=3, topk_groups=1), aux=0.1)),
 }
+ROUTER_CASES = [n for n in CASES if CASES[n][1].get("router") or CASES[n][1].get("aux")]
 
 
 def case(name):
@@ -36,8 +46,12 @@ def case(name):
 
 def build_dense(c, seed=0):
     torch.manual_seed(seed)
-    return enn.DenseMoE(c["H"], c["F"], c["E"], c["K"], shared_expert=c["shared"],
-                        impl=c["impl"], payload=c["payload"], dtype=DTYPES[c["dtype"]])
+    dense = enn.DenseMoE(c["H"], c["F"], c["E"], c["K"], shared_expert=c["shared"],
+                         impl=c["impl"], payload=c["payload"], dtype=DTYPES[c["dtype"]],
+                         aux_loss_coef=c["aux"], **c["router"])
+    if dense.router.expert_bias is not None:  # large enough to change the selection
+        dense.router.expert_bias.copy_(torch.randn(c["E"]) * 0.2)
+    return dense
 
 
 def inputs(c, R, seed=1):
@@ -53,12 +67,17 @@ def inputs(c, R, seed=1):
 
 
 def run(module, x, grad_out):
-    """Forward and backward; ``(out, grad_x, {param name: grad})``."""
+    """Forward and backward (of ``<out, grad_out> + aux loss`` when the layer returns one);
+    ``(out, grad_x, {param name: grad}, aux loss or None)``."""
     x = x.clone().requires_grad_(True)
-    out = module(x)
-    out.backward(grad_out)
+    out, aux = module(x), None
+    if isinstance(out, tuple):
+        out, aux = out
+        torch.autograd.backward([out, aux], [grad_out, torch.ones_like(aux)])
+    else:
+        out.backward(grad_out)
     grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in module.named_parameters()}
-    return out.detach(), x.grad, grads
+    return out.detach(), x.grad, grads, None if aux is None else aux.detach()
 
 
 def rank_run(group, rank, name):
@@ -66,11 +85,12 @@ def rank_run(group, rank, name):
     R, c = case(name)
     ep = enn.ExpertParallelMoE.from_dense(build_dense(c), group, **c["opts"])
     x, g = inputs(c, R)[rank]
-    out, gx, grads = run(ep, x, g)
+    out, gx, grads, aux = run(ep, x, g)
     enn.sync_replicated_grads(ep, group)
     synced = {n: p.grad.clone() for n, p in ep.named_parameters()}
     backend = enn.grouped_mm_backend(x.reshape(-1, c["H"]), ep.experts.w1.transpose(1, 2), c["impl"])
-    return dict(out=out, grad_x=gx, grads=grads, synced=synced, backend=backend,
+    return dict(out=out, grad_x=gx, grads=grads, synced=synced, backend=backend, aux=aux,
+                router=ep.router.options(), bias=ep.router.expert_bias,
                 lazy=ep.lazy_dispatcher is not None, params={n: p.detach() for n, p in ep.named_parameters()},
                 first_expert=ep.first_expert)
 

@@ -56,7 +56,7 @@ def results(nn_group):
 
 @pytest.mark.parametrize("name", list(mc.CASES))
 def test_forward_and_input_grad(results, name):
-    c, ep, (out, gx, _) = results[name]
+    c, ep, (out, gx, _, _) = results[name]
     got_out, got_gx = _cat([r["out"] for r in ep], c["H"]), _cat([r["grad_x"] for r in ep], c["H"])
     for r, (x, _) in zip(ep, mc.inputs(c, len(ep))):
         assert r["out"].shape == x.shape and r["grad_x"].shape == x.shape
@@ -68,7 +68,7 @@ def test_forward_and_input_grad(results, name):
 
 @pytest.mark.parametrize("name", list(mc.CASES))
 def test_parameter_grads(results, name):
-    c, ep, (_, _, grads) = results[name]
+    c, ep, (_, _, grads, _) = results[name]
     for pname, want in grads.items():
         if pname.startswith("experts."):  # sharded: rank r holds experts r*L .. r*L+L-1
             assert all(r["grads"][pname].shape[0] == c["E"] // len(ep) for r in ep)
@@ -121,7 +121,7 @@ def test_static_exchange_under_torch_compile(nn_group, results, name):
     """fullgraph=True traces route + dispatch + grouped experts + combine and the backward
     (aot_eager: the graph capture and AOT autograd, without inductor's slow CPU codegen);
     compiled equals eager bit for bit, and the static exchange equals the dense layer."""
-    c, _, (out, gx, grads) = results[name]
+    c, _, (out, gx, grads, _) = results[name]
     got = nn_group.run(mc.rank_compile, len(results[name][1]), *[[name] * len(results[name][1])])
     for r in got:
         for e, k in zip(r["eager"][:2], r["compiled"][:2]):
@@ -136,10 +136,42 @@ def test_static_exchange_under_torch_compile(nn_group, results, name):
 @pytest.mark.skipif(not os.environ.get("EPKIT_INDUCTOR"),
                     reason="inductor's CPU codegen takes minutes on a small machine: EPKIT_INDUCTOR=1")
 def test_static_exchange_under_inductor(nn_group, results):
-    c, ep, (out, gx, grads) = results["r2"]
+    c, ep, (out, gx, grads, _) = results["r2"]
     got = nn_group.run(mc.rank_compile, 2, ["r2"] * 2, ["inductor"] * 2)
     # inductor fuses silu * mul its own way: compiled vs dense within the same tolerance
     assert_close_ulps("out", _cat([r["compiled"][0] for r in got], c["H"]), out)
     assert_close_ulps("grad_x", _cat([r["compiled"][1] for r in got], c["H"]), gx)
     for pname in ("experts.w1", "experts.w3", "experts.w2"):
         assert_close_ulps(pname, torch.cat([r["compiled"][2][pname] for r in got]), grads[pname])
+
+
+@pytest.mark.parametrize("name", mc.ROUTER_CASES)
+def test_router_options_reach_every_rank(results, name):
+    """from_dense carries the router's rule and its expert bias; the selection the bias makes
+    differs from the unbiased one (so the cases test something)."""
+    c, ep, _ = results[name]
+    dense = mc.build_dense(c)
+    for r in ep:
+        assert r["router"] == dense.router.options()
+        if dense.router.expert_bias is None:
+            assert r["bias"] is None
+        else:
+            assert torch.equal(r["bias"], dense.router.expert_bias)
+    if dense.router.expert_bias is not None:
+        x = _cat([x for x, _ in mc.inputs(c, len(ep))], c["H"])
+        biased = dense.router(x)[0]
+        dense.router.expert_bias.zero_()
+        assert not torch.equal(biased, dense.router(x)[0])
+
+
+@pytest.mark.parametrize("name", [n for n in mc.ROUTER_CASES if mc.case(n)[1]["aux"]])
+def test_load_balancing_loss_shares_sum_to_dense(results, name):
+    """Each rank returns its share of the group's loss: the shares sum to DenseMoE's loss on
+    all the tokens (float32 sums in another order: within 8 ulps); the router gradient, which
+    test_parameter_grads holds to the dense one, includes the loss's."""
+    c, ep, (_, _, _, aux) = results[name]
+    assert aux is not None and aux.dtype == torch.float32 and aux.dim() == 0
+    assert all(r["aux"] is not None and r["aux"].dim() == 0 for r in ep)
+    shares = torch.stack([r["aux"] for r in ep])
+    assert_close_ulps("aux loss", shares.sum(), aux)
+    assert c["aux"] * 0.5 < aux.item() < c["aux"] * 4  # about coef: near-uniform routing

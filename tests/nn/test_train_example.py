@@ -30,21 +30,32 @@ def _example():
     return mod
 
 
-def test_two_rank_run_matches_dense(tmp_path):
+def test_two_rank_run_matches_dense(tmp_path, capsys):
     losses_path = tmp_path / "ep.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # --standalone: a private rendezvous on a free port, never a teammate's group
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           EXAMPLE, *CI_ARGS, "--losses", str(losses_path)]
+           EXAMPLE, *CI_ARGS, "--losses", str(losses_path), "--compare-dense"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "train_moe (expert-parallel x2)" in proc.stderr  # the progress bar
-    for step in range(4):  # and a loss line per step
-        assert f"step {step:4d}  loss" in proc.stdout
     ep = json.loads(losses_path.read_text())
+    # a loss line per step, with --compare-dense the dense twin's loss beside it
+    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert [int(ln[1]) for ln in lines] == [0, 1, 2, 3]
+    for ln, want in zip(lines, ep):
+        assert ln[2] == "loss" and float(ln[3]) == pytest.approx(want, abs=1e-6) and ln[4] == "dense"
+        assert abs(float(ln[3]) - float(ln[5])) <= 2e-5 * float(ln[5])
+    assert "largest relative loss difference" in proc.stdout
 
     ex = _example()
+    capsys.readouterr()
     dense = ex.train(ex.parse([*CI_ARGS, "--dense", "--no-progress"]))
+    out = capsys.readouterr()
+    assert [f"step {s:4d}  loss {v:.6f}" for s, v in enumerate(dense)] == out.out.splitlines()
+    assert "train_moe" not in out.err  # no bar
+    for ln, d in zip(lines, dense):    # the twin inside the run is the separate dense run
+        assert float(ln[5]) == pytest.approx(d, rel=1e-6)
     assert len(ep) == len(dense) == 4
     assert dense[-1] < dense[0]  # it learns
     for step, (a, b) in enumerate(zip(ep, dense)):
