@@ -23,7 +23,8 @@ from epkit import lazy, mxfp8, ops
 from epkit.agree import COMBINE, DISPATCH, agree, call_number, header, serial, tensor_error
 from epkit.collectives import CODES as EXCHANGE_CODES
 from epkit.collectives import group_name, resolve_group
-from epkit.reference.common import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
+from epkit.reference import abi
+from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
 from epkit.reference.errors import MAX_ALIGN, DTYPE_CODES, InputError, Reason, error, factor_bits
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
@@ -32,7 +33,7 @@ __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-PAYLOAD_CODES = {None: 0, "mxfp8": 1}
+PAYLOAD_CODES = dict(abi.PAYLOAD_CODES)
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
 
 
@@ -134,7 +135,9 @@ class Dispatcher:
             (``epkit.reference.capacity.capacity_from_factor``; the count exchange gives ``S``, so
             no extra collective), bit for bit the same as passing that ``capacity``.
         transport: ``"dedup"`` (one row per token and destination rank, the default) or
-            ``"pairs"`` (one row per slot). Same result, bit for bit; dedup moves fewer bytes.
+            ``"pairs"`` (one row per slot). Same result, bit for bit. Without a capacity,
+            dedup's dispatch never moves more bytes than pairs'; its combine sends a float32
+            partial sum per token row: with bfloat16 rows up to twice pairs' combine bytes.
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
             ``"padded"``, ``"equal"``, ``"lazy"`` (the auto exchange issued asynchronously:
             dispatch and combine return pending objects whose ``wait()`` gives the result), or
@@ -142,6 +145,10 @@ class Dispatcher:
             in-band: no host reads a count; ``expert_x`` then has
             ``R * max_tokens_per_rank * min(K, L) + L * (align - 1)`` rows, the canonical rows
             first, zero rows after ``expert_offsets[-1]``).
+        payload: ``None`` (tokens travel in x's dtype) or ``"mxfp8"``: tokens travel as E4M3
+            elements with one E8M0 scale per 32 (``H % 32 == 0``); the Dispatch then holds
+            ``expert_x`` (E4M3), ``expert_scale`` and ``expert_x_hp`` (dequantized float32,
+            differentiable: the gradient returns unquantized); the combine is unchanged.
         max_tokens_per_rank: the static exchange's bound on any rank's ``T`` (required there).
     """
 

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
 
@@ -61,7 +62,7 @@ def _why(exc: Exception) -> str:
     return f"a peer died, stalled past the process group timeout, or left the group: {text}"
 
 VARIANTS = ("ragged", "padded", "equal")
-CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
+CODES = dict(abi.EXCHANGE_CODES)  # the requested exchange's code (reference/abi.py)
 
 
 def resolve_group(group):
@@ -203,7 +204,7 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)
 
 
-_VARIANT_CODES = {"ragged": 0, "padded": 1, "equal": 2}
+_VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}
 
 
 def _dtype_code(dt) -> int:

@@ -24,44 +24,37 @@ from epkit import _build
 from epkit.device import host_plan
 from epkit.agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
 from epkit.collectives import all_gather, all_to_all, group_from_name
+from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
 _build.load()
 C = torch.ops.epkit
 
-PAIRS, DEDUP = 0, 1
-TRANSPORTS = {"pairs": PAIRS, "dedup": DEDUP}
-
-# Plan layout: mirrors csrc/epkit.h (PlanHeader, PlanOffsets).
-ERR_CODE, ERR_A, ERR_B, ERR_RANK = 0, 1, 2, 3
-SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = 4, 5, 6, 7, 8
-RANKS, LOCAL_EXPERTS, EXPERTS = 9, 10, 11
+# The ABI (codes, the plan layout, the wire format): reference/abi.py, the one definition the
+# kernels' csrc/abi.h is generated from.
+TRANSPORTS = dict(abi.TRANSPORT_CODES)
+PAIRS, DEDUP = TRANSPORTS["pairs"], TRANSPORTS["dedup"]
+_F = {name: i for i, name in enumerate(abi.PLAN_FIELDS)}
+ERR_CODE, ERR_A, ERR_B, ERR_RANK = (_F[n] for n in ("err_code", "err_a", "err_b", "err_rank"))
+SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = (
+    _F[n] for n in ("send_rows", "recv_rows", "expert_rows", "uniform", "max_chunk"))
+RANKS, LOCAL_EXPERTS, EXPERTS = _F["ranks"], _F["local_experts"], _F["experts"]
 (STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES,
- NONUNIFORM_RANK) = range(16, 24)
-PLAN_HEADER = 24
-VARIANT_NAMES = {0: "ragged", 1: "padded", 2: "equal", 3: "static"}
-WORD_HEADER = 8
-
-
-def plan_size(R: int, E: int) -> int:
-    return PLAN_HEADER + 6 * R + 3 * (E // R) + 1 + R * (E // R) + E
-
-
-def plan_slices(R: int, E: int) -> dict[str, slice]:
-    L = E // R
-    at, out = PLAN_HEADER, {}
-    for name, n in (("send_counts", R), ("recv_counts", R), ("tokens_per_expert", L),
-                    ("dropped", L), ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E),
-                    ("send_bytes", R), ("recv_bytes", R), ("send_slots", R), ("recv_slots", R)):
-        out[name] = slice(at, at + n)
-        at += n
-    return out
+ NONUNIFORM_RANK) = (_F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap",
+                                     "slot_cap", "send_bytes", "recv_bytes", "nonuniform_rank"))
+PLAN_HEADER = abi.PLAN_HEADER
+VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}
+WORD_HEADER = abi.WORD_HEADER
+plan_size = abi.plan_size
+plan_slices = abi.plan_slices
 
 
 def dispatch_chunk_bytes(transport: int, P: int, rows: int, slots: int) -> int:
     """Bytes of one dispatch chunk (docs/design.md wire format): pairs rows of ``P + 16``;
     dedup token rows of ``P + 8`` plus slot rows of 8."""
-    return rows * (P + 16) if transport == PAIRS else rows * (P + 8) + slots * 8
+    if transport == PAIRS:
+        return rows * (P + abi.PAIRS_META_BYTES)
+    return rows * (P + abi.DEDUP_TOKEN_META_BYTES) + slots * abi.SLOT_ROW_BYTES
 
 
 # ---- fake kernels of the C++ ops -------------------------------------------------------------
@@ -287,7 +280,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
                           exchange, -1, None, capacity_factor)
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
-    if exchange == 2 and not int(hp[UNIFORM]):
+    if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = hp[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
     return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,

@@ -23,21 +23,19 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
 
-BLOCK = 32  # MXFP8 block length along H
+# The wire format's numbers live in abi.py, shared with the kernels (docs/design.md): pairs rows
+# ``payload | int32 t, int32 k, int32 j, float32 w``; dedup token rows ``payload | int32 t,
+# int32 n`` (n: the token's kept slots on the destination), slot rows ``int32 (k << 24 | j),
+# float32 w``.
+from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES  # noqa: E402
+from .abi import MXFP8_BLOCK as BLOCK  # noqa: E402  (MXFP8 block length along H)
+from .abi import PAIRS_META_BYTES  # noqa: E402
+from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES  # noqa: E402
 
 # Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
 TRANSPORTS = ("pairs", "dedup")
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 PAYLOADS = ("mxfp8",)
-
-# Wire format (docs/design.md): pairs rows are ``payload | int32 t, int32 k, int32 j, float32 w``;
-# dedup moves two sections, token rows ``payload | int32 t, int32 n`` (n: the token's kept slots
-# on the destination) and slot rows ``int32 (k << 24 | j), float32 w``.
-PAIRS_META_BYTES = 16        # int32 t, int32 k, int32 j, float32 w
-DEDUP_TOKEN_META_BYTES = 8   # int32 t, int32 n
-DEDUP_SLOT_ROW_BYTES = 8     # int32 (k << 24 | j), float32 w
-DEDUP_MAX_TOPK = 255         # k fits the slot row's top 8 bits
-DEDUP_MAX_LOCAL = 1 << 24    # j < 2**24 fits its low 24 bits
 
 
 def dtype_code(dt) -> int:

@@ -1,0 +1,111 @@
+"""The interface between Python and the C++ / CUDA kernels, defined once (issue 15).
+
+Everything both sides must agree on lives here: the reason codes (from :mod:`errors`), the
+option codes, the count-word and plan layouts, the wire format's row layouts and limits.
+Python imports these names; the kernels include ``production/csrc/abi.h``, which
+:func:`render_header` generates from this module (production/_build.py rewrites it before a
+build when it differs; tests/reference/test_abi.py fails if the checked-in copy drifts, or if a
+kernel source types one of these numbers by hand).
+"""
+
+from __future__ import annotations
+
+from .errors import DTYPE_CODES, Reason
+
+# ---- options -------------------------------------------------------------------------------
+TRANSPORT_CODES = {"pairs": 0, "dedup": 1}
+# The exchange a caller asks for, and the variant that runs (the plan's VARIANT word).
+EXCHANGE_CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
+VARIANT_CODES = {"ragged": 0, "padded": 1, "equal": 2, "static": 3}
+PAYLOAD_CODES = {None: 0, "mxfp8": 1}
+
+# ---- the count words: one row per rank after the all-gather -----------------------------------
+# [WORD_HEADER fields | tokens_per_expert (E) | tokens_per_rank (R)]
+WORD_FIELDS = ("error_code", "error_a", "error_b", "tokens", "hidden", "topk", "x_dtype",
+               "payload")
+WORD_HEADER = len(WORD_FIELDS)
+
+# ---- the plan: an int64 vector, identical on every rank up to its rank-local parts --------------
+PLAN_FIELDS = (
+    "err_code", "err_a", "err_b", "err_rank",
+    "send_rows", "recv_rows", "expert_rows", "uniform", "max_chunk",
+    "ranks", "local_experts", "experts", "transport", "capacity", "align", "topk",
+    "static_cap",       # rows per chunk of the static exchange (-1: not static)
+    "variant",          # the exchange that runs (VARIANT_CODES)
+    "payload_bytes",    # P: bytes of one token's payload
+    "tok_cap",          # fixed-layout chunks: rows of the token (pairs: slot) section
+    "slot_cap",         # ... rows of the dedup slot section (-1 when ragged)
+    "send_bytes", "recv_bytes",  # the dispatch exchange, in bytes
+    "nonuniform_rank",  # lowest source rank with a count unlike rank 0's first (-1: uniform)
+)
+PLAN_HEADER = len(PLAN_FIELDS)
+# The sections after the header, in order, with their lengths in R, L = E / R and E.
+PLAN_SECTIONS = (("send_counts", "R"), ("recv_counts", "R"), ("tokens_per_expert", "L"),
+                 ("dropped", "L"), ("offsets", "L+1"), ("recv_kept", "R*L"), ("own_kept", "E"),
+                 ("send_bytes", "R"), ("recv_bytes", "R"), ("send_slots", "R"),
+                 ("recv_slots", "R"))
+
+
+def plan_slices(R: int, E: int) -> dict[str, slice]:
+    """Where each section of the plan lies, for ``R`` ranks and ``E`` experts."""
+    L = E // R
+    at, out = PLAN_HEADER, {}
+    for name, size in PLAN_SECTIONS:
+        n = eval(size, {}, {"R": R, "L": L, "E": E})  # noqa: S307 - the fixed table above
+        out[name] = slice(at, at + n)
+        at += n
+    return out
+
+
+def plan_size(R: int, E: int) -> int:
+    return plan_slices(R, E)["recv_slots"].stop
+
+
+# ---- wire format (docs/design.md) -----------------------------------------------------------
+PAIRS_META = ("t", "k", "j", "w")  # int32 t, int32 k, int32 j, float32 w after the payload
+PAIRS_META_BYTES = 4 * len(PAIRS_META)
+DEDUP_TOKEN_META = ("t", "n")      # int32 t, int32 n (kept slots on this rank) after the payload
+DEDUP_TOKEN_META_BYTES = 4 * len(DEDUP_TOKEN_META)
+SLOT_ROW_BYTES = 8                 # int32 (k << 24 | j), float32 w
+SLOT_K_SHIFT = 24                  # k: the top 8 bits (decoded unsigned), j: the low 24
+DEDUP_MAX_TOPK = 255               # k < 2**8 (the spec's limit: K <= 255)
+DEDUP_MAX_LOCAL = 1 << SLOT_K_SHIFT  # j < 2**24
+MXFP8_BLOCK = 32                   # elements per E8M0 scale
+
+
+def _camel(name: str) -> str:
+    return "".join(p.capitalize() for p in name.split("_"))
+
+
+def render_header() -> str:
+    """``production/csrc/abi.h``: the C++ form of this module."""
+    out = ["// Generated from reference/abi.py by production/_build.py: do not edit by hand.",
+           "// The interface between Python and the kernels; tests/reference/test_abi.py",
+           "// fails if this file drifts from reference/abi.py.",
+           "#pragma once", "", "#include <cstdint>", "", "namespace epkit {", "namespace abi {", ""]
+    out.append("// reasons (reference/errors.py Reason)")
+    out += [f"constexpr int64_t kReason{_camel(r.name.lower())} = {int(r)};" for r in Reason]
+    out += ["", "// options"]
+    out += [f"constexpr int64_t kTransport{_camel(k)} = {v};" for k, v in TRANSPORT_CODES.items()]
+    out += [f"constexpr int64_t kExchange{_camel(k)} = {v};" for k, v in EXCHANGE_CODES.items()]
+    out += [f"constexpr int64_t kVariant{_camel(k)} = {v};" for k, v in VARIANT_CODES.items()]
+    out += [f"constexpr int64_t kPayload{_camel(str(k) if k else 'none')} = {v};"
+            for k, v in PAYLOAD_CODES.items()]
+    out += [f"constexpr int64_t kDtype{_camel(k)} = {v};" for k, v in DTYPE_CODES.items()]
+    out += ["", "// count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]"]
+    out += [f"constexpr int64_t kWord{_camel(f)} = {i};" for i, f in enumerate(WORD_FIELDS)]
+    out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "", "// plan header words"]
+    out += [f"constexpr int64_t kPlan{_camel(f)} = {i};" for i, f in enumerate(PLAN_FIELDS)]
+    out += [f"constexpr int64_t kPlanHeader = {PLAN_HEADER};", "", "// wire format"]
+    out += [f"constexpr int64_t kPairsMeta{_camel(f)} = {4 * i};" for i, f in enumerate(PAIRS_META)]
+    out += [f"constexpr int64_t kDedupMeta{_camel(f)} = {4 * i};"
+            for i, f in enumerate(DEDUP_TOKEN_META)]
+    out += [f"constexpr int64_t kPairsMetaBytes = {PAIRS_META_BYTES};",
+            f"constexpr int64_t kDedupTokenMetaBytes = {DEDUP_TOKEN_META_BYTES};",
+            f"constexpr int64_t kSlotRowBytes = {SLOT_ROW_BYTES};",
+            f"constexpr int64_t kSlotKShift = {SLOT_K_SHIFT};",
+            f"constexpr int64_t kDedupMaxTopK = {DEDUP_MAX_TOPK};",
+            f"constexpr int64_t kDedupMaxLocal = {DEDUP_MAX_LOCAL};",
+            f"constexpr int64_t kMxfp8Block = {MXFP8_BLOCK};",
+            "", "}  // namespace abi", "}  // namespace epkit", ""]
+    return "\n".join(out)
