@@ -356,10 +356,11 @@ class ExpertParallelMoE(_MoEBase):
     :meth:`Router.update_expert_bias`, so every replica takes the same step.
 
     Args (beyond DenseMoE's): group: the expert-parallel process group (default: WORLD);
-    align, capacity, transport, exchange, max_tokens_per_rank: passed to
+    align, capacity, capacity_factor, transport, exchange, max_tokens_per_rank: passed to
     :class:`epkit.Dispatcher`; overlap: with a shared expert and ``exchange="auto"``, issue
-    the exchanges lazily and run the shared expert while the tokens travel (the lazy path is
-    eager-only: under ``torch.compile`` use ``exchange="static"``).
+    the exchanges lazily and run the shared expert while the tokens travel; ``exchange="lazy"``
+    takes that path always (the lazy path is eager-only: under ``torch.compile`` use
+    ``exchange="static"``).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
@@ -369,7 +370,7 @@ class ExpertParallelMoE(_MoEBase):
                  impl: str = "auto", payload: Optional[str] = None, device=None, dtype=None,
                  score: str = "softmax", n_groups: int = 1, topk_groups: Optional[int] = None,
                  expert_bias: bool = False, route_scale: float = 1.0,
-                 aux_loss_coef: Optional[float] = None):
+                 aux_loss_coef: Optional[float] = None, capacity_factor: Optional[float] = None):
         from epkit.collectives import resolve_group
 
         group = resolve_group(group)
@@ -385,13 +386,13 @@ class ExpertParallelMoE(_MoEBase):
         self.first_expert = rank * self.local_experts
         self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
                                      exchange=exchange, max_tokens_per_rank=max_tokens_per_rank,
-                                     payload=payload)
+                                     payload=payload, capacity_factor=capacity_factor)
         self.overlap = overlap
         import epkit
 
         self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
-        self.lazy_dispatcher = None
-        if overlap and shared_expert and exchange == "auto":
+        self.lazy_dispatcher = None  # the issue / wait path: asked for, or the shared overlap
+        if exchange == "lazy" or (overlap and shared_expert and exchange == "auto"):
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 
@@ -432,9 +433,10 @@ class ExpertParallelMoE(_MoEBase):
         lazy = self.lazy_dispatcher
         if lazy is not None:
             pending = lazy.dispatch(x2, topk_idx, topk_weights)
-            shared = self.shared_expert(x2)  # runs while the tokens travel
+            shared = None if self.shared_expert is None else self.shared_expert(x2)  # overlaps
             d = pending.wait()
-            return lazy.combine(self._experts(d), d).wait() + shared
+            out = lazy.combine(self._experts(d), d).wait()
+            return out if shared is None else out + shared
         d = self.dispatcher.dispatch(x2, topk_idx, topk_weights)
         out = self.dispatcher.combine(self._experts(d), d)
         if self.shared_expert is not None:

@@ -29,6 +29,9 @@ CASES = {
     "r2-bf16": (2, dict(dtype="bfloat16")),
     "r2-mxfp8-shared": (2, dict(H=32, payload="mxfp8", shared=True)),
     "r3-mxfp8-bf16": (3, dict(H=32, payload="mxfp8", dtype="bfloat16")),
+    "r2-lazy": (2, dict(opts=dict(exchange="lazy"))),             # asked for, no shared expert
+    "r3-lazy-shared": (3, dict(shared=True, opts=dict(exchange="lazy", overlap=False))),
+    "r3-capacity-factor": (3, dict(opts=dict(capacity_factor=12.0))),  # C >= every load: no drop
     "r2-sigmoid": (2, dict(router=dict(score="sigmoid"))),
     "r4-grouped": (4, dict(router=dict(n_groups=4, topk_groups=2))),
     "r3-bias": (3, dict(router=dict(expert_bias=True))),

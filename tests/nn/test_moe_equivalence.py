@@ -105,6 +105,13 @@ def test_shared_expert_overlaps_lazy_exchange(results):
     assert not any(r["lazy"] for r in results["r2"][1])
 
 
+def test_lazy_exchange_is_honoured(results):
+    """exchange="lazy" is the issue / wait path, with or without a shared expert (it was once
+    accepted, then failed in forward); the results above equal the dense layer."""
+    for name in ("r2-lazy", "r3-lazy-shared"):
+        assert all(r["lazy"] for r in results[name][1]), name
+
+
 def test_grouped_mm_backends_used(results):
     assert results["r2-loop-padded"][1][0]["backend"] == "loop"
     if hasattr(torch, "_grouped_mm"):
