@@ -1,5 +1,7 @@
 // Backward kernels. Gradients travel the reverse way of their forward and reuse its maps.
-#include "../epkit.h"
+#include "../checks.h"
+
+#include <atomic>
 
 namespace epkit {
 
@@ -9,15 +11,20 @@ namespace epkit {
 //   grad_row_weight[m] = sum_h g_h * y[m, h]          (float32 in 16 lanes (h mod 16), then the
 //                                                     lanes added; the order over H is free)
 // Padding rows get zeros.
-std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, const Tensor& recv_map,
-                                                     const Tensor& row_weight,
+std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
+                                                     const Tensor& recv_map_in,
+                                                     const Tensor& row_weight_in,
                                                      const Tensor& y_in, bool weighted) {
+  check_combine_backward_dest_args(recv_in, recv_map_in, row_weight_in, y_in, weighted);
   const Tensor recv = recv_in.contiguous(), y = y_in.contiguous();
+  const Tensor recv_map = recv_map_in.contiguous();
+  const Tensor row_weight = weighted ? row_weight_in.contiguous() : row_weight_in;
   const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
   Tensor grad_y = at::empty({M, H}, y.options());
   Tensor grad_w = at::zeros({M}, at::kFloat);
   const int64_t* mp = recv_map.data_ptr<int64_t>();
-  const float* wp = row_weight.data_ptr<float>();
+  const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
+  std::atomic<bool> bad{false};  // a map entry outside [-1, M): raised after the loop
   float* gwp = grad_w.data_ptr<float>();
   dispatch_float_types(y.scalar_type(), "epkit.combine_backward", [&](auto ytag) {
     using Y = decltype(ytag);
@@ -30,7 +37,10 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, cons
         for (int64_t n = n0; n < n1; ++n)
           for (int64_t c = 0; c < C; ++c) {
             const int64_t m = mp[n * C + c];
-            if (m < 0) continue;
+            if (m < 0 || m >= M) {
+              if (m != -1) bad.store(true, std::memory_order_relaxed);
+              continue;
+            }
             const G* g = rp + n * H;
             Y* gy = gyp + m * H;
             const Y* yr = yp + m * H;
@@ -59,29 +69,39 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in, cons
       });
     });
   });
+  if (bad.load())
+    report_map_range("epkit.combine_backward_dest", "recv_map", mp, N * C, M, "rows of expert_y");
   zero_unmapped_rows(grad_y, recv_map);  // padding rows; every other row was written
   return {grad_y, grad_w};
 }
 
 // values [M] float32 (one per expert-major row) -> [N, K'] in received-row order, 0 where none.
-Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map) {
-  const Tensor v = values.contiguous();
+Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map_in) {
+  check_gather_slot_values_args(values, recv_map_in);
+  const Tensor v = values.contiguous(), recv_map = recv_map_in.contiguous();
   Tensor out = at::zeros(recv_map.sizes(), at::kFloat);
-  const int64_t n = recv_map.numel();
+  const int64_t n = recv_map.numel(), M = v.numel();
   const int64_t* mp = recv_map.data_ptr<int64_t>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i)
-    if (mp[i] >= 0) op[i] = vp[mp[i]];
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t m = mp[i];
+    if (m >= 0 && m < M) op[i] = vp[m];
+    else if (m != -1) report_map_range("epkit.gather_slot_values", "recv_map", mp, n, M,
+                                       "entries of values");
+  }
   return out;
 }
 
 // back [S, K'] float32 in send-row order -> per-slot values [T, K], 0 for unused/dropped slots.
-Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map,
+Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map_in,
                                const Tensor& topk_idx, int64_t E, int64_t R, int64_t transport) {
-  const Tensor back = back_in.contiguous();
+  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, E, R, transport);
+  constexpr const char* name = "epkit.scatter_slot_values";
+  const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), L = E / R, C = send_map.size(1);
+  const int64_t S = back.size(0);
   Tensor out = at::zeros({T, K}, at::kFloat);
   const int64_t* mp = send_map.data_ptr<int64_t>();
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -91,14 +111,17 @@ Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map,
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ip[t * K + k];
-      if (e < 0) continue;
-      if (transport == kPairs) {
-        const int64_t r = mp[t * K + k];
-        if (r >= 0) op[t * K + k] = bp[r * BW];
-      } else {
-        const int64_t r = mp[t * C + e / L];
-        if (r >= 0) op[t * K + k] = bp[r * BW + k];
+      if (e < 0 || e >= E) {
+        if (e != -1) check_expert_range(name, ip, T * K, E);
+        continue;
       }
+      const int64_t i = transport == kPairs ? t * K + k : t * C + e / L, r = mp[i];
+      if (r < 0 || r >= S) {
+        TORCH_CHECK(r == -1, name, ": send_map entry ", i, " is ", r, ", outside [-1, ", S,
+                    ") (rows of back)");
+        continue;
+      }
+      op[t * K + k] = bp[r * BW + (transport == kPairs ? 0 : k)];
     }
   return out;
 }

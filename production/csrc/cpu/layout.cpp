@@ -1,5 +1,5 @@
 // Layout, local validation and the count-exchange words (the "prepare" half of dispatch).
-#include "../epkit.h"
+#include "../checks.h"
 
 #include <cmath>
 
@@ -50,8 +50,7 @@ Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E,
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, int64_t E,
                                                      int64_t R) {
-  TORCH_CHECK(topk_idx.dim() == 2, "epkit.layout: topk_idx must be [T, K]");
-  TORCH_CHECK(R >= 1 && E % R == 0, "epkit.layout: num_experts must be a multiple of num_ranks");
+  check_layout_args(topk_idx, E, R);
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), L = E / R;
   Tensor tpe = at::zeros({E}, at::kLong), tpr = at::zeros({R}, at::kLong),
@@ -63,8 +62,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, in
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ip[t * K + k];
-      if (e < 0) continue;
-      TORCH_CHECK(e < E, "epkit.layout: expert index ", e, " outside [-1, ", E, ")");
+      if (e < 0) {
+        TORCH_CHECK(e == -1, "epkit.layout: topk_idx[", t, ", ", k, "] = ", e, " outside [-1, ", E,
+                    ")");
+        continue;
+      }
+      TORCH_CHECK(e < E, "epkit.layout: topk_idx[", t, ", ", k, "] = ", e, " outside [-1, ", E, ")");
       const int64_t d = e / L;
       ++pe[e];
       ++ps[d];
@@ -76,6 +79,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cpu(const Tensor& topk_idx, in
 // The word vector this rank contributes to the count exchange (see epkit.h).
 Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
                    int64_t R, at::IntArrayRef pre_error, int64_t payload) {
+  check_prepare_args(x, topk_idx, topk_weights, E, R, pre_error, payload);
   Tensor words = at::zeros({kWordHeader + E + R}, at::kLong);
   int64_t* w = words.data_ptr<int64_t>();
   Err err{pre_error[0], pre_error[1], pre_error[2]};

@@ -4,7 +4,7 @@
 // e = floor(log2(amax)) - 8 clamped to [-127, 127] (via frexp: amax = m * 2^ex, m in [0.5, 1),
 // so floor(log2(amax)) = ex - 1), code = e + 127, q = e4m3_rne(clamp(v / 2^e, -448, 448)).
 // v / 2^e is one correctly rounded float32 operation, as in the reference.
-#include "../epkit.h"
+#include "../checks.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 
@@ -14,8 +14,7 @@
 namespace epkit {
 
 std::tuple<Tensor, Tensor> quantize_mxfp8_cpu(const Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 32 == 0,
-              "epkit.quantize_mxfp8: x must be [T, H] with H % 32 == 0");
+  check_quantize_mxfp8_args(x_in);
   const Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), H = x.size(1), NB = H / 32;
   Tensor q = at::empty({T, H}, at::TensorOptions().dtype(at::kFloat8_e4m3fn));

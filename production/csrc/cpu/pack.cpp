@@ -5,7 +5,7 @@
 // dedup: one row per (token, destination rank with a used slot), ordered by rank, token;
 //        send_map [T, R] = send row of (t, d) or -1. Its meta carries the K local ids
 //        (-1 where the slot is unused, dropped, or on another rank) and weights.
-#include "../epkit.h"
+#include "../checks.h"
 
 #include <vector>
 
@@ -14,21 +14,19 @@ namespace epkit {
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan_t,
                                     int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
+  const int64_t SB = send_bytes.expect_int();
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
   const int64_t* plan = plan_t.data_ptr<int64_t>();
-  const int64_t R = plan[kRanks], E = plan[kExperts], L = plan[kLocalExperts];
-  TORCH_CHECK(num_ranks == R, "epkit.pack: num_ranks disagrees with the plan");
-  const PlanOffsets o(R, E);
   const int64_t T = idx.size(0), K = idx.size(1);
   const int64_t P = x.size(1) * x.element_size();
-  TORCH_CHECK(P == plan[kPayloadBytes], "epkit.pack: payload of ", P, " bytes, the plan says ",
-              plan[kPayloadBytes]);
+  // Every chunk of the plan fits the SB-byte buffer; each write below stays in its chunk.
+  const PlanOffsets o = check_pack_plan(plan, plan_t.numel(), transport, num_ranks, P, SB);
+  const int64_t R = plan[kRanks], E = plan[kExperts], L = plan[kLocalExperts];
   const bool pairs = transport == kPairs;
   const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
-  const int64_t SB = send_bytes.expect_int();
-  TORCH_CHECK(SB == plan[kSendBytes], "epkit.pack: send_bytes disagrees with the plan");
   const int64_t cap = static_cap(plan), tokcap = plan[kTokCap], slotcap = plan[kSlotCap];
   const int64_t* own_kept = plan + o.own_kept;
   std::vector<int64_t> rank_of(E), local_of(E);
@@ -65,6 +63,17 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   std::vector<uint8_t> kept(T * K, 0);
   std::vector<int64_t> slot_at;  // dedup: [T, R] index of the first slot row of (t, d)
   std::vector<int64_t> local(R, 0);  // rows of chunk d so far
+  const int64_t* counts = plan + o.send_counts;  // data rows each chunk holds
+  auto expert = [&](int64_t t, int64_t k) {
+    const int64_t e = ip[t * K + k];
+    TORCH_CHECK(e >= -1 && e < E, "epkit.pack: topk_idx[", t, ", ", k, "] = ", e,
+                " outside [-1, ", E, ")");
+    return e;
+  };
+  auto overrun = [&](int64_t d, int64_t i) {
+    TORCH_CHECK(false, "epkit.pack: row ", i, " of chunk ", d, " is past the plan's ", counts[d],
+                " rows (a plan from another call?)");
+  };
   Tensor send_map;
   if (pairs) {
     send_map = at::full({T, K}, -1, at::kLong);
@@ -73,10 +82,14 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
     for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + own_kept[e];
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = ip[t * K + k];
+        const int64_t e = expert(t, k);
         if (e < 0) continue;
         const int64_t r = cursor[e]++;
-        if (r < own_kept[e]) mp[t * K + k] = start[e] + r - start[rank_of[e] * L];  // index in chunk
+        if (r < own_kept[e]) {
+          const int64_t d = rank_of[e], i = start[e] + r - start[d * L];  // index in chunk
+          if (i < 0 || i >= counts[d]) overrun(d, i);
+          mp[t * K + k] = i;
+        }
       }
   } else {
     send_map = at::full({T, R}, -1, at::kLong);
@@ -85,15 +98,38 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
     std::vector<int64_t> nslot(R, 0);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < K; ++k) {
-        const int64_t e = ip[t * K + k];
+        const int64_t e = expert(t, k);
         if (e < 0) continue;
         const int64_t d = rank_of[e];
         const bool keep = cursor[e]++ < own_kept[e];
         kept[t * K + k] = keep;
-        if (mp[t * R + d] < 0) { mp[t * R + d] = local[d]++; slot_at[t * R + d] = nslot[d]; }
+        if (mp[t * R + d] < 0) {
+          if (local[d] >= counts[d]) overrun(d, local[d]);
+          mp[t * R + d] = local[d]++;
+          slot_at[t * R + d] = nslot[d];
+        }
         nslot[d] += keep;
       }
+    for (int64_t d = 0; d < R; ++d)
+      TORCH_CHECK(local[d] == counts[d] && nslot[d] == plan[o.send_slots + d], "epkit.pack: ",
+                  local[d], " rows and ", nslot[d], " slot rows for chunk ", d,
+                  ", the plan says ", counts[d], " and ", plan[o.send_slots + d],
+                  " (a plan from another call?)");
   }
+
+  // This call's slots are the plan's: all of them kept without capacity (else at least the kept
+  // ones), and (pairs) the chunks hold exactly the kept slots, so no row is left unwritten.
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(plan[kCapacity] < 0 ? cursor[e] == own_kept[e] : cursor[e] >= own_kept[e],
+                "epkit.pack: ", cursor[e], " slots name expert ", e, ", the plan keeps ",
+                own_kept[e], " (a plan from another call?)");
+  if (pairs)
+    for (int64_t d = 0; d < R; ++d) {
+      int64_t n = 0;
+      for (int64_t j = 0; j < L; ++j) n += own_kept[d * L + j];
+      TORCH_CHECK(n == counts[d], "epkit.pack: the plan keeps ", n, " slots for rank ", d,
+                  " but sends ", counts[d], " rows");
+    }
 
   // Parallel payload pass: each token writes its own rows, no two tokens share one.
   const uint8_t* xb = static_cast<const uint8_t*>(x.data_ptr());
@@ -141,17 +177,23 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
 
 // Rows of src [T, H] copied to the send rows named by send_map [T, C] (pairs: per slot;
 // dedup: per destination rank); used for gradients travelling the dispatch direction.
-Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map, c10::SymInt send_rows) {
-  const Tensor src = src_in.contiguous();
-  const int64_t T = src.size(0), C = send_map.size(1), S = send_rows.expect_int();
+Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::SymInt send_rows) {
+  const int64_t S = send_rows.expect_int();
+  check_scatter_rows_args(src_in, send_map_in, S);
+  const Tensor src = src_in.contiguous(), send_map = send_map_in.contiguous();
+  const int64_t T = src.size(0), C = send_map.size(1);
   const int64_t nbytes = src.size(1) * src.element_size();
   int64_t named = 0;
-  for (int64_t i = 0, n = send_map.numel(); i < n; ++i) named += send_map.data_ptr<int64_t>()[i] >= 0;
+  const int64_t* mp = send_map.data_ptr<int64_t>();
+  for (int64_t i = 0, n = send_map.numel(); i < n; ++i) {
+    TORCH_CHECK(mp[i] >= -1 && mp[i] < S, "epkit.scatter_rows: send_map entry ", i, " is ", mp[i],
+                ", outside [-1, ", S, ") (send_rows)");
+    named += mp[i] >= 0;
+  }
   Tensor out = named == S ? at::empty({S, src.size(1)}, src.options())
                           : at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t* mp = send_map.data_ptr<int64_t>();
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < C; ++c) {

@@ -1,7 +1,7 @@
 // The plan: everything a rank must know to allocate and move tokens, derived from the
 // all-gathered count words [R, 8 + E + R]. Identical arithmetic on every rank, so every rank
 // agrees on the error to raise and on every count, with no further collective.
-#include "../epkit.h"
+#include "../checks.h"
 
 #include <algorithm>
 
@@ -9,13 +9,13 @@ namespace epkit {
 
 namespace {
 constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
+constexpr int64_t kMaxWordCount = int64_t(1) << 48;  // a count beyond this overflows the sums
 }
 
 Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
                 int64_t capacity, int64_t transport, int64_t exchange, int64_t max_tokens) {
+  check_plan_args(words_in, rank, E, transport, exchange);
   const Tensor words = words_in.contiguous();
-  TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
-              "epkit.plan: words must be [R, 8 + E + R]");
   const int64_t R = words.size(0), L = E / R, W = words.size(1);
   const PlanOffsets o(R, E);
   Tensor plan = at::zeros({o.size}, at::kLong);
@@ -41,6 +41,10 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
     if (r[6] != r0[6]) return fail(s, kDtypeMismatch, r[6], r0[6]);
     if (r[5] != r0[5]) return fail(s, kTopkMismatch, r[5], r0[5]);
   }
+  // No rank's words carry an error: the options are used from here on.
+  check_plan_options(E, R, align, capacity, exchange, max_tokens);
+  TORCH_CHECK(r0[4] >= 0 && r0[5] >= 0 && (r0[7] == 0 || r0[7] == 1), "epkit.plan: words of rank 0 "
+              "carry hidden ", r0[4], ", topk ", r0[5], ", payload ", r0[7]);
   p[kTopK] = row(0)[5];
 
   // 2. Kept slots per (source, expert): capacity keeps the first C in (source, token) order.
@@ -50,6 +54,8 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   for (int64_t s = 0; s < R; ++s)
     for (int64_t e = 0; e < E; ++e) {
       const int64_t c = cnt(s, e);
+      TORCH_CHECK(c >= 0 && c <= kMaxWordCount, "epkit.plan: words of rank ", s, " count ", c,
+                  " slots for expert ", e);
       const int64_t k = capacity < 0 ? c : std::clamp<int64_t>(capacity - prefix[e], 0, c);
       kept[s * E + e] = k;
       prefix[e] += c;
@@ -65,6 +71,10 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   auto rows = [&](int64_t s, int64_t d) { return transport == kDedup ? tpr(s, d) : slots(s, d); };
   int64_t maxrows = 0, maxslots = 0, uniform = 1, S = 0, N = 0;
   p[kNonUniformRank] = -1;
+  for (int64_t s = 0; s < R; ++s)
+    for (int64_t d = 0; d < R; ++d)
+      TORCH_CHECK(tpr(s, d) >= 0 && tpr(s, d) <= kMaxWordCount, "epkit.plan: words of rank ", s,
+                  " count ", tpr(s, d), " tokens for rank ", d);
   const int64_t rows00 = rows(0, 0), slots00 = slots(0, 0);
   for (int64_t s = 0; s < R; ++s)
     for (int64_t d = 0; d < R; ++d) {

@@ -4,7 +4,7 @@
 // token order; each expert's segment is zero-padded to a multiple of `align`. recv_map [N, K']
 // records, for every received row (and, for dedup, each of its K slots), the expert-major row
 // it landed in (-1: none); combine and the backward passes reuse it and never search again.
-#include "../epkit.h"
+#include "../checks.h"
 
 #include <vector>
 
@@ -15,17 +15,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
                                                       at::ScalarType dtype, int64_t K,
                                                       c10::SymInt recv_rows,
                                                       c10::SymInt expert_rows) {
+  const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
+  check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M);
   const Tensor recv = recv_in.contiguous();
   const int64_t* plan = plan_t.data_ptr<int64_t>();
-  const int64_t R = plan[kRanks], E = plan[kExperts], L = plan[kLocalExperts];
-  const PlanOffsets o(R, E);
-  const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
-  TORCH_CHECK(M == plan[kExpertRows], "epkit.unpack: expert_rows disagrees with the plan");
-  TORCH_CHECK(N == plan[kRecvRows], "epkit.unpack: recv_rows disagrees with the plan");
-  TORCH_CHECK(recv.dim() == 1 && recv.numel() == plan[kRecvBytes], "epkit.unpack: received ",
-              recv.numel(), " bytes, the plan says ", plan[kRecvBytes]);
+  const int64_t P = H * static_cast<int64_t>(c10::elementSize(dtype));
+  // Every chunk of the plan fits the received buffer, its offsets fit the M expert rows.
+  const PlanOffsets o = check_unpack_plan(plan, plan_t.numel(), transport, P, N, M, recv.numel());
+  const int64_t R = plan[kRanks], L = plan[kLocalExperts];
   const bool pairs = transport == kPairs;
-  const int64_t P = H * c10::elementSize(dtype);
   const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
   const int64_t cap = static_cap(plan), tokcap = plan[kTokCap];
   const int64_t* recv_kept = plan + o.recv_kept;
@@ -62,8 +60,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
     for (int64_t i = 0; i < count; ++i) {
       const uint8_t* bytes = rb + chunk + (hdr + i) * B;
       const int64_t row = cap >= 0 ? s * (1 + cap) + 1 + i : compact + i;
+      TORCH_CHECK(row < N, "epkit.unpack: row ", i, " from rank ", s, " lands on row ", row,
+                  ", past recv_rows ", N);
       rows.push_back({bytes, row, s, slot_sec + slot * kSlotRowBytes});
-      if (!pairs) slot += get<int32_t>(bytes + P + 4);
+      if (!pairs) {
+        const int32_t n = get<int32_t>(bytes + P + 4);
+        TORCH_CHECK(n >= 0 && n <= nslots - slot, "epkit.unpack: row ", i, " from rank ", s,
+                    " carries ", n, " slots, past the plan's ", nslots);
+        slot += n;
+      }
     }
     TORCH_CHECK(pairs || slot == nslots, "epkit.unpack: rank ", s, " sent ", slot,
                 " slots, the plan says ", nslots);
@@ -80,6 +85,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
     for (int64_t s = 0; s < R; ++s)
       for (int64_t j = 0; j < L; ++j) {
         const int64_t c = recv_kept[s * L + j];
+        TORCH_CHECK(c >= 0 && c <= Nd - n && c <= offsets[j + 1] - base[j], "epkit.unpack: plan: ",
+                    c, " rows of local expert ", j, " from rank ", s, " overrun the rows received "
+                    "or the expert's segment");
         for (int64_t i = 0; i < c; ++i, ++n) mp[rows[n].row] = base[j] + i;
         base[j] += c;
       }
@@ -92,6 +100,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
         const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
         const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
         TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
+        TORCH_CHECK(cursor[j] < offsets[j + 1] && mp[r.row * K + k] < 0, "epkit.unpack: slot (k ",
+                    k, ", local expert ", j, ") overruns its segment or repeats k");
         mp[r.row * K + k] = cursor[j]++;
       }
     }
