@@ -14,8 +14,14 @@ Achieved bandwidth = (bytes read + bytes written) / time, each array counted onc
 scratch not counted), against the device's copy bandwidth measured in the same run:
 ``dst.copy_(src)`` of a buffer as large as the pack's output, counted as read + write.
 
+Before anything is timed, the kernels' outputs are checked bit for bit against the CPU kernels
+on the same shape with --check-tokens tokens per rank (default 1024; 0: the timed size itself,
+slow on the host): every rank's pack, rank 0's unpack, gather_rows and reduce_tokens. A
+mismatch is reported and the exit code is 2; nothing is timed then.
+
     python scripts/gpu_bench.py [--tokens 16384 --hidden 7168 --topk 8 --experts 256 --ranks 8]
-                                [--transports dedup,pairs] [--reps 20] [--json out.json]
+                                [--transports dedup,pairs] [--reps 20] [--check-tokens 1024]
+                                [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,23 +56,97 @@ def _routing(T, K, E, gen, device):
     return scores.topk(K, dim=1).indices.to(torch.int32)
 
 
-def measure(T, H, K, E, R, transport, reps, seed=0):
+def _group(T, H, K, E, R, device, seed):
+    """Every rank's inputs on `device`: x [T, H] bfloat16, top-K routing, weights; and the count
+    words of the ragged exchange."""
     import torch
 
     from epkit import ops
     from epkit.api import _dtype_code
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16
+    xs = [torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(R)]
+    idxs = [_routing(T, K, E, gen, device) for _ in range(R)]
+    ws = [torch.rand(T, K, generator=gen, device=device) for _ in range(R)]
+    words = torch.stack([ops.C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(dtype), -1], 0)
+                         for x, i, w in zip(xs, idxs, ws)])
+    return xs, idxs, ws, words, gen
+
+
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(__import__("torch").uint8)
+
+
+def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
+    """The kernels of measure() at T tokens per rank against the CPU kernels, bit for bit
+    (the CPU kernels are the specification). Returns the names of the outputs that differ.
+    (device="cpu" compares the CPU kernels with themselves: a plumbing test without a GPU.)"""
+    import torch
+
+    from epkit import ops
+    from epkit.collectives import CODES
+
+    C = ops.C
+    dev = torch.device(device)
+    tr = ops.TRANSPORTS[transport]
+    dtype = torch.bfloat16
+    xs, idxs, ws, words, _ = _group(T, H, K, E, R, dev, seed)
+    bad = []
+
+    def same(name, a, b):
+        if not (a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.cpu()),
+                                                                          _bits(b.cpu()))):
+            bad.append(name)
+
+    plans = [C.plan(words, r, E, 1, -1, tr, CODES["ragged"], -1) for r in range(R)]
+    hps = [C.plan(words.cpu(), r, E, 1, -1, tr, CODES["ragged"], -1) for r in range(R)]
+    for r in range(R):
+        same(f"plan[{r}]", plans[r], hps[r])
+    sl = ops.plan_slices(R, E)
+    chunks = []
+    for r in range(R):
+        SB = int(hps[r][ops.SEND_BYTES])
+        g = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, SB)
+        c = C.pack(xs[r].cpu(), idxs[r].cpu(), ws[r].cpu(), hps[r], tr, R, SB)
+        same(f"pack[{r}].send", g[0], c[0])
+        same(f"pack[{r}].send_map", g[1], c[1])
+        chunks.append(c[0][: int(hps[r][sl["send_bytes"]][0])])
+    recv = torch.cat(chunks)
+    hp = hps[0]
+    N, M, S = (int(hp[k]) for k in (ops.RECV_ROWS, ops.EXPERT_ROWS, ops.SEND_ROWS))
+    ug = C.unpack(recv.to(dev), plans[0], tr, H, dtype, K, N, M)
+    uc = C.unpack(recv, hp, tr, H, dtype, K, N, M)
+    for name, a, b in zip(("expert_x", "row_src", "row_weight", "recv_map"), ug, uc):
+        same(f"unpack.{name}", a, b)
+    y = (uc[0].float() * 2.0).to(dtype)
+    same("gather_rows", C.gather_rows(y.to(dev), ug[3], ug[2], tr, True),
+         C.gather_rows(y, uc[3], uc[2], tr, True))
+    rows_dtype = torch.float32 if transport == "dedup" else dtype
+    back = torch.randn(S, H, generator=torch.Generator().manual_seed(seed)).to(rows_dtype)
+    send_map = C.pack(xs[0].cpu(), idxs[0].cpu(), ws[0].cpu(), hp, tr, R,
+                      int(hp[ops.SEND_BYTES]))[1]
+    same("reduce_tokens",
+         C.reduce_tokens(back.to(dev), send_map.to(dev), idxs[0], ws[0], E, R, tr, True, dtype),
+         C.reduce_tokens(back, send_map, idxs[0].cpu(), ws[0].cpu(), E, R, tr, True, dtype))
+    from epkit.device import unpack_status
+
+    if unpack_status(dev):
+        bad.append("unpack status word (a mismatch was flagged)")
+    return bad
+
+
+def measure(T, H, K, E, R, transport, reps, seed=0):
+    import torch
+
+    from epkit import ops
     from epkit.collectives import CODES
 
     C = ops.C
     dev = torch.device("cuda")
     tr = ops.TRANSPORTS[transport]
-    gen = torch.Generator(device=dev).manual_seed(seed)
     dtype = torch.bfloat16
-    xs = [torch.randn(T, H, generator=gen, device=dev).to(dtype) for _ in range(R)]
-    idxs = [_routing(T, K, E, gen, dev) for _ in range(R)]
-    ws = [torch.rand(T, K, generator=gen, device=dev) for _ in range(R)]
-    words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(dtype), -1], 0)
-                         for x, i, w in zip(xs, idxs, ws)])
+    xs, idxs, ws, words, gen = _group(T, H, K, E, R, dev, seed)
     plans = [C.plan(words, r, E, 1, -1, tr, CODES["ragged"], -1) for r in range(R)]
     hps = [p.cpu() for p in plans]
     sl = ops.plan_slices(R, E)
@@ -128,6 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--transports", default="dedup,pairs")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--check-tokens", type=int, default=1024,
+                   help="tokens per rank of the CPU check before timing (0: --tokens)")
     p.add_argument("--target", type=float, default=0.70, help="pack/combine vs copy (issue 9)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -140,6 +222,15 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: T={a.tokens} H={a.hidden} bf16 top-{a.topk} of "
           f"{a.experts} experts, {a.ranks} ranks simulated (rank 0 timed), median of {a.reps}")
     ok = True
+    ct = a.check_tokens or a.tokens
+    for transport in a.transports.split(","):
+        bad = check(ct, a.hidden, a.topk, a.experts, a.ranks, transport)
+        print(f"check {transport} at T={ct} against the CPU kernels: "
+              f"{'bit for bit' if not bad else 'DIFFERS: ' + ', '.join(bad)}")
+        if bad:
+            print("gpu_bench: outputs differ from the CPU kernels; nothing timed", file=sys.stderr)
+            return 2
+        torch.cuda.empty_cache()
     for transport in a.transports.split(","):
         r = measure(a.tokens, a.hidden, a.topk, a.experts, a.ranks, transport, a.reps)
         results.append(r)

@@ -1,5 +1,6 @@
 """CUDA tests: every test here needs a GPU and skips cleanly without one, except
-test_index_emulation.py (the CUDA index arithmetic, transcribed, against the CPU kernels).
+test_index_emulation.py (the CUDA index arithmetic, transcribed, against the CPU kernels) and
+test_source_rules.py (rules of the .cu sources that no run shows reliably).
 
 The group fixture is this process at world size 1 on ``cpu:gloo,cuda:nccl``: CUDA tensors travel
 over NCCL, CPU tensors (the same calls on CPU inputs, and the small host-side agreements such as

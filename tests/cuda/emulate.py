@@ -34,6 +34,18 @@ def _exclusive(a, axis=0):
     return np.cumsum(a, axis) - a
 
 
+def local_experts_bound(n: int) -> int:
+    """unpack.cu local_experts_bound: the host's bound on L from the plan's length n alone,
+    n - 16 = (2R + 3)(L + 3); the largest L of any R >= 1 (smallest odd divisor d >= 5)."""
+    m = n - 16
+    d = 5
+    while d * 4 <= m:
+        if m % d == 0:
+            return m // d - 3
+        d += 2
+    return 1
+
+
 def pack_send_map(idx: np.ndarray, plan: np.ndarray, R: int, E: int, pairs: bool) -> np.ndarray:
     """pack.cu's send_map: rank_kernel, scan_columns, (dedup_index_kernel, scans), then
     pairs_kernel / dedup_kernel's row formulas."""
@@ -137,6 +149,11 @@ def unpack_recv_map(recv: np.ndarray, plan: np.ndarray, K: int, P: int, pairs: b
         if ok:
             nrow[r] = min(max(i32(row_bytes(s, i) + P + 4), 0), K)
     G = _exclusive(nrow)
+    Gi = np.cumsum(nrow)
+    for s in range(R):  # slot_count_kernel: in-band slots per source (else: status 2)
+        first = s * (1 + cap) + 1 if cap >= 0 else rrow[s]
+        got = Gi[first + counts[s] - 1] - G[first] if counts[s] > 0 else 0
+        assert got == plan[sl["recv_slots"]][s], ("slot count", s)
 
     def slot_rows(s, r):
         tok_rows = tokcap if tokcap >= 0 else counts[s]
@@ -144,7 +161,12 @@ def unpack_recv_map(recv: np.ndarray, plan: np.ndarray, K: int, P: int, pairs: b
         return rchunk[s] + tok_rows * B + (8 if cap >= 0 else 0) + (G[r] - G[first]) * 8
 
     chunks = -(-N // UNPACK_CHUNK)
-    lrank, jcount = {}, np.zeros((chunks, L), np.int64)
+    Lb = local_experts_bound(len(plan))
+    assert 1 <= L <= Lb, (L, Lb)
+    # jbase: flat, stride L (the device word), rows 0..chunks; block `chunks` walks no row, so
+    # row `chunks` of the scan holds each expert's total. Scratch: (chunks + 1) * Lb words.
+    jflat = np.zeros((chunks + 1) * Lb, np.int64)
+    lrank = {}
     for c in range(chunks):
         cnt = np.zeros(L, np.int64)
         for r in range(c * UNPACK_CHUNK, min(N, (c + 1) * UNPACK_CHUNK)):
@@ -158,8 +180,17 @@ def unpack_recv_map(recv: np.ndarray, plan: np.ndarray, K: int, P: int, pairs: b
                 for q, rank in zip(qs, _warp_ranks(js, cnt, [j >= 0 for j in js])):
                     if rank is not None:
                         lrank[G[r] + q] = rank
-        jcount[c] = cnt
-    jbase = _exclusive(jcount)
+        jflat[c * L: (c + 1) * L] = cnt
+    # scan_columns over chunks + 1 rows, L columns of stride L
+    col = jflat[: (chunks + 1) * L].reshape(chunks + 1, L)
+    jflat[: (chunks + 1) * L] = _exclusive(col).reshape(-1)
+
+    def jbase(c, j):
+        return jflat[c * L + j]
+
+    # expert_total_kernel: the slots received for j against the plan (else: status 64)
+    tpe = plan[sl["tokens_per_expert"]]
+    assert all(jbase(chunks, j) == tpe[j] for j in range(L)), "expert totals != plan"
     for r in range(N):
         ok, s, _ = row_info(r)
         if not ok:
@@ -168,5 +199,7 @@ def unpack_recv_map(recv: np.ndarray, plan: np.ndarray, K: int, P: int, pairs: b
         for q in range(nrow[r]):
             packed = i32(base + q * 8)
             k, j = (packed & 0xFFFFFFFF) >> 24, packed & 0xFFFFFF  # k: unsigned top byte
-            rm[r, k] = offsets[j] + jbase[r // UNPACK_CHUNK, j] + lrank[G[r] + q]
+            rank = jbase(r // UNPACK_CHUNK, j) + lrank[G[r] + q]
+            assert 0 <= rank < tpe[j]  # dedup_kernel's bound (else: status 16)
+            rm[r, k] = offsets[j] + rank
     return rm

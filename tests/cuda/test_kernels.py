@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sim
+from epkit.device import unpack_status
 
 pytestmark = [pytest.mark.cuda, sim.needs_cuda]
 
@@ -45,6 +46,7 @@ def test_group_round_trip_bitwise(cuda_ext, shape, opts):
         cpu = sim.run(case, weighted=weighted, device="cpu", **kw)
         gpu = sim.run(case, weighted=weighted, device="cuda", **kw)
         sim.assert_same(cpu, gpu)
+        assert unpack_status() == 0  # no unpack saw a mismatch (no false positive)
         if weighted:
             sim.assert_weight_grad_close(gpu)
         else:

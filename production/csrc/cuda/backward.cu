@@ -56,20 +56,23 @@ __global__ void gather_slot_values_kernel(const float* vp, const int64_t* mp, fl
   op[i] = m >= 0 && m < M ? vp[m] : 0.0f;
 }
 
+// Every index is bounded (issue 12): the expert (0 <= e < E: on CUDA static a bad index is a
+// deferred error and this pass still runs on the caller's topk_idx), the send_map column e / L
+// (< C) and the returned row (< S); a slot that fails any reads nothing and gets 0.
 __global__ void scatter_slot_values_kernel(const float* bp, const int64_t* mp, const int64_t* ip,
-                                           float* op, int64_t T, int64_t K, int64_t L, int64_t C,
-                                           int64_t BW, bool pairs) {
+                                           float* op, int64_t T, int64_t K, int64_t E, int64_t L,
+                                           int64_t C, int64_t S, int64_t BW, bool pairs) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * K) return;
   const int64_t t = i / K, k = i % K, e = ip[i];
   float v = 0.0f;
-  if (e >= 0) {
+  if (e >= 0 && e < E) {
     if (pairs) {
-      const int64_t r = mp[t * K + k];
-      if (r >= 0) v = bp[r * BW];
-    } else {
+      const int64_t r = mp[t * K + k];  // C == K (host check)
+      if (r >= 0 && r < S) v = bp[r * BW];
+    } else if (e / L < C && k < BW) {
       const int64_t r = mp[t * C + e / L];
-      if (r >= 0) v = bp[r * BW + k];
+      if (r >= 0 && r < S) v = bp[r * BW + k];
     }
   }
   op[i] = v;
@@ -81,6 +84,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv_in,
                                                       const Tensor& recv_map_in,
                                                       const Tensor& row_weight,
                                                       const Tensor& y_in, bool weighted) {
+  check_combine_backward_dest_args(recv_in, recv_map_in, row_weight, y_in, weighted);
   const c10::cuda::CUDAGuard guard(y_in.device());
   const Tensor recv = recv_in.contiguous(), y = y_in.contiguous();
   const Tensor recv_map = recv_map_in.contiguous(), w = row_weight.contiguous();
@@ -113,6 +117,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv_in,
 }
 
 Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map_in) {
+  check_gather_slot_values_args(values, recv_map_in);
   const c10::cuda::CUDAGuard guard(values.device());
   const Tensor v = values.contiguous(), recv_map = recv_map_in.contiguous();
   Tensor out = at::empty(recv_map.sizes(), v.options().dtype(at::kFloat));
@@ -127,16 +132,17 @@ Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map_in) 
 
 Tensor scatter_slot_values_cuda(const Tensor& back_in, const Tensor& send_map_in,
                                 const Tensor& topk_idx, int64_t E, int64_t R, int64_t transport) {
+  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, E, R, transport);
   const c10::cuda::CUDAGuard guard(back_in.device());
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), L = E / R, C = send_map.size(1);
   Tensor out = at::empty({T, K}, back.options().dtype(at::kFloat));
   if (T * K > 0) {
-    const int64_t BW = back.dim() > 1 ? back.size(1) : 1;
+    const int64_t BW = back.dim() > 1 ? back.size(1) : 1, S = back.size(0);
     scatter_slot_values_kernel<<<ceil_div(T * K, 256), 256, 0, stream()>>>(
         back.data_ptr<float>(), send_map.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
-        out.data_ptr<float>(), T, K, L, C, BW, transport == kPairs);
+        out.data_ptr<float>(), T, K, E, L, C, S, BW, transport == kPairs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;

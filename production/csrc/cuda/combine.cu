@@ -31,7 +31,7 @@ __global__ void gather_pairs_kernel(const uint8_t* yp, const int64_t* mp, uint8_
 // dedup, expert side: one float32 partial per received row, its slots in c order.
 template <typename T, int V>
 __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float* wp, float* op,
-                                    int64_t C, int64_t H, bool weighted) {
+                                    int64_t C, int64_t H, int64_t M, bool weighted) {
   const int64_t n = blockIdx.x;
   const int64_t step = static_cast<int64_t>(blockDim.x) * V;
   for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += step) {
@@ -40,7 +40,7 @@ __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float*
     for (int i = 0; i < V; ++i) acc[i] = 0.0f;
     for (int64_t c = 0; c < C; ++c) {
       const int64_t m = mp[n * C + c];
-      if (m < 0) continue;
+      if (m < 0 || m >= M) continue;  // bounded like every map read (issue 12)
       float y[V];
       load_widen<T, V>(yp + m * H + h, y);
       if (weighted) {
@@ -59,8 +59,8 @@ __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float*
 // Source side, one block per token.
 template <typename O, typename Bt, int V>
 __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip, const float* wp,
-                              O* op, int64_t C, int64_t K, int64_t H, int64_t L, bool dedup,
-                              bool weighted) {
+                              O* op, int64_t C, int64_t K, int64_t H, int64_t L, int64_t S,
+                              bool dedup, bool weighted) {
   extern __shared__ int64_t sh[];  // pairs: ord [K] | rank [K]
   __shared__ int64_t nslots;
   const int64_t t = blockIdx.x;
@@ -70,7 +70,7 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
     // Slots of t in (destination rank, k) order: a stable insertion sort of the used ks.
     int64_t n = 0;
     for (int64_t k = 0; k < K; ++k) {
-      if (mp[t * K + k] < 0) continue;
+      if (mp[t * K + k] < 0 || mp[t * K + k] >= S) continue;  // rows of back: [0, S)
       const int64_t d = ip[t * K + k] / L;
       int64_t at = n++;
       while (at > 0 && rk[at - 1] > d) { ord[at] = ord[at - 1]; rk[at] = rk[at - 1]; --at; }
@@ -88,7 +88,7 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
     if (dedup) {
       for (int64_t d = 0; d < C; ++d) {
         const int64_t r = mp[t * C + d];
-        if (r < 0) continue;
+        if (r < 0 || r >= S) continue;
         float b[V];
         load_widen<Bt, V>(bp + r * H + h, b);
 #pragma unroll
@@ -132,6 +132,7 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
 
 Tensor gather_rows_cuda(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight_in,
                         int64_t transport, bool weighted) {
+  check_gather_rows_args(y_in, recv_map_in, row_weight_in, transport, weighted);
   const c10::cuda::CUDAGuard guard(y_in.device());
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
@@ -157,7 +158,7 @@ Tensor gather_rows_cuda(const Tensor& y_in, const Tensor& recv_map_in, const Ten
     auto launch = [&](auto kernel) {
       kernel<<<N, kThreads, 0, stream()>>>(reinterpret_cast<const T*>(y.data_ptr()),
                                            recv_map.data_ptr<int64_t>(), wp,
-                                           out.data_ptr<float>(), C, H, weighted);
+                                           out.data_ptr<float>(), C, H, M, weighted);
     };
     if (V == 4) launch(gather_dedup_kernel<T, 4>);
     else launch(gather_dedup_kernel<T, 1>);
@@ -169,13 +170,15 @@ Tensor gather_rows_cuda(const Tensor& y_in, const Tensor& recv_map_in, const Ten
 Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
                           bool weighted, at::ScalarType out_dtype) {
+  check_reduce_tokens_args(back_in, send_map_in, topk_idx, topk_weights, E, R, transport, weighted,
+                           out_dtype);
   const c10::cuda::CUDAGuard guard(back_in.device());
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const bool dedup = transport == kDedup;
   const Tensor wt = (!dedup && weighted) ? topk_weights.contiguous() : topk_weights;
   const int64_t T = send_map.size(0), C = send_map.size(1), H = back.size(1), L = E / R;
-  const int64_t K = idx.size(1);
+  const int64_t K = idx.size(1), S = back.size(0);
   Tensor out = at::empty({T, H}, back.options().dtype(out_dtype));
   if (T == 0 || H == 0) return out;
   dispatch_float(out_dtype, "epkit.reduce_tokens", [&](auto otag) {
@@ -194,8 +197,8 @@ Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, cons
                                               static_cast<int>(smem)));
         kernel<<<T, kThreads, smem, stream()>>>(
             reinterpret_cast<const Bt*>(back.data_ptr()), send_map.data_ptr<int64_t>(),
-            idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, dedup,
-            weighted);
+            idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, S,
+            dedup, weighted);
       };
       if (V == 8) launch(reduce_kernel<O, Bt, 8>);
       else if (V == 4) launch(reduce_kernel<O, Bt, 4>);

@@ -8,6 +8,7 @@
 // CUDA arithmetic is the canonical 0x7FFFFFFF where x86 keeps the operand's payload).
 #pragma once
 
+#include "../checks.h"  // argument checks shared with the CPU kernels (no data read)
 #include "../epkit.h"
 
 #include <c10/cuda/CUDAStream.h>
@@ -49,6 +50,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv, const 
                                                       const Tensor& expert_y, bool weighted);
 std::tuple<Tensor, Tensor> quantize_mxfp8_cuda(const Tensor& x);
 Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map);
+Tensor unpack_status_word(const Tensor& like);
 Tensor scatter_slot_values_cuda(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
                                 int64_t num_experts, int64_t num_ranks, int64_t transport);
 
@@ -186,8 +188,9 @@ __device__ inline void block_exclusive_scan(const int64_t* in, int64_t* out, int
 }
 
 // Column-wise exclusive scan of an int32 matrix a [rows, cols] in place, one warp per column
-// (lanes over rows, 32 at a time; common.cu).
-void scan_columns(int32_t* a, int64_t rows, int64_t cols);
+// (lanes over rows, 32 at a time; common.cu). With cols_dev, the matrix is [rows, c] with
+// c = min(*cols_dev, cols) read on the device (a plan word: the host knows only the bound cols).
+void scan_columns(int32_t* a, int64_t rows, int64_t cols, const int64_t* cols_dev = nullptr);
 
 // Lanes below this one in the warp.
 __device__ __forceinline__ unsigned lanemask_lt() {

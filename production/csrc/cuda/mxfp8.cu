@@ -4,7 +4,8 @@
 // NaN counts as 0, as the CPU's std::max(amax, |v|) skips it). e = floor(log2(amax)) - 8 from
 // frexpf (exact), clamped to [-127, 127]; 2^e built from its bits (2^-127 is the subnormal
 // 0x00400000); v / 2^e is one correctly rounded division (__fdiv_rn); the clamp to +-448 is the
-// CPU's std::clamp expression; E4M3 is c10's own bit-level conversion.
+// CPU's std::clamp expression; E4M3 is c10's own bit-level conversion. A NaN element is sign |
+// 0x7F, its sign kept as the CPU's division keeps it (0xFF for -NaN).
 #include "common.cuh"
 
 namespace epkit {
@@ -30,17 +31,22 @@ __global__ void quantize_kernel(const X* xp, uint8_t* qp, uint8_t* cp, int64_t n
   frexpf(amax, &ex);
   const int e = min(max(ex - 1 - 8, -127), 127);
   const float scale = e >= -126 ? __int_as_float((e + 127) << 23) : __int_as_float(0x00400000);
-  float u = __fdiv_rn(v, scale);
-  u = (u < -448.0f) ? -448.0f : (448.0f < u) ? 448.0f : u;  // std::clamp(u, -448, 448)
-  qp[b * 32 + lane] = c10::detail::fp8e4m3fn_from_fp32_value(u);
+  if (isnan(v)) {
+    // The CPU divides on x86, which keeps the NaN operand's sign, and E4M3 NaN is sign | 0x7F:
+    // -NaN gives 0xFF. __fdiv_rn returns the canonical (positive) NaN, so decide here.
+    qp[b * 32 + lane] = signbit(v) ? 0xFF : 0x7F;
+  } else {
+    float u = __fdiv_rn(v, scale);
+    u = (u < -448.0f) ? -448.0f : (448.0f < u) ? 448.0f : u;  // std::clamp(u, -448, 448)
+    qp[b * 32 + lane] = c10::detail::fp8e4m3fn_from_fp32_value(u);
+  }
   if (lane == 0) cp[b] = static_cast<uint8_t>(e + 127);
 }
 
 }  // namespace
 
 std::tuple<Tensor, Tensor> quantize_mxfp8_cuda(const Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % 32 == 0,
-              "epkit.quantize_mxfp8: x must be [T, H] with H % 32 == 0");
+  check_quantize_mxfp8_args(x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous();
   const int64_t T = x.size(0), H = x.size(1), NB = H / 32;

@@ -304,27 +304,18 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
                                      int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Device dev = x_in.device();
+  const int64_t SB = send_bytes.expect_int();
+  check_pack_args(x_in, topk_idx, topk_weights, plan_in, transport, SB);  // the plan on dev
+  check_num_ranks("epkit.pack", num_ranks);
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
-  TORCH_CHECK(wt.scalar_type() == at::kFloat, "epkit.pack: topk_weights must be float32");
-  TORCH_CHECK(idx.device() == dev && wt.device() == dev,
-              "epkit.pack: tensors on different devices");
   const int64_t R = num_ranks;
   const int64_t E = experts_from_plan(plan_in.numel(), R), L = E / R;
   const int64_t T = idx.size(0), K = idx.size(1);
   const int64_t P = x.size(1) * x.element_size();
   const bool pairs = transport == kPairs;
   const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
-  const int64_t SB = send_bytes.expect_int();
-  if (!plan_in.is_cuda()) {  // a host plan: the CPU kernel's checks cost nothing
-    const int64_t* hp = plan_in.data_ptr<int64_t>();
-    TORCH_CHECK(hp[kRanks] == R, "epkit.pack: num_ranks disagrees with the plan");
-    TORCH_CHECK(hp[kErrCode] != 0 || P == hp[kPayloadBytes], "epkit.pack: payload of ", P,
-                " bytes, the plan says ", hp[kPayloadBytes]);
-    TORCH_CHECK(hp[kErrCode] != 0 || SB == hp[kSendBytes],
-                "epkit.pack: send_bytes disagrees with the plan");
-  }
   const Tensor plan = plan_on(plan_in, dev);
   const auto i64 = idx.options(), i32 = idx.options().dtype(at::kInt);
 
@@ -399,6 +390,7 @@ Tensor scatter_rows_cuda(const Tensor& src_in, const Tensor& send_map_in, c10::S
   const c10::cuda::CUDAGuard guard(src_in.device());
   const Tensor src = src_in.contiguous(), send_map = send_map_in.contiguous();
   const int64_t T = src.size(0), C = send_map.size(1), S = send_rows.expect_int();
+  check_scatter_rows_args(src_in, send_map_in, S);
   const int64_t nbytes = src.size(1) * src.element_size();
   Tensor out = at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
   if (T > 0 && C > 0 && nbytes > 0) {

@@ -217,8 +217,7 @@ constexpr int kThreads = 256;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cuda(const Tensor& topk_idx, int64_t E,
                                                       int64_t R) {
-  TORCH_CHECK(topk_idx.dim() == 2, "epkit.layout: topk_idx must be [T, K]");
-  TORCH_CHECK(R >= 1 && E % R == 0, "epkit.layout: num_experts must be a multiple of num_ranks");
+  check_layout_args(topk_idx, E, R);
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const int64_t T = idx.size(0), K = idx.size(1);
@@ -244,6 +243,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> layout_cuda(const Tensor& topk_idx, i
 
 Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
                     int64_t R, at::IntArrayRef pre_error, int64_t payload) {
+  check_prepare_args(x, topk_idx, topk_weights, E, R, pre_error, payload);
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   const auto opts = at::TensorOptions().dtype(at::kLong).device(topk_idx.device());
   Tensor words = at::zeros({kWordHeader + E + R}, opts);
@@ -256,7 +256,6 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return words;
   }
-  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat, "epkit.prepare: weights must be float32");
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), H = x.size(1);
@@ -289,10 +288,12 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
 
 Tensor plan_cuda(const Tensor& words_in, int64_t rank, int64_t E, int64_t align, int64_t capacity,
                  int64_t transport, int64_t exchange, int64_t max_tokens) {
+  // The option values (align, capacity, max_tokens) are checked by the CPU kernel only once no
+  // rank's words carry an error, which on CUDA is known on the device only: the callers check
+  // them first (api.py), as they do for every mode.
+  check_plan_args(words_in, rank, E, transport, exchange);
   const c10::cuda::CUDAGuard guard(words_in.device());
-  const Tensor words = words_in.to(at::kLong).contiguous();
-  TORCH_CHECK(words.dim() == 2 && words.size(1) == kWordHeader + E + words.size(0),
-              "epkit.plan: words must be [R, 8 + E + R]");
+  const Tensor words = words_in.contiguous();
   const int64_t R = words.size(0);
   const PlanOffsets o(R, E);
   Tensor plan = at::zeros({o.size}, words.options());

@@ -14,4 +14,12 @@ TORCH_LIBRARY_IMPL(epkit, CUDA, m) {
   m.impl("gather_slot_values", &epkit::cuda::gather_slot_values_cuda);
   m.impl("quantize_mxfp8", &epkit::cuda::quantize_mxfp8_cuda);
   m.impl("scatter_slot_values", &epkit::cuda::scatter_slot_values_cuda);
+  m.impl("unpack_status_word", &epkit::cuda::unpack_status_word);
+}
+
+// CUDA-only: the device's sticky unpack status word (unpack.cu), an int32 [1] alias that
+// epkit.device.unpack_status / check_static read (a host wait) and clear. Not in the CPU
+// schema file: it has no CPU kernel and no meaning there.
+TORCH_LIBRARY_FRAGMENT(epkit, m) {
+  m.def("unpack_status_word(Tensor like) -> Tensor");
 }

@@ -29,7 +29,7 @@ __device__ __forceinline__ void load_widen(const T* p, float (&out)[V]) {
 template <typename T, int V>
 __device__ __forceinline__ void narrow_store(T* p, const float (&in)[V]) {
   if constexpr (V * sizeof(T) == 16 || V * sizeof(T) == 8 || V * sizeof(T) == 32) {
-    T e[V];
+    alignas(16) T e[V];  // read back through uint4 / uint2 below: 16-byte aligned (issue 12)
 #pragma unroll
     for (int i = 0; i < V; ++i) e[i] = narrow<T>(in[i]);
     if constexpr (V * sizeof(T) == 8) {
