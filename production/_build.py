@@ -192,6 +192,29 @@ def prebuilt_library(cuda: bool) -> str | None:
     return found[0] if found else None
 
 
+def sync_abi_header() -> bool:
+    """Rewrite ``csrc/abi.h`` from reference/abi.py where it differs (a checkout whose Python
+    side changed); returns whether it wrote. The file is checked in, so a build without the
+    package importable (setup.py) compiles the same header; tests/reference/test_abi.py keeps
+    the checked-in copy current."""
+    from epkit.reference import abi
+
+    path = os.path.join(CSRC, "abi.h")
+    text = abi.render_header()
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return False
+    except OSError:
+        pass
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError:  # an installed, read-only tree: its header is the one it was built with
+        return False
+    return True
+
+
 def load(verbose: bool = False) -> None:
     """Load the extension once per process: the wheel's prebuilt library where there is one,
     else the JIT build (building it first if the cache is stale)."""
@@ -209,6 +232,7 @@ def load(verbose: bool = False) -> None:
             torch.ops.load_library(prebuilt)
             loaded_from, _loaded = prebuilt, True
             return
+        sync_abi_header()
         srcs = sources(cuda)
         name = extension_name(cuda)
         build_dir = build_directory(name)

@@ -75,39 +75,53 @@ DEDUP_MAX_LOCAL = 1 << SLOT_K_SHIFT  # j < 2**24
 MXFP8_BLOCK = 32                   # elements per E8M0 scale
 
 
+# C++ spellings that are not the plain CamelCase of the Python name (kept from the kernels).
+_CPP_NAMES = {"topk": "TopK", "nonuniform_rank": "NonUniformRank"}
+
+
 def _camel(name: str) -> str:
-    return "".join(p.capitalize() for p in name.split("_"))
+    return _CPP_NAMES.get(name) or "".join(p.capitalize() for p in name.split("_"))
+
+
+def _enum(name: str, prefix: str, items) -> list[str]:
+    body = ", ".join(f"k{prefix}{_camel(k)} = {v}" for k, v in items)
+    return [f"enum {name} : int64_t {{ {body} }};"]
 
 
 def render_header() -> str:
-    """``production/csrc/abi.h``: the C++ form of this module."""
-    out = ["// Generated from reference/abi.py by production/_build.py: do not edit by hand.",
-           "// The interface between Python and the kernels; tests/reference/test_abi.py",
-           "// fails if this file drifts from reference/abi.py.",
-           "#pragma once", "", "#include <cstdint>", "", "namespace epkit {", "namespace abi {", ""]
-    out.append("// reasons (reference/errors.py Reason)")
-    out += [f"constexpr int64_t kReason{_camel(r.name.lower())} = {int(r)};" for r in Reason]
-    out += ["", "// options"]
-    out += [f"constexpr int64_t kTransport{_camel(k)} = {v};" for k, v in TRANSPORT_CODES.items()]
-    out += [f"constexpr int64_t kExchange{_camel(k)} = {v};" for k, v in EXCHANGE_CODES.items()]
-    out += [f"constexpr int64_t kVariant{_camel(k)} = {v};" for k, v in VARIANT_CODES.items()]
+    """``production/csrc/abi.h``: the C++ form of this module (names as the kernels use them)."""
+    out = ["// Generated from reference/abi.py (render_header) by production/_build.py: do not",
+           "// edit by hand. The interface between Python and the kernels; tests/reference/",
+           "// test_abi.py fails if this file drifts from reference/abi.py.",
+           "#pragma once", "", "#include <cstdint>", "", "namespace epkit {", ""]
+    out.append("// reasons (reference/errors.py Reason): reason::kIndexOutOfRange, ...")
+    out.append("namespace reason {")
+    out += [f"constexpr int64_t k{_camel(r.name.lower())} = {int(r)};" for r in Reason]
+    out += ["}  // namespace reason", "", "// dtype codes (reference/errors.py DTYPE_CODES)",
+            "namespace dtype_code {"]
+    out += [f"constexpr int64_t k{_camel(k)} = {v};" for k, v in DTYPE_CODES.items()]
+    out += ["}  // namespace dtype_code", "", "// options"]
+    out += [f"constexpr int64_t k{_camel(k)} = {v};" for k, v in TRANSPORT_CODES.items()]
+    out += _enum("Requested", "Req", EXCHANGE_CODES.items())  # what the caller asked for
+    out += _enum("Variant", "", VARIANT_CODES.items())        # the exchange that runs
     out += [f"constexpr int64_t kPayload{_camel(str(k) if k else 'none')} = {v};"
             for k, v in PAYLOAD_CODES.items()]
-    out += [f"constexpr int64_t kDtype{_camel(k)} = {v};" for k, v in DTYPE_CODES.items()]
     out += ["", "// count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]"]
-    out += [f"constexpr int64_t kWord{_camel(f)} = {i};" for i, f in enumerate(WORD_FIELDS)]
-    out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "", "// plan header words"]
-    out += [f"constexpr int64_t kPlan{_camel(f)} = {i};" for i, f in enumerate(PLAN_FIELDS)]
-    out += [f"constexpr int64_t kPlanHeader = {PLAN_HEADER};", "", "// wire format"]
+    out += _enum("WordField", "Word", ((f, i) for i, f in enumerate(WORD_FIELDS)))
+    out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "",
+            "// plan header words, then the sections (PlanOffsets in epkit.h)"]
+    out += _enum("PlanHeader", "", [(f, i) for i, f in enumerate(PLAN_FIELDS)]
+                 + [("plan_header", PLAN_HEADER)])
+    out += ["", "// wire format: byte offsets of the metadata after a row's payload, row sizes"]
     out += [f"constexpr int64_t kPairsMeta{_camel(f)} = {4 * i};" for i, f in enumerate(PAIRS_META)]
     out += [f"constexpr int64_t kDedupMeta{_camel(f)} = {4 * i};"
             for i, f in enumerate(DEDUP_TOKEN_META)]
     out += [f"constexpr int64_t kPairsMetaBytes = {PAIRS_META_BYTES};",
-            f"constexpr int64_t kDedupTokenMetaBytes = {DEDUP_TOKEN_META_BYTES};",
+            f"constexpr int64_t kDedupTokMeta = {DEDUP_TOKEN_META_BYTES};",
             f"constexpr int64_t kSlotRowBytes = {SLOT_ROW_BYTES};",
             f"constexpr int64_t kSlotKShift = {SLOT_K_SHIFT};",
             f"constexpr int64_t kDedupMaxTopK = {DEDUP_MAX_TOPK};",
             f"constexpr int64_t kDedupMaxLocal = {DEDUP_MAX_LOCAL};",
             f"constexpr int64_t kMxfp8Block = {MXFP8_BLOCK};",
-            "", "}  // namespace abi", "}  // namespace epkit", ""]
+            "", "}  // namespace epkit", ""]
     return "\n".join(out)

@@ -23,8 +23,8 @@ constexpr int64_t kMaxRanks = int64_t(1) << 20;
 constexpr int64_t kMaxExperts = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxAlign = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // tokens travel as int32
-constexpr int64_t kDedupMaxTopK = 256;                 // k travels in the slot word's 8 bits
-constexpr int64_t kDedupMaxLocal = int64_t(1) << 24;   // j travels in its low 24 bits
+// kDedupMaxTopK (255: the spec's limit, k in the slot word's 8 bits) and kDedupMaxLocal (j in
+// its low 24 bits) come from abi.h.
 
 // ---- tensors ------------------------------------------------------------------------------
 inline void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim) {

@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "abi.h"
 #include <tuple>
 #include <vector>
 
@@ -25,45 +27,19 @@ namespace epkit {
 
 using at::Tensor;
 
-// ---- transports -------------------------------------------------------------------------
-constexpr int64_t kPairs = 0;  // one row per kept slot (Megatron / TE style)
-constexpr int64_t kDedup = 1;  // one row per (token, destination rank) (DeepEP style)
+// ---- the ABI: codes, the count-word and plan layouts, the wire format -------------------
+// abi.h is generated from reference/abi.py (the one definition Python imports too): kPairs,
+// kDedup, enum Requested / Variant / WordField / PlanHeader, reason::k*, dtype_code::k*, the
+// row layouts (kPairsMeta*, kDedupMeta*, kSlotRowBytes, ...) and the limits.
 
-// ---- wire format (docs/design.md) -------------------------------------------------------
-constexpr int64_t kPairsMetaBytes = 16;  // int32 t, int32 k, int32 j, float32 w
-
-
-// ---- count-exchange words (one row per rank after the all-gather) ------------------------
-// [error code, a, b, T, H, K, dtype code, payload code | tokens_per_expert (E) | tokens_per_rank (R)]
-constexpr int64_t kWordHeader = 8;
-
-// ---- plan layout (int64 vector, identical on every rank up to the rank-local parts) ------
-// header words
-enum PlanHeader : int64_t {
-  kErrCode = 0, kErrA, kErrB, kErrRank,
-  kSendRows, kRecvRows, kExpertRows, kUniform, kMaxChunk,
-  kRanks, kLocalExperts, kExperts, kTransport, kCapacity, kAlign, kTopK,
-  kStaticCap,  // rows per chunk of the static exchange (-1: not static); chunk = 1 + cap rows
-  kVariant,      // the exchange that runs: kRagged, kPadded, kEqual, kStatic
-  kPayloadBytes, // P: bytes of one token's payload
-  kTokCap,       // dispatch chunks of fixed layout: rows of the token (pairs: slot) section
-  kSlotCap,      // ... rows of the dedup slot section (headers included; -1 when ragged)
-  kSendBytes, kRecvBytes,  // the dispatch exchange, in bytes
-  kNonUniformRank,  // lowest source rank with a count unlike rank 0's first (-1: uniform)
-  kPlanHeader = 24
-};
-enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };
-// Requested exchange codes (epkit/exchange.py CODES).
-enum Requested : int64_t { kReqRagged = 0, kReqPadded = 1, kReqEqual = 2, kReqAuto = 3,
-                           kReqLazy = 4, kReqStatic = 5 };
-constexpr int64_t kSlotRowBytes = 8;    // dedup slot row: int32 (k << 24 | j), float32 w
 // The slot word's fields. k occupies the top 8 bits, so for k >= 128 the int32 is negative:
 // decode through uint32 (an arithmetic shift would give k - 256 and index out of bounds).
 EPKIT_HD inline int64_t slot_word_k(int32_t packed) {
-  return static_cast<int64_t>(static_cast<uint32_t>(packed) >> 24);
+  return static_cast<int64_t>(static_cast<uint32_t>(packed) >> kSlotKShift);
 }
-EPKIT_HD inline int64_t slot_word_j(int32_t packed) { return packed & 0xFFFFFF; }
-constexpr int64_t kDedupTokMeta = 8;    // dedup token row meta: int32 t, int32 n
+EPKIT_HD inline int64_t slot_word_j(int32_t packed) {
+  return packed & ((int32_t(1) << kSlotKShift) - 1);
+}
 struct PlanOffsets {
   int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept,
       send_bytes, recv_bytes, send_slots, recv_slots, size;
@@ -108,9 +84,10 @@ EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, 
                                    const int64_t* words0, int64_t transport, int64_t exchange,
                                    int64_t max_tokens, int64_t align, int64_t uniform,
                                    int64_t maxrows, int64_t maxslots) {
-  const int64_t H = words0[4], K = p[kTopK], per = K < L ? K : L;
-  const int64_t itemsize = words0[6] == 2 ? 2 : 4;       // dtype code 2: bfloat16; else float32
-  const int64_t P = words0[7] ? H + H / 32 : H * itemsize;  // payload 1: MXFP8 bytes + codes
+  const int64_t H = words0[kWordHidden], K = p[kTopK], per = K < L ? K : L;
+  const int64_t itemsize = words0[kWordXDtype] == dtype_code::kBfloat16 ? 2 : 4;
+  const int64_t P = words0[kWordPayload] == kPayloadMxfp8 ? H + H / kMxfp8Block  // E4M3 + codes
+                                                          : H * itemsize;
   const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
   p[kPayloadBytes] = P;
   int64_t variant = kRagged;

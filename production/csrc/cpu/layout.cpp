@@ -9,8 +9,8 @@ namespace {
 
 // Error codes: reference/errors.py (Reason). Only the value checks live here; dtype, shape and
 // option checks happen in Python before this kernel is called (their result is `pre_error`).
-constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
-                  kNonfinitePayload = 14, kHiddenNotMult32 = 15, kStaticOverflow = 20;
+using reason::kDuplicateExpert, reason::kHiddenNotMult32, reason::kIndexOutOfRange,
+    reason::kNonfinitePayload, reason::kNonfiniteWeight, reason::kStaticOverflow;
 
 struct Err { int64_t code = 0, a = 0, b = 0; };
 
@@ -95,15 +95,15 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
       std::memcpy(w + kWordHeader, tpe.data_ptr<int64_t>(), E * sizeof(int64_t));
       std::memcpy(w + kWordHeader + E, tpr.data_ptr<int64_t>(), R * sizeof(int64_t));
     }
-    w[3] = x.size(0);
-    w[4] = x.size(1);
-    w[5] = topk_idx.size(1);
+    w[kWordTokens] = x.size(0);
+    w[kWordHidden] = x.size(1);
+    w[kWordTopK] = topk_idx.size(1);
   }
-  w[0] = err.code;
-  w[1] = err.a;
-  w[2] = err.b;
-  w[6] = pre_error.size() > 3 ? pre_error[3] : 0;  // x dtype code (reference/errors.py)
-  w[7] = payload;
+  w[kWordErrorCode] = err.code;
+  w[kWordErrorA] = err.a;
+  w[kWordErrorB] = err.b;
+  w[kWordXDtype] = pre_error.size() > 3 ? pre_error[3] : 0;  // x dtype code (abi.h dtype_code)
+  w[kWordPayload] = payload;
   return words;
 }
 

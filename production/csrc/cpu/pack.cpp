@@ -145,9 +145,9 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
           uint8_t* row = sb + byte_of(d, i);
           copy_row(row, src, P);
           put<int32_t>(row + P, static_cast<int32_t>(t));
-          put<int32_t>(row + P + 4, static_cast<int32_t>(k));
-          put<int32_t>(row + P + 8, static_cast<int32_t>(local_of[e]));
-          put<float>(row + P + 12, wp[t * K + k]);
+          put<int32_t>(row + P + kPairsMetaK, static_cast<int32_t>(k));
+          put<int32_t>(row + P + kPairsMetaJ, static_cast<int32_t>(local_of[e]));
+          put<float>(row + P + kPairsMetaW, wp[t * K + k]);
           i = row_of(d, i);
         }
       } else {
@@ -166,7 +166,7 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
             ++n;
           }
           put<int32_t>(row + P, static_cast<int32_t>(t));
-          put<int32_t>(row + P + 4, n);
+          put<int32_t>(row + P + kDedupMetaN, n);
           i = row_of(d, i);
         }
       }

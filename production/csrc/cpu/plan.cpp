@@ -8,7 +8,7 @@
 namespace epkit {
 
 namespace {
-constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
+using reason::kDtypeMismatch, reason::kHiddenMismatch, reason::kTopkMismatch;
 constexpr int64_t kMaxWordCount = int64_t(1) << 48;  // a count beyond this overflows the sums
 }
 
@@ -33,19 +33,24 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
     return plan;
   };
   for (int64_t s = 0; s < R; ++s)
-    if (row(s)[0] != 0) return fail(s, row(s)[0], row(s)[1], row(s)[2]);
+    if (row(s)[kWordErrorCode] != 0)
+      return fail(s, row(s)[kWordErrorCode], row(s)[kWordErrorA], row(s)[kWordErrorB]);
   const int64_t* r0 = row(0);
   for (int64_t s = 1; s < R; ++s) {
     const int64_t* r = row(s);
-    if (r[4] != r0[4]) return fail(s, kHiddenMismatch, r[4], r0[4]);
-    if (r[6] != r0[6]) return fail(s, kDtypeMismatch, r[6], r0[6]);
-    if (r[5] != r0[5]) return fail(s, kTopkMismatch, r[5], r0[5]);
+    const int64_t H = kWordHidden, X = kWordXDtype, K = kWordTopK;
+    if (r[H] != r0[H]) return fail(s, kHiddenMismatch, r[H], r0[H]);
+    if (r[X] != r0[X]) return fail(s, kDtypeMismatch, r[X], r0[X]);
+    if (r[K] != r0[K]) return fail(s, kTopkMismatch, r[K], r0[K]);
   }
   // No rank's words carry an error: the options are used from here on.
   check_plan_options(E, R, align, capacity, exchange, max_tokens);
-  TORCH_CHECK(r0[4] >= 0 && r0[5] >= 0 && (r0[7] == 0 || r0[7] == 1), "epkit.plan: words of rank 0 "
-              "carry hidden ", r0[4], ", topk ", r0[5], ", payload ", r0[7]);
-  p[kTopK] = row(0)[5];
+  TORCH_CHECK(r0[kWordHidden] >= 0 && r0[kWordTopK] >= 0 &&
+                  (r0[kWordPayload] == kPayloadNone || r0[kWordPayload] == kPayloadMxfp8),
+              "epkit.plan: words of rank 0 "
+              "carry hidden ", r0[kWordHidden], ", topk ", r0[kWordTopK], ", payload ",
+              r0[kWordPayload]);
+  p[kTopK] = row(0)[kWordTopK];
 
   // 2. Kept slots per (source, expert): capacity keeps the first C in (source, token) order.
   auto cnt = [&](int64_t s, int64_t e) { return row(s)[kWordHeader + e]; };

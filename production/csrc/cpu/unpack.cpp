@@ -64,7 +64,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
                   ", past recv_rows ", N);
       rows.push_back({bytes, row, s, slot_sec + slot * kSlotRowBytes});
       if (!pairs) {
-        const int32_t n = get<int32_t>(bytes + P + 4);
+        const int32_t n = get<int32_t>(bytes + P + kDedupMetaN);
         TORCH_CHECK(n >= 0 && n <= nslots - slot, "epkit.unpack: row ", i, " from rank ", s,
                     " carries ", n, " slots, past the plan's ", nslots);
         slot += n;
@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   } else {
     std::vector<int64_t> cursor(offsets, offsets + L);
     for (const Row& r : rows) {
-      const int32_t n = get<int32_t>(r.bytes + P + 4);
+      const int32_t n = get<int32_t>(r.bytes + P + kDedupMetaN);
       for (int32_t i = 0; i < n; ++i) {
         const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
         const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
@@ -122,17 +122,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
       if (pairs) {
         const int64_t m = mp[r.row];
         copy_row(xb + m * P, r.bytes, P);
-        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = get<int32_t>(meta + 4);
-        wp[m] = get<float>(meta + 12);
+        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = get<int32_t>(meta + kPairsMetaK);
+        wp[m] = get<float>(meta + kPairsMetaW);
         continue;
       }
-      const int32_t cnt = get<int32_t>(meta + 4);
+      const int32_t cnt = get<int32_t>(meta + kDedupMetaN);
       for (int32_t i = 0; i < cnt; ++i) {
         const uint8_t* slot = r.slots + i * kSlotRowBytes;
         const int64_t k = slot_word_k(get<int32_t>(slot)), m = mp[r.row * K + k];
         copy_row(xb + m * P, r.bytes, P);
         sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = k;
-        wp[m] = get<float>(slot + 4);
+        wp[m] = get<float>(slot + sizeof(int32_t));  // the slot row: int32 code, float32 w
       }
     }
   });

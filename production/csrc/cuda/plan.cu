@@ -13,9 +13,9 @@ namespace cuda {
 namespace {
 
 // reference/errors.py codes (as in cpu/layout.cpp, cpu/plan.cpp)
-constexpr int64_t kIndexOutOfRange = 1, kDuplicateExpert = 2, kNonfiniteWeight = 13,
-                  kNonfinitePayload = 14, kHiddenNotMult32 = 15, kStaticOverflow = 20;
-constexpr int64_t kHiddenMismatch = 7, kDtypeMismatch = 8, kTopkMismatch = 9;
+using reason::kDuplicateExpert, reason::kHiddenNotMult32, reason::kIndexOutOfRange,
+    reason::kNonfinitePayload, reason::kNonfiniteWeight, reason::kStaticOverflow;
+using reason::kDtypeMismatch, reason::kHiddenMismatch, reason::kTopkMismatch;
 constexpr unsigned long long kNone = std::numeric_limits<unsigned long long>::max();
 
 // flags: [first flat index out of range, first token with a duplicate, first token with a
@@ -99,12 +99,12 @@ __global__ void finalize_kernel(int64_t* w, const int64_t* ip, const unsigned lo
       } else if (max_tokens >= 0 && T > max_tokens) {
         code = kStaticOverflow; a = T; b = max_tokens;
       }
-      w[3] = T; w[4] = H; w[5] = K;
+      w[kWordTokens] = T; w[kWordHidden] = H; w[kWordTopK] = K;
     }
     err[0] = code; err[1] = a; err[2] = b;
-    w[0] = code; w[1] = a; w[2] = b;
-    w[6] = dtype_code;
-    w[7] = payload;
+    w[kWordErrorCode] = code; w[kWordErrorA] = a; w[kWordErrorB] = b;
+    w[kWordXDtype] = dtype_code;
+    w[kWordPayload] = payload;
   }
   __syncthreads();
   if (err[0] != 0)
@@ -133,16 +133,19 @@ __global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank
     p[kCapacity] = capacity; p[kAlign] = align; p[kStaticCap] = -1;
     int64_t fs = -1, code = 0, a = 0, b = 0;
     for (int64_t s = 0; s < R && fs < 0; ++s)
-      if (row(s)[0] != 0) { fs = s; code = row(s)[0]; a = row(s)[1]; b = row(s)[2]; }
+      if (row(s)[kWordErrorCode] != 0) {
+        fs = s; code = row(s)[kWordErrorCode]; a = row(s)[kWordErrorA]; b = row(s)[kWordErrorB];
+      }
     const int64_t* r0 = row(0);
     for (int64_t s = 1; s < R && fs < 0; ++s) {
       const int64_t* r = row(s);
-      if (r[4] != r0[4]) { fs = s; code = kHiddenMismatch; a = r[4]; b = r0[4]; }
-      else if (r[6] != r0[6]) { fs = s; code = kDtypeMismatch; a = r[6]; b = r0[6]; }
-      else if (r[5] != r0[5]) { fs = s; code = kTopkMismatch; a = r[5]; b = r0[5]; }
+      const int64_t H = kWordHidden, X = kWordXDtype, K = kWordTopK;
+      if (r[H] != r0[H]) { fs = s; code = kHiddenMismatch; a = r[H]; b = r0[H]; }
+      else if (r[X] != r0[X]) { fs = s; code = kDtypeMismatch; a = r[X]; b = r0[X]; }
+      else if (r[K] != r0[K]) { fs = s; code = kTopkMismatch; a = r[K]; b = r0[K]; }
     }
     if (fs >= 0) { p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = fs; }
-    else p[kTopK] = r0[5];
+    else p[kTopK] = r0[kWordTopK];
     failed = fs >= 0;
     maxrows = 0; maxslots = 0; S = 0; N = 0; uniform = 1; first_unlike = kNone;
   }
