@@ -22,10 +22,10 @@ import operator
 from epkit import lazy, mxfp8, ops
 from epkit.agree import COMBINE, DISPATCH, agree, call_number, header, serial, tensor_error
 from epkit.collectives import CODES as EXCHANGE_CODES
-from epkit.collectives import group_name, resolve_group
+from epkit.collectives import dtype_code, group_name, resolve_group
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
-from epkit.reference.errors import MAX_ALIGN, DTYPE_CODES, InputError, Reason, error, factor_bits
+from epkit.reference.errors import MAX_ALIGN, InputError, Reason, error, factor_bits
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
            "dequantize_mxfp8"]
@@ -37,8 +37,7 @@ PAYLOAD_CODES = dict(abi.PAYLOAD_CODES)
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
 
 
-def _dtype_code(dt: torch.dtype) -> int:
-    return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
+_dtype_code = dtype_code
 
 
 def _int_or(v, default):

@@ -189,7 +189,7 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
         sc, code = _counts_error(x, send_counts, R, variant)
         ok = code[0] == Reason.OK
         words = agree.header(agree.EXCHANGE, [-1, -1, -1, -1, _VARIANT_CODES.get(variant, -1), -1, -1],
-                             code, _dtype_code(x.dtype) if ok else 0,
+                             code, dtype_code(x.dtype) if ok else 0,
                              row_width=math.prod(x.shape[1:]) if ok else 0)
         agree.agree(group, words, "epkit.exchange (call header)")
         gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
@@ -207,7 +207,9 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
 _VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}
 
 
-def _dtype_code(dt) -> int:
+def dtype_code(dt) -> int:
+    """A torch dtype's code in the call header and the count words (errors.DTYPE_CODES; 0 for
+    one outside the table, or not a dtype)."""
     from epkit.reference.errors import DTYPE_CODES
 
     return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)

@@ -23,7 +23,7 @@ import torch
 from epkit import _build
 from epkit.device import host_plan
 from epkit.agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
-from epkit.collectives import all_gather, all_to_all, group_from_name
+from epkit.collectives import all_gather, all_to_all, dtype_code, group_from_name
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
@@ -323,10 +323,7 @@ def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
 def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
     """A backward pass's call header (epkit/agree.py): every rank is in the same pass, and the
     gradient rows that share its exchange have one dtype."""
-    from epkit.reference.errors import DTYPE_CODES
-
-    code = DTYPE_CODES.get(str(grad.dtype).replace("torch.", ""), 0)
-    agree(group_from_name(group_name), header(op, NO_OPTIONS, (0, 0, 0), code),
+    agree(group_from_name(group_name), header(op, NO_OPTIONS, (0, 0, 0), dtype_code(grad.dtype)),
           f"{what} (call header)")
 
 
