@@ -404,10 +404,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     Args:
         x: ``[T, H]`` float32 or bfloat16, this rank's tokens (``T`` may differ between ranks,
             ``H`` may not; ``T == 0`` is fine).
-        topk_idx: ``[T, K]`` int32 or int64, expert ids in ``[0, E)`` or ``-1`` for an unused
-            slot; no expert twice in a row.
+        topk_idx: ``[T, K]`` int64, int32, int16, int8 or uint8 (the same bits whatever the
+            width), expert ids in ``[0, E)`` or ``-1`` for an unused slot; no expert twice in a
+            row.
         topk_weights: ``[T, K]`` float32, finite routing weights (differentiable).
-        num_experts: ``E``; see :class:`Dispatcher` for the other options.
+        num_experts: ``E``; see :class:`Dispatcher` for the other options (``capacity`` or
+            ``capacity_factor``, ``align``, ``transport``, ``exchange``, ``payload``,
+            ``max_tokens_per_rank``).
 
     Returns:
         A :class:`Dispatch` in the canonical expert-major layout, bit for bit equal to
