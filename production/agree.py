@@ -9,14 +9,17 @@ all-gather of a header whose size depends on nothing at all (and so do both back
 so a rank that skips ``backward()`` is an error on every rank, not a mismatched exchange)::
 
     HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
-              max_tokens, error code, a, b, rows dtype, row width, capacity factor, 0]  int64 [18]
+              max_tokens, error code, a, b, rows dtype, row width, capacity factor,
+              flags]                                                               int64 [18]
 
 ``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
 ``ref`` the call number of the dispatch a combine consumes, the options as codes
 (``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name; the capacity factor as its
 float64 bits), ``(code, a, b)`` the rank's
 local error (every check that needs no collective: types, devices, options, shapes), and the
-dtype and width (elements per row) of rows that share one exchange (``epkit.exchange``'s x,
+``flags`` what else the ranks of one call must agree on (errors.CALL_FLAGS: a weighted
+combine), the dtype and width (elements per row) of rows
+that share one exchange (``epkit.exchange``'s x,
 combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
 derives the same error from the gathered ``[R, 16]`` words (:func:`group_error`), in this order:
 a rank in another operation or at another call number (out of step), the lowest rank with a
@@ -51,7 +54,8 @@ __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", 
 MAGIC = 0x45504B4954  # "EPKIT"
 HEADER = 18
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
- W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_RESERVED) = range(HEADER)
+ W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS) = range(HEADER)
+WEIGHTED = 1  # W_FLAGS bits (errors.CALL_FLAGS)
 DISPATCH, COMBINE, EXCHANGE, DISPATCH_BACKWARD, COMBINE_BACKWARD = 1, 2, 3, 4, 5
 NO_OPTIONS = [-1] * 7  # backward passes: the forward agreed the options already
 
@@ -90,7 +94,7 @@ def serial(group):
 
 
 def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: int = 0,
-           ref: int = -1, row_width: int = 0) -> list[int]:
+           ref: int = -1, row_width: int = 0, flags: int = 0) -> list[int]:
     """This rank's header without its call number (:func:`agree` stamps it).
 
     ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens,
@@ -100,7 +104,7 @@ def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: i
     words = [MAGIC, int(op), 0, int(ref), *(int(v) for v in options)]
     assert len(words) == W_CODE, "epkit: eight option words expected"
     return words + [int(triple[0]), int(triple[1]), int(triple[2]), int(rows_dtype),
-                    int(row_width), int(factor), 0]
+                    int(row_width), int(factor), int(flags)]
 
 
 def group_error(h: torch.Tensor) -> torch.Tensor:
@@ -123,7 +127,9 @@ def group_error(h: torch.Tensor) -> torch.Tensor:
                (h[:, W_DTYPE] != h0[:, W_DTYPE], Reason.ROWS_DTYPE_MISMATCH, h[:, W_DTYPE],
                 h0[:, W_DTYPE]),
                (h[:, W_WIDTH] != h0[:, W_WIDTH], Reason.ROW_WIDTH_MISMATCH, h[:, W_WIDTH],
-                h0[:, W_WIDTH])]
+                h0[:, W_WIDTH]),
+               (h[:, W_FLAGS] != h0[:, W_FLAGS], Reason.CALL_FLAGS_MISMATCH, h[:, W_FLAGS],
+                h0[:, W_FLAGS])]
     out = torch.zeros(4, dtype=torch.int64, device=h.device)
     for bad, code, a, b in reversed(checks):  # the earliest check that fires is kept last
         first = torch.where(bad, ranks, R).min()

@@ -20,7 +20,8 @@ import math
 import operator
 
 from epkit import lazy, mxfp8, ops
-from epkit.agree import COMBINE, DISPATCH, agree, call_number, header, serial, tensor_error
+from epkit.agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, header, serial,
+                         tensor_error)
 from epkit.collectives import CODES as EXCHANGE_CODES
 from epkit.collectives import dtype_code, group_name, resolve_group
 from epkit.reference import abi
@@ -339,13 +340,14 @@ class Dispatcher:
         different dispatches, raise the same InputError on every rank before any row moves.
         """
         if torch.compiler.is_compiling():  # the header is agreed inside the op, at run time
-            return self._combine(expert_y, d, weighted, self._combine_header(expert_y, d))
+            return self._combine(expert_y, d, weighted,
+                                 self._combine_header(expert_y, d, weighted))
         with serial(self.group):
-            words = self._combine_header(expert_y, d)
+            words = self._combine_header(expert_y, d, weighted)
             agree(self.group, words, "epkit.combine (call header)")
             return self._combine(expert_y, d, weighted, [])
 
-    def _combine_header(self, expert_y, d) -> list[int]:
+    def _combine_header(self, expert_y, d, weighted) -> list[int]:
         code, ref, rows_dtype = (Reason.OK, 0, 0), -1, 0
         options = self._option_words()
         if not isinstance(d, Dispatch) or d._config is None:
@@ -363,7 +365,8 @@ class Dispatcher:
                 if code[0] == Reason.OK and expert_y.device != w.device:
                     code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
                 rows_dtype = _dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
-        return header(COMBINE, options, code, rows_dtype, ref)
+        return header(COMBINE, options, code, rows_dtype, ref,
+                      flags=WEIGHTED if weighted else 0)
 
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
         cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines

@@ -322,7 +322,8 @@ def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
 
 def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
     """A backward pass's call header (epkit/agree.py): every rank is in the same pass, and the
-    gradient rows that share its exchange have one dtype."""
+    gradient rows that share its exchange have one dtype. (Its weight-gradient exchange runs on
+    every rank: autograd hands a zero gradient for an unused row_weight, never None.)"""
     agree(group_from_name(group_name), header(op, NO_OPTIONS, (0, 0, 0), dtype_code(grad.dtype)),
           f"{what} (call header)")
 

@@ -108,6 +108,7 @@ class Reason(enum.IntEnum):
     CAPACITY_FACTOR = 51       # a: the factor's float64 bits (-1: not a number)
     CAPACITY_AND_FACTOR = 52   # (no details)
     CAPACITY_FACTOR_MISMATCH = 53  # a, b: float64 bits (-1: None)
+    CALL_FLAGS_MISMATCH = 54   # a: this rank's call flags (CALL_FLAGS), b: rank 0's
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -126,6 +127,8 @@ OPTION_NAMES = {
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
            3: "was altered after dispatch (a field no longer matches what dispatch returned)"}
+# Call flags (production/agree.py): how a call's ranks must agree beyond its options.
+CALL_FLAGS = {1: ("a weighted combine", "an unweighted combine")}
 MAX_ALIGN = 1 << 20  # beyond it the padding alone would be an absurd allocation
 
 
@@ -140,6 +143,12 @@ def _factor(bits: int) -> str:
     import struct
 
     return "None" if bits == -1 else repr(struct.unpack("<d", struct.pack("<q", int(bits)))[0])
+
+
+def _flags(bits: int, other: int) -> str:
+    """The call flags in which ``bits`` and ``other`` differ, as words."""
+    diff = int(bits) ^ int(other)
+    return ", ".join(CALL_FLAGS[f][0 if bits & f else 1] for f in sorted(CALL_FLAGS) if diff & f)
 
 
 def _opt(kind: str, code: int) -> str:
@@ -217,6 +226,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.CAPACITY_AND_FACTOR: "pass capacity or capacity_factor, not both",
         Reason.CAPACITY_FACTOR_MISMATCH: f"capacity_factor {_factor(a)} differs from rank 0's "
                                          f"{_factor(b)}",
+        Reason.CALL_FLAGS_MISMATCH: f"asks for {_flags(a, b)} while rank 0 asks for "
+                                    f"{_flags(b, a)}",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "
                                        f"of {b} (j travels in 24 bits): use transport='pairs'",
     }[c]

@@ -63,6 +63,7 @@ constexpr int64_t kRowWidthMismatch = 50;
 constexpr int64_t kCapacityFactor = 51;
 constexpr int64_t kCapacityAndFactor = 52;
 constexpr int64_t kCapacityFactorMismatch = 53;
+constexpr int64_t kCallFlagsMismatch = 54;
 }  // namespace reason
 
 // dtype codes (reference/errors.py DTYPE_CODES)

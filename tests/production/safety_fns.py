@@ -218,3 +218,12 @@ def skip_backward(group, rank, faulty):
     else:
         err = _caught(lambda: out.sum().backward())
     return err, valid_round(group, rank)
+
+
+def flags_differ(group, rank, faulty, kind):
+    """``unweighted``: ``faulty`` combines unweighted, the others weighted."""
+    R = dist.get_world_size(group)
+    x, idx, w = _inputs(rank, R)
+    d = epkit.dispatch(x, idx, w, num_experts=E_PER_RANK * R, group=group)
+    err = _caught(lambda: epkit.combine(d.expert_x * 2.0, d, weighted=rank != faulty))
+    return err, valid_round(group, rank)

@@ -105,6 +105,15 @@ def test_one_rank_skips_backward(group_pool, R, faulty):
     check(got, R, Reason.CALL_MISMATCH, differs_from_rank0(faulty), "the backward of epkit.combine")
 
 
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+@pytest.mark.parametrize("kind,text", [("unweighted", "an unweighted combine")])
+def test_call_flags_differ(group_pool, R, faulty, kind, text):
+    """What the ranks of one call must agree on beyond the options (Reason.CALL_FLAGS_MISMATCH):
+    a weighted combine."""
+    got = group_pool.run(safety_fns.flags_differ, R, [faulty] * R, [kind] * R)
+    check(got, R, Reason.CALL_FLAGS_MISMATCH, differs_from_rank0(faulty), text)
+
+
 EXCHANGE_CASES = [
     ("short_counts", Reason.SEND_COUNTS, lambda f: f),
     ("sum", Reason.SEND_COUNTS_SUM, lambda f: f),
