@@ -6,7 +6,11 @@ interleaved so that drift in the machine's load hits all of them alike:
     epkit dedup       epkit.dispatch(transport="dedup") -> identity expert -> epkit.combine,
                       forward and backward
     epkit pairs       the same with transport="pairs"
-    plain-torch       the Megatron / torchtitan style dispatcher of epkit.verify.plain_torch
+    megatron-style    what Megatron / torchtitan-style code runs: argsort permute,
+                      all_to_all_single, chunk sort, one float32 index_add_ combine (not
+                      bit-exact; epkit.verify.example_dispatcher)
+    plain-torch       the plain-torch dispatcher of epkit.verify.plain_torch: the spec's exact
+                      two-level combine order, one indexed pass per top-k position and rank
     plain-torch pad   the same path with every all-to-all padded to the group-wide largest chunk
                       (how a backend without split sizes is served)
     floor             bare all_to_all_single calls replaying exactly the exchanges (split sizes
@@ -34,7 +38,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-METHODS = ("epkit dedup", "epkit pairs", "plain-torch", "plain-torch padded", "floor")
+METHODS = ("epkit dedup", "epkit pairs", "megatron-style", "plain-torch", "plain-torch padded",
+           "floor")
 
 # Rank 0 reports to the parent as it goes (set by :func:`worker`): ``_emit("progress", n)``
 # after every n rounds or kernel replays, ``_emit(part, result)`` as each part finishes, so
@@ -148,6 +153,25 @@ def plain_step(padded, group, E, x, idx, w, grad):
                        lambda y, d: pt.combine(y, d), x, idx, w, grad)
 
 
+def megatron_step(group, E, x, idx, w, grad):
+    """What Megatron-Core / torchtitan-style code runs: argsort permute, ``all_to_all_single``,
+    chunk sort to expert-major, and one float32 ``index_add_`` combine (not bit-exact; the
+    permute + all-to-all dispatcher of verify/example_dispatcher.py)."""
+    from epkit.verify.example_dispatcher import A2ADispatcher
+
+    a2a = A2ADispatcher(group, E)
+
+    class _Rows:  # expert_x and the handle, as the step expects them
+        def __init__(self, rows, handle):
+            self.expert_x, self.handle = rows, handle
+
+    def dispatch(a, b, c):
+        rows, _, handle = a2a.dispatch(a, b, c)
+        return _Rows(rows, handle)
+
+    return _train_step(dispatch, lambda y, d: a2a.combine(y, d.handle), x, idx, w, grad)
+
+
 # ---- timing ----------------------------------------------------------------------------------
 
 def _gather_max(times: list[float], group) -> list[float]:
@@ -206,6 +230,7 @@ def run_workload(cfg: dict, T: int, group) -> dict:
     steps = {
         "epkit dedup": epkit_step("dedup", group, E, x, idx, w, grad),
         "epkit pairs": epkit_step("pairs", group, E, x, idx, w, grad),
+        "megatron-style": megatron_step(group, E, x, idx, w, grad),
         "plain-torch": plain_step(False, group, E, x, idx, w, grad),
         "plain-torch padded": plain_step(True, group, E, x, idx, w, grad),
     }
