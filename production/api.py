@@ -290,7 +290,7 @@ class Dispatcher:
             # Sizes from the configuration alone: no host read of any count (and, under
             # torch.compile, no data-dependent shape). docs/design.md, wire format.
             L, K, H = E // R, topk_idx.shape[1], x.shape[1]
-            P = H + H // 32 if mx else H * x.element_size()
+            P = abi.payload_bytes(H, x.element_size(), mx)
             per = min(K, L)
             rows = max_tokens * (per if transport == ops.PAIRS else 1)  # data rows per chunk
             chunk = ops.dispatch_chunk_bytes(transport, P, 1 + rows, 1 + max_tokens * per)

@@ -68,6 +68,7 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
 
     from epkit import ops
     from epkit.collectives import all_gather
+    from epkit.reference import abi
     from epkit.reference.errors import error
 
     R = dist.get_world_size(group)
@@ -82,7 +83,10 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
                              "[H, K, dtype code, payload] to size its chunks without a host wait")
         H, K, dtype_code, payload = (int(v) for v in static_shape)
         template = torch.zeros((R, words.shape[0]), dtype=torch.int64)
-        template[:, 4], template[:, 5], template[:, 6], template[:, 7] = H, K, dtype_code, payload
+        F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
+        for field, value in (("hidden", H), ("topk", K), ("x_dtype", dtype_code),
+                             ("payload", payload)):
+            template[:, F[field]] = value
         mirror = ops.C.plan(template, *args)  # the CPU kernel: routing-independent words
     elif os.environ.get("EPKIT_HOST_PLAN") == "1":
         mirror = ops.C.plan(_pinned_copy(gathered).view(R, -1), *args).pin_memory()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from epkit import mxfp8, device, ops
-from epkit.reference.abi import EXCHANGE_CODES
+from epkit.reference.abi import EXCHANGE_CODES, payload_bytes
 
 C = ops.C
 
@@ -27,7 +27,7 @@ class _DispatchWait(torch.autograd.Function):
         recv, state["finish"] = state["finish"](), None  # the work is done: let it go
         H, mx = x.shape[1], state["mx"]
         expert_x, row_src, row_weight, recv_map = C.unpack(
-            recv, state["plan"], state["transport"], H + H // 32 if mx else H,
+            recv, state["plan"], state["transport"], payload_bytes(H, 1, mx) if mx else H,
             torch.uint8 if mx else x.dtype, state["topk_idx"].shape[1],
             int(ops.host_plan(state["plan"])[ops.RECV_ROWS]), state["expert_rows"])
         q = scale = expert_x.new_empty((0,))

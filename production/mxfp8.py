@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from epkit import ops
+from epkit.reference.abi import MXFP8_BLOCK
 
 C = ops.C
 
@@ -30,7 +31,8 @@ def dequantize_mxfp8(q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int32)
     scale = torch.where(c == 0, torch.tensor(0x00400000, dtype=torch.int32), c << 23)
     scale = scale.view(torch.float32)
-    return (q.float().view(q.shape[0], q.shape[1] // 32, 32) * scale.unsqueeze(-1)).view(q.shape)
+    B = MXFP8_BLOCK
+    return (q.float().view(q.shape[0], q.shape[1] // B, B) * scale.unsqueeze(-1)).view(q.shape)
 
 
 class _MXDispatch(torch.autograd.Function):

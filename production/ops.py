@@ -118,7 +118,8 @@ def _(recv, recv_map, row_weight, expert_y, weighted):
 @torch.library.register_fake("epkit::quantize_mxfp8")
 def _(x):
     T, H = x.shape
-    return x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, H // 32), dtype=torch.uint8)
+    return (x.new_empty((T, H), dtype=torch.float8_e4m3fn),
+            x.new_empty((T, H // abi.MXFP8_BLOCK), dtype=torch.uint8))
 
 
 @torch.library.register_fake("epkit::gather_slot_values")

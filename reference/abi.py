@@ -24,6 +24,9 @@ PAYLOAD_CODES = {None: 0, "mxfp8": 1}
 WORD_FIELDS = ("error_code", "error_a", "error_b", "tokens", "hidden", "topk", "x_dtype",
                "payload")
 WORD_HEADER = len(WORD_FIELDS)
+# ``prepare``'s pre_error argument: the local error Python found, and what the kernel needs
+# beside the tensors (max_tokens: -1 unless the exchange is static).
+PRE_ERROR_FIELDS = ("code", "a", "b", "x_dtype", "max_tokens")
 
 # ---- the plan: an int64 vector, identical on every rank up to its rank-local parts --------------
 PLAN_FIELDS = (
@@ -75,6 +78,12 @@ DEDUP_MAX_LOCAL = 1 << SLOT_K_SHIFT  # j < 2**24
 MXFP8_BLOCK = 32                   # elements per E8M0 scale
 
 
+def payload_bytes(hidden: int, itemsize: int, mxfp8: bool) -> int:
+    """Bytes of one token's payload on the wire: ``H * itemsize(x)``, or under MXFP8 ``H``
+    E4M3 bytes followed by ``H / 32`` E8M0 scale codes."""
+    return hidden + hidden // MXFP8_BLOCK if mxfp8 else hidden * itemsize
+
+
 # C++ spellings that are not the plain CamelCase of the Python name (kept from the kernels).
 _CPP_NAMES = {"topk": "TopK", "nonuniform_rank": "NonUniformRank"}
 
@@ -109,6 +118,9 @@ def render_header() -> str:
     out += ["", "// count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]"]
     out += _enum("WordField", "Word", ((f, i) for i, f in enumerate(WORD_FIELDS)))
     out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "",
+            "// prepare's pre_error argument"]
+    out += _enum("PreErrorField", "PreError", ((f, i) for i, f in enumerate(PRE_ERROR_FIELDS)))
+    out += ["",
             "// plan header words, then the sections (PlanOffsets in epkit.h)"]
     out += _enum("PlanHeader", "", [(f, i) for i, f in enumerate(PLAN_FIELDS)]
                  + [("plan_header", PLAN_HEADER)])

@@ -29,7 +29,7 @@ FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
 # float32 w``.
 from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES  # noqa: E402
 from .abi import MXFP8_BLOCK as BLOCK  # noqa: E402  (MXFP8 block length along H)
-from .abi import PAIRS_META_BYTES  # noqa: E402
+from .abi import PAIRS_META_BYTES, payload_bytes  # noqa: E402
 from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES  # noqa: E402
 
 # Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
@@ -49,9 +49,7 @@ def dtype_code(dt) -> int:
 def payload_row_bytes(hidden: int, x_dtype, payload: Optional[str]) -> int:
     """Bytes of one token's payload on the wire: ``H * itemsize(x)``, or under MXFP8 ``H``
     E4M3 bytes followed by ``H / 32`` scale codes."""
-    if payload == "mxfp8":
-        return hidden + hidden // BLOCK
-    return hidden * np.dtype(x_dtype).itemsize
+    return payload_bytes(hidden, np.dtype(x_dtype).itemsize, payload == "mxfp8")
 
 
 def padded(n: int, align: int) -> int:

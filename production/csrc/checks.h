@@ -191,12 +191,13 @@ inline void check_prepare_args(const Tensor& x, const Tensor& topk_idx, const Te
                                int64_t E, int64_t R, c10::IntArrayRef pre_error,
                                int64_t payload) {
   constexpr const char* op = "epkit.prepare";
-  TORCH_CHECK(pre_error.size() >= 3, op,
+  TORCH_CHECK(int64_t(pre_error.size()) > kPreErrorB, op,
               ": pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got ",
               pre_error.size(), " values");
   check_num_ranks(op, R);
-  TORCH_CHECK(payload == 0 || payload == 1, op, ": payload must be 0 or 1 (mxfp8), got ", payload);
-  if (pre_error[0] != 0) {
+  TORCH_CHECK(payload == kPayloadNone || payload == kPayloadMxfp8, op,
+              ": payload must be 0 or 1 (mxfp8), got ", payload);
+  if (pre_error[kPreErrorCode] != 0) {
     TORCH_CHECK(E >= -R && E <= kMaxExperts, op, ": num_experts ", E,
                 " leaves no room for the count words' header (num_ranks ", R, ")");
     return;
@@ -204,9 +205,10 @@ inline void check_prepare_args(const Tensor& x, const Tensor& topk_idx, const Te
   check_experts_ranks(op, E, R);
   check_routing_args(op, x, topk_idx, topk_weights);
   check_float_dtype(op, "x", x.scalar_type());
-  if (pre_error.size() > 4)
-    TORCH_CHECK(pre_error[4] >= -1, op, ": pre_error[4] (max_tokens_per_rank) must be >= -1, got ",
-                pre_error[4]);
+  if (int64_t(pre_error.size()) > kPreErrorMaxTokens)
+    TORCH_CHECK(pre_error[kPreErrorMaxTokens] >= -1, op,
+                ": pre_error's max_tokens_per_rank must be >= -1, got ",
+                pre_error[kPreErrorMaxTokens]);
 }
 
 // Always: the words' shape, rank and the option codes. The remaining options are checked by

@@ -40,8 +40,17 @@ def test_no_kernel_source_defines_an_abi_number():
 
 
 def test_count_words_are_indexed_by_name():
-    """The count words' header is read by field name (kWord*), not w[4] / r[6]."""
-    bare = re.compile(r"\b(?:w|r|r0|words0)\[[0-7]\]|row\((?:s|0)\)\[[0-7]\]")
+    """The count words' header and prepare's pre_error are read by field name (kWord*,
+    kPreError*), not w[4] / r[6] / pre_error[3]."""
+    bare = re.compile(r"\b(?:w|r|r0|words0|pre_error)\[[0-7]\]|row\((?:s|0)\)\[[0-7]\]")
+    found = [f"{os.path.relpath(p, CSRC)}:{n}: {ln.strip()}" for p in SOURCES
+             for n, ln in enumerate(open(p), 1) if bare.search(ln.split("//")[0])]
+    assert not found, "\n".join(found)
+
+
+def test_no_kernel_source_types_a_wire_offset_or_the_mxfp8_block():
+    """Row metadata at ``P + kPairsMeta*`` / ``P + kDedupMeta*``, MXFP8 blocks of kMxfp8Block."""
+    bare = re.compile(r"\bP \+ (?:4|8|12)\b|\bH / 32\b")
     found = [f"{os.path.relpath(p, CSRC)}:{n}: {ln.strip()}" for p in SOURCES
              for n, ln in enumerate(open(p), 1) if bare.search(ln.split("//")[0])]
     assert not found, "\n".join(found)

@@ -82,12 +82,13 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
   check_prepare_args(x, topk_idx, topk_weights, E, R, pre_error, payload);
   Tensor words = at::zeros({kWordHeader + E + R}, at::kLong);
   int64_t* w = words.data_ptr<int64_t>();
-  Err err{pre_error[0], pre_error[1], pre_error[2]};
+  Err err{pre_error[kPreErrorCode], pre_error[kPreErrorA], pre_error[kPreErrorB]};
   if (err.code == 0) {
     const Tensor idx = topk_idx.to(at::kLong).contiguous();
     err = check_values(x, idx, topk_weights.contiguous(), E, payload != 0);
-    // pre_error[4]: max_tokens_per_rank of the static exchange (-1: not static).
-    const int64_t max_tokens = pre_error.size() > 4 ? pre_error[4] : -1;
+    // max_tokens_per_rank of the static exchange (-1: not static).
+    const int64_t max_tokens =
+        int64_t(pre_error.size()) > kPreErrorMaxTokens ? pre_error[kPreErrorMaxTokens] : -1;
     if (err.code == 0 && max_tokens >= 0 && x.size(0) > max_tokens)
       err = {kStaticOverflow, x.size(0), max_tokens};
     if (err.code == 0) {
@@ -102,7 +103,7 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
   w[kWordErrorCode] = err.code;
   w[kWordErrorA] = err.a;
   w[kWordErrorB] = err.b;
-  w[kWordXDtype] = pre_error.size() > 3 ? pre_error[3] : 0;  // x dtype code (abi.h dtype_code)
+  w[kWordXDtype] = int64_t(pre_error.size()) > kPreErrorXDtype ? pre_error[kPreErrorXDtype] : 0;
   w[kWordPayload] = payload;
   return words;
 }

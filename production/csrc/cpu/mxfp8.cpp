@@ -16,7 +16,7 @@ namespace epkit {
 std::tuple<Tensor, Tensor> quantize_mxfp8_cpu(const Tensor& x_in) {
   check_quantize_mxfp8_args(x_in);
   const Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), H = x.size(1), NB = H / 32;
+  const int64_t T = x.size(0), H = x.size(1), NB = H / kMxfp8Block;
   Tensor q = at::empty({T, H}, at::TensorOptions().dtype(at::kFloat8_e4m3fn));
   Tensor codes = at::empty({T, NB}, at::kByte);
   auto* qp = q.data_ptr<c10::Float8_e4m3fn>();

@@ -49,7 +49,7 @@ std::tuple<Tensor, Tensor> quantize_mxfp8_cuda(const Tensor& x_in) {
   check_quantize_mxfp8_args(x_in);
   const c10::cuda::CUDAGuard guard(x_in.device());
   const Tensor x = x_in.contiguous();
-  const int64_t T = x.size(0), H = x.size(1), NB = H / 32;
+  const int64_t T = x.size(0), H = x.size(1), NB = H / kMxfp8Block;
   Tensor q = at::empty({T, H}, x.options().dtype(at::kFloat8_e4m3fn));
   Tensor codes = at::empty({T, NB}, x.options().dtype(at::kByte));
   const int64_t nblocks = T * NB;

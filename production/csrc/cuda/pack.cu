@@ -171,10 +171,10 @@ __global__ void pairs_kernel(Pack a) {
       const int64_t d = e / L;
       const int64_t i = a.start[e] - a.start[d * L] + a.ebase[c * E + e] + a.lrank[t * K + k];
       uint8_t* row = a.sb + a.chunk[d] + (hdr + i) * a.B;
-      dput<int32_t>(row + P, static_cast<int32_t>(t));
-      dput<int32_t>(row + P + 4, static_cast<int32_t>(k));
-      dput<int32_t>(row + P + 8, static_cast<int32_t>(e % L));
-      dput<float>(row + P + 12, a.wp[t * K + k]);
+      dput<int32_t>(row + P + kPairsMetaT, static_cast<int32_t>(t));
+      dput<int32_t>(row + P + kPairsMetaK, static_cast<int32_t>(k));
+      dput<int32_t>(row + P + kPairsMetaJ, static_cast<int32_t>(e % L));
+      dput<float>(row + P + kPairsMetaW, a.wp[t * K + k]);
       map = row_of(a, cap, d, i);
       dst[atomicAdd(&nd, 1)] = row;
       atomicOr(&bits, reinterpret_cast<uint64_t>(row));
@@ -230,8 +230,8 @@ __global__ void dedup_kernel(Pack a) {
     if (first) {
       const int64_t i = a.tok_base[c * R + d] + a.tok_local[t * R + d];
       uint8_t* row = a.sb + a.chunk[d] + (hdr + i) * a.B;
-      dput<int32_t>(row + P, static_cast<int32_t>(t));
-      dput<int32_t>(row + P + 4, n);
+      dput<int32_t>(row + P + kDedupMetaT, static_cast<int32_t>(t));
+      dput<int32_t>(row + P + kDedupMetaN, n);
       a.send_map[t * R + d] = row_of(a, cap, d, i);
       dst[atomicAdd(&nd, 1)] = row;
       atomicOr(&bits, reinterpret_cast<uint64_t>(row));

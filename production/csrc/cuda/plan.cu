@@ -251,10 +251,12 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
   const auto opts = at::TensorOptions().dtype(at::kLong).device(topk_idx.device());
   Tensor words = at::zeros({kWordHeader + E + R}, opts);
   int64_t* w = words.data_ptr<int64_t>();
-  const int64_t dtype_code = pre_error.size() > 3 ? pre_error[3] : 0;
-  if (pre_error[0] != 0) {  // shapes or dtypes may be anything: read no tensor
+  const int64_t dtype_code =
+      int64_t(pre_error.size()) > kPreErrorXDtype ? pre_error[kPreErrorXDtype] : 0;
+  if (pre_error[kPreErrorCode] != 0) {  // shapes or dtypes may be anything: read no tensor
     finalize_kernel<<<1, kThreads, 0, stream()>>>(w, nullptr, nullptr, E, R, 0, 0, 0,
-                                                  pre_error[0], pre_error[1], pre_error[2],
+                                                  pre_error[kPreErrorCode],
+                                                  pre_error[kPreErrorA], pre_error[kPreErrorB],
                                                   dtype_code, payload, false, -1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return words;
@@ -282,7 +284,8 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const int64_t max_tokens = pre_error.size() > 4 ? pre_error[4] : -1;
+  const int64_t max_tokens =
+      int64_t(pre_error.size()) > kPreErrorMaxTokens ? pre_error[kPreErrorMaxTokens] : -1;
   finalize_kernel<<<1, kThreads, 0, stream()>>>(w, idx.data_ptr<int64_t>(), fp, E, R, T, H, K, 0,
                                                 0, 0, dtype_code, payload, hidden_bad, max_tokens);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -121,7 +121,7 @@ __device__ __forceinline__ const uint8_t* slot_rows(const Unpack& a, int64_t s, 
          (a.G[r] - a.G[first_row]) * kSlotRowBytes;
 }
 __device__ __forceinline__ int64_t row_slots(const Unpack& a, const uint8_t* row) {
-  const int64_t n = dget<int32_t>(row + a.P + 4);
+  const int64_t n = dget<int32_t>(row + a.P + kDedupMetaN);
   return n < 0 ? 0 : n > a.K ? a.K : n;
 }
 
@@ -205,9 +205,9 @@ __global__ void pairs_kernel(Unpack a_in) {
   if (threadIdx.x == 0) {
     a.recv_map[r] = m;
     a.row_src[m * 3 + 0] = s;
-    a.row_src[m * 3 + 1] = dget<int32_t>(row + P);
-    a.row_src[m * 3 + 2] = dget<int32_t>(row + P + 4);
-    a.row_weight[m] = dget<float>(row + P + 12);
+    a.row_src[m * 3 + 1] = dget<int32_t>(row + P + kPairsMetaT);
+    a.row_src[m * 3 + 2] = dget<int32_t>(row + P + kPairsMetaK);
+    a.row_weight[m] = dget<float>(row + P + kPairsMetaW);
     dst[0] = a.xb + m * P;
   }
   __syncthreads();
