@@ -141,10 +141,21 @@ def group_error(h: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def agree(group, words: list[int], what: str) -> None:
+def guarded(check, *args):
+    """``(check(*args), None)``, or, when reading an argument raises (an object of the wrong
+    kind, an integer too large for int64, ...), ``(BAD_ARGUMENT triple, the exception)``: a
+    rank must reach the header whatever it was given, never raise before it alone."""
+    try:
+        return check(*args), None
+    except Exception as exc:  # noqa: BLE001 - re-raised as the cause of the collective error
+        return (Reason.BAD_ARGUMENT, 0, 0), exc
+
+
+def agree(group, words: list[int], what: str, cause: Optional[BaseException] = None) -> None:
     """All-gather this rank's header; raise the group's error on every rank, or return.
 
-    ``what`` names the step for a :class:`epkit.PeerError` if a peer never arrives.
+    ``what`` names the step for a :class:`epkit.PeerError` if a peer never arrives; ``cause``:
+    the exception behind this rank's local error, chained to the InputError it raises.
     """
     state = _state(group)
     R = dist.get_world_size(group)
@@ -166,14 +177,14 @@ def agree(group, words: list[int], what: str) -> None:
         state.pending.append((group_error(h), h))
         state.seq += 1
         return
-    _raise(state, group_error(h).tolist(), h[:, W_SEQ].tolist())
+    _raise(state, group_error(h).tolist(), h[:, W_SEQ].tolist(), cause)
 
 
-def _raise(state: _GroupState, err: list[int], seqs: list[int]) -> None:
+def _raise(state: _GroupState, err: list[int], seqs: list[int], cause=None) -> None:
     code, rank, a, b = err
     if code:
         state.seq = max(seqs) + 1  # everyone's next call carries the same number again
-        raise error(rank, code, a, b)
+        raise error(rank, code, a, b) from cause
     state.seq += 1
 
 

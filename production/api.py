@@ -20,13 +20,14 @@ import math
 import operator
 
 from epkit import lazy, mxfp8, ops
-from epkit.agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, header, serial,
-                         tensor_error)
+from epkit.agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, header,
+                         serial, tensor_error)
 from epkit.collectives import CODES as EXCHANGE_CODES
-from epkit.collectives import dtype_code, group_name, resolve_group
+from epkit.collectives import dtype_code, group_name, is_group, resolve_group
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
-from epkit.reference.errors import MAX_ALIGN, InputError, Reason, error, factor_bits
+from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError,
+                                   Reason, error, factor_bits)
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
            "dequantize_mxfp8"]
@@ -41,13 +42,16 @@ _DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
 _dtype_code = dtype_code
 
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 def _int_or(v, default):
-    """``v`` as an int if it is one (int, NumPy integer; not a float or a string), else
-    ``default``."""
+    """``v`` as an int if it is one (int, NumPy integer; not a float or a string), clamped to
+    int64 so that it fits the call header (the bounds checks then name it), else ``default``."""
     if v is None or isinstance(v, bool):
         return default
     try:
-        return operator.index(v)
+        return min(max(operator.index(v), _INT64[0]), _INT64[1])
     except TypeError:
         return default
 
@@ -58,7 +62,7 @@ def _factor_bits(f) -> int:
         return -1
     try:
         return factor_bits(float(f))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return -1
 
 
@@ -113,6 +117,7 @@ class Dispatch:
     _rows: int = field(default=0, repr=False)
     _hidden: int = field(default=0, repr=False)
     _group_name: str = field(default="", repr=False)
+    _seal: tuple = field(default=(), repr=False)  # see _seal_of
 
     @property
     def num_rows(self) -> int:
@@ -160,7 +165,10 @@ class Dispatcher:
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
         # in the call header of every dispatch (epkit/agree.py).
-        self.group = resolve_group(group)  # no process group at all: a clear RuntimeError
+        # No process group at all: a clear RuntimeError. Something that is not a group: the
+        # default group, over which the call header reports BAD_GROUP on every rank.
+        self._bad_group = not is_group(group)
+        self.group = resolve_group(group)
         self.num_experts = num_experts
         self.align = align
         self.capacity = capacity
@@ -185,23 +193,27 @@ class Dispatcher:
         """The options on their own (reference/validate.py's order)."""
         R = dist.get_world_size(self.group)
         E, align, cap, transport, exchange, payload, max_tokens, factor = self._option_words()
+        if self._bad_group:
+            return Reason.BAD_GROUP, 0, 0
         if _int_or(self.align, None) is None or not 1 <= align <= MAX_ALIGN:
             return Reason.ALIGN, align, 0
-        if self.capacity is not None and (_int_or(self.capacity, None) is None or cap < 0):
+        if self.capacity is not None and (_int_or(self.capacity, None) is None
+                                          or not 0 <= cap <= MAX_CAPACITY):
             return Reason.CAPACITY, cap, 0
         if self.capacity_factor is not None:
             if self.capacity is not None:
                 return Reason.CAPACITY_AND_FACTOR, 0, 0
             if factor == -1 or not math.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
                 return Reason.CAPACITY_FACTOR, factor, 0
-        if _int_or(self.num_experts, None) is None or E < 1:
+        if _int_or(self.num_experts, None) is None or not 1 <= E <= MAX_EXPERTS:
             return Reason.NUM_EXPERTS, E, 0
         if E % R:
             return Reason.EXPERTS_NOT_DIVISIBLE, E, R
         for option_id, value in ((1, transport), (2, exchange), (3, payload)):
             if value < 0:
                 return Reason.OPTION, option_id, -1
-        if self.exchange == "static" and (self.max_tokens_per_rank is None or max_tokens < 0):
+        if self.exchange == "static" and (self.max_tokens_per_rank is None
+                                          or not 0 <= max_tokens <= MAX_TOKENS):
             return Reason.STATIC_MAX, max_tokens, 0
         if self.transport == "dedup" and E // R >= DEDUP_MAX_LOCAL:  # j travels in 24 bits
             return Reason.TOO_MANY_LOCAL_EXPERTS, E // R, DEDUP_MAX_LOCAL - 1
@@ -247,10 +259,10 @@ class Dispatcher:
             # Traced: options are constants of the graph; local errors ride in the count words.
             return self._dispatch(x, topk_idx, topk_weights, self._local_error(x, topk_idx, topk_weights))
         with serial(self.group):
-            code = self._local_error(x, topk_idx, topk_weights)
+            code, cause = guarded(self._local_error, x, topk_idx, topk_weights)
             # The call header: every rank raises the same error here, before anything else.
             agree(self.group, header(DISPATCH, self._option_words(), code),
-                  "epkit.dispatch (call header)")
+                  "epkit.dispatch (call header)", cause)
             return self._dispatch(x, topk_idx, topk_weights, code)
 
     def _dispatch(self, x, topk_idx, topk_weights, local) -> Dispatch:
@@ -315,7 +327,7 @@ class Dispatcher:
     def _result(self, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
                 send_map, recv_map, expert_scale=None, expert_x_hp=None) -> Dispatch:
         sl = ops.plan_slices(dist.get_world_size(self.group), int(self.num_experts))
-        return Dispatch(
+        d = Dispatch(
             expert_x=expert_x,
             tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
             expert_offsets=plan[sl["offsets"]].clone(),
@@ -330,6 +342,9 @@ class Dispatcher:
             _rows=expert_x.shape[0], _hidden=expert_x.shape[1],
             _group_name=group_name(self.group),
         )
+        if not torch.compiler.is_compiling():
+            d._seal = _seal_of(d)
+        return d
 
     # -- combine ----------------------------------------------------------------------------------
 
@@ -343,17 +358,32 @@ class Dispatcher:
             return self._combine(expert_y, d, weighted,
                                  self._combine_header(expert_y, d, weighted))
         with serial(self.group):
-            words = self._combine_header(expert_y, d, weighted)
-            agree(self.group, words, "epkit.combine (call header)")
+            words, cause = self._combine_header(expert_y, d, weighted, with_cause=True)
+            agree(self.group, words, "epkit.combine (call header)", cause)
             return self._combine(expert_y, d, weighted, [])
 
-    def _combine_header(self, expert_y, d, weighted) -> list[int]:
+    def _combine_header(self, expert_y, d, weighted, with_cause=False):
+        """This rank's combine header; with ``with_cause``, also the exception a bad argument
+        raised while it was read (then reported as BAD_ARGUMENT)."""
+        words, cause = guarded(self._combine_words, expert_y, d, weighted)
+        if cause is not None:
+            words = header(COMBINE, self._option_words(), (Reason.BAD_ARGUMENT, 0, 0))
+        return (words, cause) if with_cause else words
+
+    def _combine_words(self, expert_y, d, weighted) -> list[int]:
         code, ref, rows_dtype = (Reason.OK, 0, 0), -1, 0
         options = self._option_words()
-        if not isinstance(d, Dispatch) or d._config is None:
+        flags = WEIGHTED if bool(weighted) else 0
+        if self._bad_group:
+            code = Reason.BAD_GROUP, 0, 0
+        elif isinstance(d, lazy.PendingDispatch):
+            code = Reason.FOREIGN_DISPATCH, 4, 0
+        elif not isinstance(d, Dispatch) or d._config is None:
             code = Reason.FOREIGN_DISPATCH, 2, 0
         elif d._group_name != group_name(self.group):
             code = Reason.FOREIGN_DISPATCH, 1, 0
+        elif not torch.compiler.is_compiling() and d._seal and d._seal != _seal_of(d):
+            code = Reason.FOREIGN_DISPATCH, 3, 0  # a private field replaced or written to
         else:
             options, ref = d._config._option_words(), d._seq
             w = d.row_weight
@@ -365,8 +395,7 @@ class Dispatcher:
                 if code[0] == Reason.OK and expert_y.device != w.device:
                     code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
                 rows_dtype = _dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
-        return header(COMBINE, options, code, rows_dtype, ref,
-                      flags=WEIGHTED if weighted else 0)
+        return header(COMBINE, options, code, rows_dtype, ref, flags=flags)
 
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
         cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines
@@ -378,6 +407,15 @@ class Dispatcher:
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
             d._plan, group_name(self.group), transport, EXCHANGE_CODES[cfg.exchange],
             bool(weighted), d._x_dtype, check)
+
+
+def _seal_of(d: Dispatch) -> tuple:
+    """What combine and the backward passes read from a Dispatch besides row_weight: the plan,
+    the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
+    field replaced, or written in place, after dispatch no longer matches (FOREIGN_DISPATCH),
+    instead of sending one rank's kernels out of bounds or out of step."""
+    ts = (d._plan, d._recv_map, d._send_map, d._topk_idx, d._topk_weights)
+    return tuple((id(t), getattr(t, "_version", None)) for t in ts) + (d._x_dtype, d._config)
 
 
 def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, int]:
@@ -439,7 +477,10 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
         ``[T, H]`` in x's dtype: ``out[t] = sum_d sum_k c_k * y(t, k)`` in the fixed order of
         docs/semantics.md, bit for bit equal to ``epkit.reference.combine``.
     """
-    return dispatch._config.combine(expert_y, dispatch, weighted)
+    config = getattr(dispatch, "_config", None)
+    if not isinstance(config, Dispatcher):  # not a Dispatch: refused over the default group
+        config = Dispatcher()
+    return config.combine(expert_y, dispatch, weighted)
 
 
 quantize_mxfp8 = mxfp8.quantize_mxfp8

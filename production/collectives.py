@@ -67,8 +67,9 @@ CODES = dict(abi.EXCHANGE_CODES)  # the requested exchange's code (reference/abi
 
 def resolve_group(group):
     """``group``, or the default group; a clear error when there is none (raised alone, but
-    then no rank has a group to wait in)."""
-    if group is not None:
+    then no rank has a group to wait in). Something that is not a ProcessGroup resolves to the
+    default group too (see :func:`is_group`: the caller reports BAD_GROUP over it)."""
+    if group is not None and is_group(group):
         return group
     if not dist.is_initialized():
         raise RuntimeError(
@@ -77,6 +78,10 @@ def resolve_group(group):
             "on GPU; one process alone: init_process_group('gloo', init_method="
             "'tcp://127.0.0.1:29500', rank=0, world_size=1)), or pass group=")
     return dist.group.WORLD
+
+
+def is_group(group) -> bool:
+    return group is None or isinstance(group, dist.ProcessGroup)
 
 
 def group_name(group) -> str:
@@ -182,16 +187,22 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     """
     from epkit import agree  # agree builds on this module
 
+    bad_group = not is_group(group)  # reported over the default group, collectively
     group = resolve_group(group)
     R = dist.get_world_size(group)
     dev = small_device(group)
     with agree.serial(group):
-        sc, code = _counts_error(x, send_counts, R, variant)
+        found, cause = agree.guarded(_counts_error, x, send_counts, R, variant)
+        sc, code = ((torch.zeros(R, dtype=torch.int64), (Reason.BAD_ARGUMENT, 6, 0))
+                    if cause is not None else found)
+        if bad_group:
+            code = (Reason.BAD_GROUP, 0, 0)
         ok = code[0] == Reason.OK
-        words = agree.header(agree.EXCHANGE, [-1, -1, -1, -1, _VARIANT_CODES.get(variant, -1), -1, -1],
+        vcode = _VARIANT_CODES.get(variant, -1) if isinstance(variant, str) else -1
+        words = agree.header(agree.EXCHANGE, [-1, -1, -1, -1, vcode, -1, -1],
                              code, dtype_code(x.dtype) if ok else 0,
                              row_width=math.prod(x.shape[1:]) if ok else 0)
-        agree.agree(group, words, "epkit.exchange (call header)")
+        agree.agree(group, words, "epkit.exchange (call header)", cause)
         gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
         all_gather(gathered, sc.to(dev), group, "epkit.exchange (count exchange)")
     counts = gathered.view(R, R).cpu()  # counts[s, d]: rows s sends to d, known to every rank
@@ -223,7 +234,7 @@ def _counts_error(x, send_counts, R: int, variant):
         return zeros, (Reason.NOT_A_TENSOR, 1, 0) if not isinstance(x, torch.Tensor) else (Reason.DEVICE, 1, 2)
     if x.dim() < 1:
         return zeros, (Reason.SEND_COUNTS_SUM, -1, 0)
-    if variant not in _VARIANT_CODES:
+    if not isinstance(variant, str) or variant not in _VARIANT_CODES:
         return zeros, (Reason.OPTION, 2, -1)
     try:
         sc = torch.as_tensor(send_counts).reshape(-1)

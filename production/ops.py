@@ -215,8 +215,10 @@ def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) ->
     """The capacity of ``factor`` from the gathered words ``[R, 8 + E + R]`` (host memory)."""
     from epkit.reference.capacity import capacity_from_factor
 
+    from epkit.reference.errors import MAX_CAPACITY
+
     used = int(gathered[:, WORD_HEADER:WORD_HEADER + num_experts].sum())
-    return capacity_from_factor(used, num_experts, factor)
+    return min(capacity_from_factor(used, num_experts, factor), MAX_CAPACITY)  # huge: keeps all
 
 
 @count_exchange.register_fake

@@ -109,11 +109,13 @@ class Reason(enum.IntEnum):
     CAPACITY_AND_FACTOR = 52   # (no details)
     CAPACITY_FACTOR_MISMATCH = 53  # a, b: float64 bits (-1: None)
     CALL_FLAGS_MISMATCH = 54   # a: this rank's call flags (CALL_FLAGS), b: rank 0's
+    BAD_ARGUMENT = 55          # a: argument id (ARGUMENTS; 0: an option) that raised when read
+    BAD_GROUP = 56             # (no details)
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
 ARGUMENTS = {1: "x", 2: "topk_idx", 3: "topk_weights", 4: "expert_y", 5: "dispatch",
-             6: "send_counts"}
+             6: "send_counts", 7: "weighted", 8: "variant"}
 DEVICES = {0: "cpu", 1: "cuda", 2: "meta", 3: "another"}
 OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
               2: "epkit.combine", 3: "epkit.exchange", 4: "the backward of epkit.dispatch",
@@ -126,7 +128,13 @@ OPTION_NAMES = {
 }
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
-           3: "was altered after dispatch (a field no longer matches what dispatch returned)"}
+           3: "was altered after dispatch (a field no longer matches what dispatch returned)",
+           4: "is a PendingDispatch: call its wait() first"}
+# Bounds of the integer options (beyond them the plan's int64 arithmetic or a kernel's int32
+# row indices would overflow): num_experts, capacity, max_tokens_per_rank.
+MAX_EXPERTS = (1 << 31) - 1
+MAX_CAPACITY = 1 << 62
+MAX_TOKENS = (1 << 31) - 1
 # Call flags (production/agree.py): how a call's ranks must agree beyond its options.
 CALL_FLAGS = {1: ("a weighted combine", "an unweighted combine")}
 MAX_ALIGN = 1 << 20  # beyond it the padding alone would be an absurd allocation
@@ -171,7 +179,7 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.TOPK_MISMATCH: f"top-k {a} differs from rank 0's {b}",
         Reason.EXPERTS_NOT_DIVISIBLE: f"num_experts {a} is not a multiple of the group size {b}",
         Reason.ALIGN: f"align must be in [1, {MAX_ALIGN}], got {a}",
-        Reason.CAPACITY: f"capacity must be >= 0, got {a}",
+        Reason.CAPACITY: f"capacity must be in [0, 2**62], got {a}",
         Reason.NONFINITE_WEIGHT: f"topk_weights row {a} holds a non-finite value",
         Reason.NONFINITE_PAYLOAD: f"x row {a} holds a non-finite value (MXFP8 payload)",
         Reason.HIDDEN_NOT_MULT32: f"hidden size {a} is not a multiple of 32 (MXFP8 payload)",
@@ -181,7 +189,7 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.WEIGHTS_DTYPE: f"topk_weights must be float32, got {dtype_name(a)}",
         Reason.STATIC_OVERFLOW: f"{a} tokens exceed max_tokens_per_rank={b}",
         Reason.EQUAL_NONUNIFORM: "exchange='equal' needs a uniform plan (every count the same)",
-        Reason.NUM_EXPERTS: f"num_experts must be >= 1, got {a}",
+        Reason.NUM_EXPERTS: f"num_experts must be in [1, {MAX_EXPERTS}], got {a}",
         Reason.EXPERT_Y_DTYPE: f"expert_y must be float32 or bfloat16, got {dtype_name(a)}",
         Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')}: choose from "
                        + ", ".join(map(repr, OPTION_NAMES.get(_OPTIONS.get(a), {}).values())),
@@ -190,7 +198,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.GRAD_ROWS: f"gradient has {a} rows but the operation produced {b}",
         Reason.GRAD_HIDDEN: f"gradient has hidden size {a} but the operation has {b}",
         Reason.GRAD_DTYPE: f"gradient must be float32 or bfloat16, got {dtype_name(a)}",
-        Reason.STATIC_MAX: f"exchange='static' needs max_tokens_per_rank >= 0, got {a}",
+        Reason.STATIC_MAX: f"exchange='static' needs max_tokens_per_rank in [0, {MAX_TOKENS}], "
+                           f"got {a}",
         Reason.TOPK_TOO_LARGE: f"top-k {a} exceeds the dedup transport's limit of {b} "
                                "(k travels in 8 bits): use transport='pairs'",
         Reason.ROWS_DTYPE_MISMATCH: f"expert_y / gradient dtype {dtype_name(a)} differs from rank 0's {dtype_name(b)}",
@@ -228,6 +237,10 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
                                          f"{_factor(b)}",
         Reason.CALL_FLAGS_MISMATCH: f"asks for {_flags(a, b)} while rank 0 asks for "
                                     f"{_flags(b, a)}",
+        Reason.BAD_ARGUMENT: f"{ARGUMENTS.get(a, 'an argument or option')} could not be read (it raised on "
+                             "this rank: see the exception's cause there)",
+        Reason.BAD_GROUP: "group must be a torch.distributed ProcessGroup (or None for the "
+                          "default group)",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "
                                        f"of {b} (j travels in 24 bits): use transport='pairs'",
     }[c]

@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .common import EXCHANGES, FLOAT32, FLOAT_DTYPES, PAYLOADS, TRANSPORTS, dtype_code
-from .errors import MAX_ALIGN, InputError, Reason, error
+from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 
 Triple = Tuple[int, int, int]
 OK: Triple = (Reason.OK, 0, 0)
@@ -49,9 +49,9 @@ def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exch
                    payload=None, max_tokens_per_rank=None) -> Triple:
     if not 1 <= int(align) <= MAX_ALIGN:
         return (Reason.ALIGN, int(align), 0)
-    if capacity is not None and int(capacity) < 0:
+    if capacity is not None and not 0 <= int(capacity) <= MAX_CAPACITY:
         return (Reason.CAPACITY, int(capacity), 0)
-    if int(num_experts) < 1:
+    if not 1 <= int(num_experts) <= MAX_EXPERTS:
         return (Reason.NUM_EXPERTS, int(num_experts), 0)
     if int(num_experts) % num_ranks != 0:
         return (Reason.EXPERTS_NOT_DIVISIBLE, int(num_experts), num_ranks)
@@ -61,7 +61,8 @@ def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exch
         return (Reason.OPTION, 2, -1)
     if payload is not None and payload not in PAYLOADS:
         return (Reason.OPTION, 3, -1)
-    if exchange == "static" and (max_tokens_per_rank is None or int(max_tokens_per_rank) < 0):
+    if exchange == "static" and (max_tokens_per_rank is None
+                                 or not 0 <= int(max_tokens_per_rank) <= MAX_TOKENS):
         return (Reason.STATIC_MAX, -1 if max_tokens_per_rank is None else int(max_tokens_per_rank), 0)
     return OK
 

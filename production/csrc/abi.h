@@ -64,6 +64,8 @@ constexpr int64_t kCapacityFactor = 51;
 constexpr int64_t kCapacityAndFactor = 52;
 constexpr int64_t kCapacityFactorMismatch = 53;
 constexpr int64_t kCallFlagsMismatch = 54;
+constexpr int64_t kBadArgument = 55;
+constexpr int64_t kBadGroup = 56;
 }  // namespace reason
 
 // dtype codes (reference/errors.py DTYPE_CODES)

@@ -286,7 +286,7 @@ inline void check_unpack_args(const Tensor& recv, const Tensor& plan, int64_t tr
   check_transport(op, transport);
   TORCH_CHECK(hidden >= 0 && hidden <= std::numeric_limits<int32_t>::max(), op, ": hidden ",
               hidden, " outside [0, 2^31)");
-  TORCH_CHECK(topk >= 1 && topk <= (transport == kPairs ? std::numeric_limits<int32_t>::max()
+  TORCH_CHECK(topk >= 0 && topk <= (transport == kPairs ? std::numeric_limits<int32_t>::max()
                                                          : kDedupMaxTopK),
               op, ": topk ", topk, " out of range for transport ", transport);
   TORCH_CHECK(dtype != at::ScalarType::Undefined && c10::elementSize(dtype) >= 1, op,

@@ -38,7 +38,9 @@ def valid_round(group, rank, **opts):
     d = epkit.dispatch(to_torch(x), to_torch(idx), to_torch(w), num_experts=E_PER_RANK * R,
                        group=group, **opts)
     out = epkit.combine(d.expert_x * 2.0, d)
-    return to_numpy(out)
+    # expert_x and row_src too: the combine output alone depends only on this rank's tokens,
+    # so it would match even when the ranks paired the wrong calls
+    return to_numpy(out), to_numpy(d.expert_x), to_numpy(d.row_src)
 
 
 def _caught(fn):
@@ -101,6 +103,14 @@ def bad_dispatch(group, rank, faulty, kind):
             opts["capacity_factor"] = 0.0
         elif kind == "other_factor":
             opts["capacity_factor"] = 1.5
+        elif kind == "align_2pow64":  # does not fit int64: the header must still be reached
+            opts["align"] = 1 << 64
+        elif kind == "experts_2pow64":
+            opts["num_experts"] = 1 << 64
+        elif kind == "factor_overflow":
+            opts["capacity_factor"] = 10 ** 400
+        elif kind == "group_string":
+            opts["group"] = "world"
         elif kind == "uint16_index":
             idx = idx.to(torch.uint16)
     if kind == "other_max_tokens":
@@ -109,7 +119,8 @@ def bad_dispatch(group, rank, faulty, kind):
         opts.setdefault("capacity_factor", 1.25)
     if kind == "too_many_local_experts":  # on every rank: j travels in 24 bits
         opts["num_experts"] = R * (1 << 24)
-    err = _caught(lambda: epkit.dispatch(x, idx, w, group=group, **opts))
+    opts.setdefault("group", group)
+    err = _caught(lambda: epkit.dispatch(x, idx, w, **opts))
     return err, valid_round(group, rank)
 
 
@@ -140,6 +151,16 @@ def bad_combine(group, rank, faulty, kind):
             return disp.combine(y, d)
         if kind == "not_a_dispatch":
             return disp.combine(y, None)
+        if kind == "top_level_none":  # epkit.combine: refused over the default group
+            return epkit.combine(y, None)
+        if kind == "weighted_unreadable":
+            return disp.combine(y, d, weighted=torch.tensor([]))
+        if kind == "replaced_plan":
+            d._plan = d._plan.clone()
+            return disp.combine(y, d)
+        if kind == "recv_map_written":
+            d._recv_map.add_(0)  # in place: the version counter moves
+            return disp.combine(y, d)
         if kind == "list_y":
             return disp.combine(y.tolist(), d)
         if kind == "other_dispatch":
@@ -153,7 +174,7 @@ def bad_combine(group, rank, faulty, kind):
 def bad_exchange(group, rank, faulty, kind):
     R = dist.get_world_size(group)
     x = torch.arange(3 * R * 2, dtype=torch.float32).view(3 * R, 2)
-    counts = [3] * R
+    counts, variant = [3] * R, "ragged"
     if rank == faulty:
         if kind == "short_counts":
             counts = counts[:-1]
@@ -166,7 +187,11 @@ def bad_exchange(group, rank, faulty, kind):
             x = torch.zeros(3 * R, 3)
         elif kind == "dtype":
             x = x.double()
-    err = _caught(lambda: epkit.exchange(x, counts, group=group))
+        elif kind == "meta_counts":
+            counts = torch.empty(R, dtype=torch.int64, device="meta")
+        elif kind == "variant_list":
+            variant = ["ragged"]
+    err = _caught(lambda: epkit.exchange(x, counts, group=group, variant=variant))
     good = epkit.exchange(torch.full((R, 2), float(rank)), [1] * R, group=group)
     return err, to_numpy(good)
 
@@ -226,4 +251,20 @@ def flags_differ(group, rank, faulty, kind):
     x, idx, w = _inputs(rank, R)
     d = epkit.dispatch(x, idx, w, num_experts=E_PER_RANK * R, group=group)
     err = _caught(lambda: epkit.combine(d.expert_x * 2.0, d, weighted=rank != faulty))
+    return err, valid_round(group, rank)
+
+
+def pending_to_combine(group, rank, faulty):
+    """Every rank dispatches lazily; ``faulty`` hands the PendingDispatch itself to combine
+    (forgetting ``wait()``), the others wait and combine."""
+    R = dist.get_world_size(group)
+    x, idx, w = _inputs(rank, R)
+    lazy = epkit.Dispatcher(group, E_PER_RANK * R, exchange="lazy")
+    pending = lazy.dispatch(x, idx, w)
+    if rank == faulty:
+        err = _caught(lambda: lazy.combine(x, pending))
+        pending.wait()
+    else:
+        d = pending.wait()
+        err = _caught(lambda: lazy.combine(d.expert_x * 2.0, d).wait())
     return err, valid_round(group, rank)

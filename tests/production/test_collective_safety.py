@@ -23,7 +23,7 @@ def reference_round(R):
     xs, idxs, ws = zip(*(safety_fns.valid_inputs(r, R) for r in range(R)))
     res = ref.dispatch(list(xs), list(idxs), list(ws), num_experts=safety_fns.E_PER_RANK * R)
     ys = [(r.expert_x * np.float32(2.0)).astype(np.float32) for r in res]
-    return ref.combine(ys, res)
+    return [(out, r.expert_x, r.row_src) for out, r in zip(ref.combine(ys, res), res)]
 
 
 def differs_from_rank0(faulty):
@@ -40,7 +40,8 @@ def check(got, R, code, rank, text=None):
         assert err[:2] == (rank, int(code)), (r, err)
         if text:
             assert text in err[2], err[2]
-        np.testing.assert_array_equal(out, want[r], err_msg=f"rank {r}: the next valid call")
+        for name, g, w in zip(("out", "expert_x", "row_src"), out, want[r]):
+            np.testing.assert_array_equal(g, w, err_msg=f"rank {r}: the next valid call's {name}")
 
 
 # (kind, reason, named rank given the faulty one, a text the message must hold)
@@ -53,7 +54,7 @@ DISPATCH_CASES = [
     ("numpy_w", Reason.NOT_A_TENSOR, lambda f: f, "topk_weights must be a torch.Tensor (from a "
                                                  "NumPy array: torch.from_numpy(array))"),
     ("none_idx", Reason.NOT_A_TENSOR, lambda f: f, "topk_idx must be"),
-    ("small_negative_experts", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be >= 1"),
+    ("small_negative_experts", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be in [1, "),
     ("negative_experts", Reason.NUM_EXPERTS, lambda f: f, "got -100"),
     ("float_experts", Reason.NUM_EXPERTS, lambda f: f, None),
     ("huge_align", Reason.ALIGN, lambda f: f, "align must be in [1, 1048576]"),
@@ -69,6 +70,9 @@ DISPATCH_CASES = [
     ("other_payload", Reason.PAYLOAD_MISMATCH, differs_from_rank0, "'mxfp8'"),
     ("other_max_tokens", Reason.MAX_TOKENS_MISMATCH, differs_from_rank0, "max_tokens_per_rank"),
     ("too_many_local_experts", Reason.TOO_MANY_LOCAL_EXPERTS, lambda f: 0, "24 bits"),
+    ("align_2pow64", Reason.ALIGN, lambda f: f, "align must be in"),
+    ("experts_2pow64", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be in [1, 2147483647]"),
+    ("factor_overflow", Reason.CAPACITY_FACTOR, lambda f: f, "capacity_factor"),
 ]
 
 
@@ -87,7 +91,31 @@ COMBINE_CASES = [
     ("not_a_dispatch", Reason.FOREIGN_DISPATCH, lambda f: f, "is not an epkit.Dispatch"),
     ("list_y", Reason.NOT_A_TENSOR, lambda f: f, "expert_y must be a torch.Tensor"),
     ("other_dispatch", Reason.DISPATCH_MISMATCH, differs_from_rank0, "combines the dispatch"),
+    ("weighted_unreadable", Reason.BAD_ARGUMENT, lambda f: f, "could not be read"),
+    ("replaced_plan", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
+    ("recv_map_written", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
 ]
+
+# Refused over the default group (the only group such a call can name): the test group is
+# the default one only at world size 4.
+DEFAULT_GROUP_CASES = [
+    (safety_fns.bad_dispatch, "group_string", Reason.BAD_GROUP, "must be a torch.distributed"),
+    (safety_fns.bad_combine, "top_level_none", Reason.FOREIGN_DISPATCH, "is not an epkit.Dispatch"),
+]
+
+
+@pytest.mark.parametrize("faulty", [0, 2])
+@pytest.mark.parametrize("fn,kind,code,text", DEFAULT_GROUP_CASES,
+                         ids=[c[1] for c in DEFAULT_GROUP_CASES])
+def test_refused_over_the_default_group(group_pool, faulty, fn, kind, code, text):
+    got = group_pool.run(fn, 4, [faulty] * 4, [kind] * 4)
+    check(got, 4, code, faulty, text)
+
+
+@pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
+def test_pending_dispatch_given_to_combine(group_pool, R, faulty):
+    got = group_pool.run(safety_fns.pending_to_combine, R, [faulty] * R)
+    check(got, R, Reason.FOREIGN_DISPATCH, faulty, "call its wait() first")
 
 
 @pytest.mark.parametrize("R,faulty", PLACES, ids=IDS)
@@ -120,6 +148,8 @@ EXCHANGE_CASES = [
     ("negative", Reason.SEND_COUNTS_NEGATIVE, lambda f: f),
     ("width", Reason.ROW_WIDTH_MISMATCH, differs_from_rank0),
     ("dtype", Reason.ROWS_DTYPE_MISMATCH, differs_from_rank0),
+    ("meta_counts", Reason.BAD_ARGUMENT, lambda f: f),
+    ("variant_list", Reason.OPTION, lambda f: f),
 ]
 
 
@@ -150,7 +180,7 @@ def test_two_threads_share_a_dispatcher(group_pool, R):
         assert set(refused) <= OUT_OF_STEP, (r, refused)
         assert len(outs) + len(refused) >= 8, (r, len(outs), refused)
         for out in outs:
-            np.testing.assert_array_equal(out, want[r])
+            np.testing.assert_array_equal(out, want[r][0])
     # Every refusal of a call is collective: each rank refused as many calls.
     assert len({len(refused) - refused.count(int(Reason.FOREIGN_DISPATCH))
                 for _, refused, _ in got}) == 1, got

@@ -81,13 +81,13 @@ CASES = [
 # options: the same on every rank, so named for rank 0
 OPTION_CASES = [
     ({"align": 0}, Reason.ALIGN, "align must be in [1, 1048576], got 0"),
-    ({"capacity": -1}, Reason.CAPACITY, "capacity must be >= 0, got -1"),
-    ({"num_experts": 0}, Reason.NUM_EXPERTS, "num_experts must be >= 1, got 0"),
+    ({"capacity": -1}, Reason.CAPACITY, "capacity must be in [0, 2**62], got -1"),
+    ({"num_experts": 0}, Reason.NUM_EXPERTS, "num_experts must be in [1, 2147483647], got 0"),
     ({"num_experts": 4}, Reason.EXPERTS_NOT_DIVISIBLE, "num_experts 4 is not a multiple of the group size 3"),
     ({"transport": "carrier-pigeon"}, Reason.OPTION, "unknown transport: choose from 'pairs', 'dedup'"),
     ({"exchange": "smoke-signals"}, Reason.OPTION, "unknown exchange: choose from 'ragged', 'padded', 'equal', 'auto', 'lazy', 'static'"),
     ({"payload": "fp4"}, Reason.OPTION, "unknown payload: choose from 'None', 'mxfp8'"),
-    ({"exchange": "static"}, Reason.STATIC_MAX, "exchange='static' needs max_tokens_per_rank >= 0, got -1"),
+    ({"exchange": "static"}, Reason.STATIC_MAX, "exchange='static' needs max_tokens_per_rank in [0, 2147483647], got -1"),
     ({"exchange": "equal"}, Reason.EQUAL_NONUNIFORM,
      "exchange='equal' needs a uniform plan (every count the same)"),
 ]
