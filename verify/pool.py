@@ -411,6 +411,7 @@ class TorchrunGroup:
         if self.rank == 0:
             self._round(("stop",))
         try:
+            dist.barrier()  # no rank tears down while another is still in the last collective
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
