@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather, small_device
+from .collectives import all_gather, resolve_group, small_device
 from epkit.reference.errors import Reason, error
 
 __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", "serial",
@@ -107,31 +107,48 @@ def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: i
                     int(row_width), int(factor), int(flags)]
 
 
-def group_error(h: torch.Tensor) -> torch.Tensor:
-    """``[code, rank, a, b]`` int64 (code 0: no error) from the gathered ``h [R, 16]``.
+# The checks of the gathered headers, in the order they are reported (the first that fires
+# wins, naming the lowest rank it finds). ("magic", -, reason): the word is not MAGIC (a
+# collective that is not an epkit call); ("local", -, -): the rank's own error words;
+# (word, reason): the word differs from rank 0's (a = this rank's, b = rank 0's).
+_CHECKS = ((("magic", Reason.CALL_MISMATCH), (W_OP, Reason.CALL_MISMATCH),
+            (W_SEQ, Reason.CALL_SEQUENCE), ("local", None))
+           + _OPTION_WORDS
+           + ((W_REF, Reason.DISPATCH_MISMATCH), (W_DTYPE, Reason.ROWS_DTYPE_MISMATCH),
+              (W_WIDTH, Reason.ROW_WIDTH_MISMATCH), (W_FLAGS, Reason.CALL_FLAGS_MISMATCH)))
 
-    Tensor ops only, so the same function decides on the host and, during CUDA-graph capture,
-    on the device. Each check names the lowest rank it finds; the first check that fires wins.
-    """
+
+def group_error(h) -> list[int]:
+    """``[code, rank, a, b]`` (code 0: no error) from the gathered headers ``h [R, 18]``: a
+    list of rows on the host (plain Python: the call's hot path), or a tensor during CUDA-graph
+    capture (:func:`group_error_tensor`, the same checks as tensor ops)."""
+    if isinstance(h, torch.Tensor):
+        return group_error_tensor(h)
+    h0 = h[0]
+    for check, reason in _CHECKS:
+        for r, row in enumerate(h):
+            if check == "magic" and row[W_MAGIC] != MAGIC:
+                return [int(reason), r, 0, h0[W_OP]]
+            if check == "local" and row[W_CODE] != 0:
+                return [row[W_CODE], r, row[W_A], row[W_B]]
+            if isinstance(check, int) and row[check] != h0[check]:
+                return [int(reason), r, row[check], h0[check]]
+    return [0, 0, 0, 0]
+
+
+def group_error_tensor(h: torch.Tensor) -> torch.Tensor:
+    """:func:`group_error` in tensor ops, for the device (no host read inside a capture)."""
     R = h.shape[0]
     ranks = torch.arange(R, device=h.device)
     h0 = h[0].unsqueeze(0).expand_as(h)
-    checks = [  # (bad [R] bool, code [R], a [R], b [R])
-        (h[:, W_MAGIC] != MAGIC, Reason.CALL_MISMATCH, torch.zeros_like(ranks), h0[:, W_OP]),
-        (h[:, W_OP] != h0[:, W_OP], Reason.CALL_MISMATCH, h[:, W_OP], h0[:, W_OP]),
-        (h[:, W_SEQ] != h0[:, W_SEQ], Reason.CALL_SEQUENCE, h[:, W_SEQ], h0[:, W_SEQ]),
-        (h[:, W_CODE] != 0, h[:, W_CODE], h[:, W_A], h[:, W_B]),
-    ]
-    checks += [(h[:, w] != h0[:, w], reason, h[:, w], h0[:, w]) for w, reason in _OPTION_WORDS]
-    checks += [(h[:, W_REF] != h0[:, W_REF], Reason.DISPATCH_MISMATCH, h[:, W_REF], h0[:, W_REF]),
-               (h[:, W_DTYPE] != h0[:, W_DTYPE], Reason.ROWS_DTYPE_MISMATCH, h[:, W_DTYPE],
-                h0[:, W_DTYPE]),
-               (h[:, W_WIDTH] != h0[:, W_WIDTH], Reason.ROW_WIDTH_MISMATCH, h[:, W_WIDTH],
-                h0[:, W_WIDTH]),
-               (h[:, W_FLAGS] != h0[:, W_FLAGS], Reason.CALL_FLAGS_MISMATCH, h[:, W_FLAGS],
-                h0[:, W_FLAGS])]
     out = torch.zeros(4, dtype=torch.int64, device=h.device)
-    for bad, code, a, b in reversed(checks):  # the earliest check that fires is kept last
+    for check, reason in reversed(_CHECKS):  # the earliest check that fires is kept last
+        if check == "magic":
+            bad, code, a, b = h[:, W_MAGIC] != MAGIC, reason, torch.zeros_like(ranks), h0[:, W_OP]
+        elif check == "local":
+            bad, code, a, b = h[:, W_CODE] != 0, h[:, W_CODE], h[:, W_A], h[:, W_B]
+        else:
+            bad, code, a, b = h[:, check] != h0[:, check], reason, h[:, check], h0[:, check]
         first = torch.where(bad, ranks, R).min()
         at = first.clamp(max=R - 1)
         if not isinstance(code, torch.Tensor):  # a fill, not a host copy (CUDA-graph capture)
@@ -174,10 +191,11 @@ def agree(group, words: list[int], what: str, cause: Optional[BaseException] = N
     h = gathered.view(R, HEADER)
     if capturing:
         # No host read inside a capture: the error waits on the device for raise_pending.
-        state.pending.append((group_error(h), h))
+        state.pending.append((group_error_tensor(h), h))
         state.seq += 1
         return
-    _raise(state, group_error(h).tolist(), h[:, W_SEQ].tolist(), cause)
+    rows = h.tolist()  # the one host read (on gloo: host memory already)
+    _raise(state, group_error(rows), [row[W_SEQ] for row in rows], cause)
 
 
 def _raise(state: _GroupState, err: list[int], seqs: list[int], cause=None) -> None:
@@ -190,17 +208,13 @@ def _raise(state: _GroupState, err: list[int], seqs: list[int], cause=None) -> N
 
 def raise_pending(group) -> None:
     """Read the headers agreed on the device (CUDA-graph capture); raise the first error."""
-    state = _state(resolve(group))
+    state = _state(group if group is not None else resolve_group(None))
     pending, state.pending = state.pending, []
     for err, h in pending:
         code, rank, a, b = err.tolist()
         if code:
             state.seq = max(state.seq, max(h[:, W_SEQ].tolist()) + 1)
             raise error(rank, code, a, b)
-
-
-def resolve(group):
-    return group if group is not None else dist.group.WORLD
 
 
 def call_number(group) -> int:

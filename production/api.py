@@ -39,7 +39,6 @@ PAYLOAD_CODES = dict(abi.PAYLOAD_CODES)
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
 
 
-_dtype_code = dtype_code
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -232,11 +231,11 @@ class Dispatcher:
             if t.device != x.device:
                 return Reason.DEVICE, arg_id, _DEVICE_CODES.get(t.device.type, 3)
         if x.dtype not in (torch.float32, torch.bfloat16):
-            return Reason.X_DTYPE, _dtype_code(x.dtype), 0
+            return Reason.X_DTYPE, dtype_code(x.dtype), 0
         if topk_idx.dtype not in _INT_DTYPES:
-            return Reason.INDEX_DTYPE, _dtype_code(topk_idx.dtype), 0
+            return Reason.INDEX_DTYPE, dtype_code(topk_idx.dtype), 0
         if topk_weights.dtype != torch.float32:
-            return Reason.WEIGHTS_DTYPE, _dtype_code(topk_weights.dtype), 0
+            return Reason.WEIGHTS_DTYPE, dtype_code(topk_weights.dtype), 0
         if x.dim() != 2:
             return Reason.X_NOT_2D, x.dim(), 0
         if topk_idx.dim() != 2:
@@ -280,7 +279,7 @@ class Dispatcher:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static"  # every rank takes the same path, bad input or not
         mx = self.payload == "mxfp8"
-        pre_error = [int(code), int(a), int(b), _dtype_code(getattr(x, "dtype", None))]
+        pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None))]
         if (not static and not mx and self.exchange != "lazy"
                 and not torch.compiler.is_compiling()):
             # The eager path: one fused op, no host read here at all.
@@ -292,7 +291,7 @@ class Dispatcher:
         words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
                               pre_error + [max_tokens], int(mx))
         # CUDA static: the shape that sizes the plan's host mirror without a host wait.
-        shape = ([x.shape[1], topk_idx.shape[1], _dtype_code(x.dtype), int(mx)]
+        shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), int(mx)]
                  if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
                                   EXCHANGE_CODES[self.exchange], max_tokens, shape, factor)
@@ -394,7 +393,7 @@ class Dispatcher:
                 code = tensor_error(4, expert_y) or _rows_error(expert_y, d._rows, d._hidden)
                 if code[0] == Reason.OK and expert_y.device != w.device:
                     code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
-                rows_dtype = _dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
+                rows_dtype = dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
         return header(COMBINE, options, code, rows_dtype, ref, flags=flags)
 
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
@@ -423,7 +422,7 @@ def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, in
     if not isinstance(arr, torch.Tensor):
         return Reason.NOT_A_TENSOR, 4, 0
     if arr.dtype not in (torch.float32, torch.bfloat16):
-        return Reason.EXPERT_Y_DTYPE, _dtype_code(arr.dtype), 0
+        return Reason.EXPERT_Y_DTYPE, dtype_code(arr.dtype), 0
     n = arr.shape[0] if arr.dim() >= 1 else -1
     if n != rows:
         return Reason.EXPERT_Y_ROWS, n, rows

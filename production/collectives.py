@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from epkit.reference import abi
-from epkit.reference.errors import Reason, error
+from epkit.reference.errors import DTYPE_CODES, Reason, error
 
 
 class PeerError(RuntimeError):
@@ -221,17 +221,18 @@ _VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}
 def dtype_code(dt) -> int:
     """A torch dtype's code in the call header and the count words (errors.DTYPE_CODES; 0 for
     one outside the table, or not a dtype)."""
-    from epkit.reference.errors import DTYPE_CODES
-
     return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
 
 
 def _counts_error(x, send_counts, R: int, variant):
     """``(send_counts [R] int64, (code, a, b))``: this rank's local error, if any, and the counts
     to gather (zeros when they are unusable, so the gather keeps its size)."""
+    from epkit.agree import tensor_error  # agree builds on this module
+
     zeros = torch.zeros(R, dtype=torch.int64)
-    if not isinstance(x, torch.Tensor) or x.device.type not in ("cpu", "cuda"):
-        return zeros, (Reason.NOT_A_TENSOR, 1, 0) if not isinstance(x, torch.Tensor) else (Reason.DEVICE, 1, 2)
+    bad = tensor_error(1, x)
+    if bad:
+        return zeros, bad
     if x.dim() < 1:
         return zeros, (Reason.SEND_COUNTS_SUM, -1, 0)
     if not isinstance(variant, str) or variant not in _VARIANT_CODES:

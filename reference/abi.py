@@ -42,21 +42,18 @@ PLAN_FIELDS = (
     "nonuniform_rank",  # lowest source rank with a count unlike rank 0's first (-1: uniform)
 )
 PLAN_HEADER = len(PLAN_FIELDS)
-# The sections after the header, in order, with their lengths in R, L = E / R and E.
-PLAN_SECTIONS = (("send_counts", "R"), ("recv_counts", "R"), ("tokens_per_expert", "L"),
-                 ("dropped", "L"), ("offsets", "L+1"), ("recv_kept", "R*L"), ("own_kept", "E"),
-                 ("send_bytes", "R"), ("recv_bytes", "R"), ("send_slots", "R"),
-                 ("recv_slots", "R"))
-_LENGTHS = {"R": lambda R, L, E: R, "L": lambda R, L, E: L, "L+1": lambda R, L, E: L + 1,
-            "R*L": lambda R, L, E: R * L, "E": lambda R, L, E: E}
+def plan_sections(R: int, E: int) -> tuple:
+    """The sections after the plan's header, in order, with their lengths (``L = E / R``)."""
+    L = E // R
+    return (("send_counts", R), ("recv_counts", R), ("tokens_per_expert", L), ("dropped", L),
+            ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E), ("send_bytes", R),
+            ("recv_bytes", R), ("send_slots", R), ("recv_slots", R))
 
 
 def plan_slices(R: int, E: int) -> dict[str, slice]:
     """Where each section of the plan lies, for ``R`` ranks and ``E`` experts."""
-    L = E // R
     at, out = PLAN_HEADER, {}
-    for name, size in PLAN_SECTIONS:
-        n = _LENGTHS[size](R, L, E)
+    for name, n in plan_sections(R, E):
         out[name] = slice(at, at + n)
         at += n
     return out

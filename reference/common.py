@@ -16,21 +16,20 @@ from typing import Any, Optional
 import ml_dtypes
 import numpy as np
 
+# The wire format's numbers live in abi.py, shared with the kernels (docs/design.md): pairs rows
+# ``payload | int32 t, int32 k, int32 j, float32 w``; dedup token rows ``payload | int32 t,
+# int32 n`` (n: the token's kept slots on the destination), slot rows ``int32 (k << 24 | j),
+# float32 w``.
+from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES, PAIRS_META_BYTES
+from .abi import MXFP8_BLOCK as BLOCK  # MXFP8 block length along H
+from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
+from .abi import payload_bytes
 from .errors import DTYPE_CODES
 
 FLOAT32 = np.dtype(np.float32)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
-
-# The wire format's numbers live in abi.py, shared with the kernels (docs/design.md): pairs rows
-# ``payload | int32 t, int32 k, int32 j, float32 w``; dedup token rows ``payload | int32 t,
-# int32 n`` (n: the token's kept slots on the destination), slot rows ``int32 (k << 24 | j),
-# float32 w``.
-from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES  # noqa: E402
-from .abi import MXFP8_BLOCK as BLOCK  # noqa: E402  (MXFP8 block length along H)
-from .abi import PAIRS_META_BYTES, payload_bytes  # noqa: E402
-from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES  # noqa: E402
 
 # Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
 TRANSPORTS = ("pairs", "dedup")

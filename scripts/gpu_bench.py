@@ -62,14 +62,14 @@ def _group(T, H, K, E, R, device, seed):
     import torch
 
     from epkit import ops
-    from epkit.api import _dtype_code
+    from epkit.collectives import dtype_code
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = torch.bfloat16
     xs = [torch.randn(T, H, generator=gen, device=device).to(dtype) for _ in range(R)]
     idxs = [_routing(T, K, E, gen, device) for _ in range(R)]
     ws = [torch.rand(T, K, generator=gen, device=device) for _ in range(R)]
-    words = torch.stack([ops.C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(dtype), -1], 0)
+    words = torch.stack([ops.C.prepare(x, i, w, E, R, [0, 0, 0, dtype_code(dtype), -1], 0)
                          for x, i, w in zip(xs, idxs, ws)])
     return xs, idxs, ws, words, gen
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epkit import ops
-from epkit.api import _dtype_code
+from epkit.collectives import dtype_code
 from epkit.collectives import CODES
 
 C = ops.C
@@ -97,7 +97,7 @@ def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, mx
         out["q"], out["codes"] = [a for a, _ in q], [b for _, b in q]
         rows = [torch.cat([a.view(torch.uint8), b], dim=1) for a, b in q]
         dtype, width = torch.uint8, H + H // 32
-    words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, _dtype_code(x.dtype), max_tokens],
+    words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, dtype_code(x.dtype), max_tokens],
                                    int(mxfp8)) for x, i, w in zip(xs, idxs, ws)])
     plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens) for r in range(R)]
     hps = [p.cpu() for p in plans]

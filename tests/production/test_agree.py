@@ -22,7 +22,10 @@ def headers(R, **edits):
 
 
 def decide(h):
-    return tuple(agree.group_error(h).tolist())
+    """The host decision (rows) and the device one (tensor ops): they must agree."""
+    on_host, on_device = agree.group_error(h.tolist()), agree.group_error_tensor(h).tolist()
+    assert on_host == on_device, (on_host, on_device)
+    return tuple(on_host)
 
 
 def test_agreement_is_no_error():
@@ -55,7 +58,7 @@ def test_pending_errors_raise_later_and_resync():
     g = type("Group", (), {"group_name": "test-agree-pending"})()
     state = agree._state(g)
     bad = headers(2, r1={agree.W_SEQ: 7})
-    state.pending.append((agree.group_error(bad), bad))
+    state.pending.append((agree.group_error_tensor(bad), bad))
     with pytest.raises(InputError) as err:
         agree.raise_pending(g)
     assert err.value.code == Reason.CALL_SEQUENCE and err.value.rank == 1
