@@ -21,7 +21,7 @@ local error (every check that needs no collective: types, devices, options, shap
 combine), the dtype and width (elements per row) of rows
 that share one exchange (``epkit.exchange``'s x,
 combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
-derives the same error from the gathered ``[R, 16]`` words (:func:`group_error`), in this order:
+derives the same error from the gathered ``[R, 18]`` words (:func:`group_error`), in this order:
 a rank in another operation or at another call number (out of step), the lowest rank with a
 local error, the first option that differs from rank 0's, a combine of another dispatch, a rows
 dtype unlike rank 0's. After an error the call numbers are re-synchronised (every rank takes
