@@ -83,9 +83,9 @@ epkit_factory.modes = epkit_modes()
 
 
 def plain_torch(group=None, exchange="ragged"):
-    """The plain-torch baseline (:mod:`epkit.verify.plain_torch`), Megatron / torchtitan style;
+    """The plain-torch baseline (:mod:`epkit.baselines.plain_torch`), Megatron / torchtitan style;
     ``exchange="padded"`` pads every chunk for a backend without split sizes."""
-    from epkit.verify.plain_torch import PlainTorchDispatcher
+    from epkit.baselines.plain_torch import PlainTorchDispatcher
 
     return PlainTorchDispatcher(group, exchange=exchange)
 

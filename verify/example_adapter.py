@@ -5,7 +5,7 @@
 from types import SimpleNamespace
 
 from epkit.verify.adapt import FullTopK, exchange_row_src, offsets_of
-from epkit.verify.example_dispatcher import A2ADispatcher
+from epkit.baselines.megatron_style import A2ADispatcher
 
 
 class Adapter:

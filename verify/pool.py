@@ -23,10 +23,10 @@ import multiprocessing.connection as mpc
 import os
 import shutil
 import tempfile
-import threading
 import time
 import weakref
 
+from epkit.tools.procs import NoMainImport, die_with_parent
 from epkit.verify.cases import Case, ModeSpec
 
 __all__ = ["Pool", "TorchrunGroup", "under_torchrun"]
@@ -65,52 +65,8 @@ class _Executor:
         return run_rank(case, mode, adapter, self.rank, self.device)
 
 
-def _watch_parent(parent_pid: int):
-    try:  # Linux: die with the process that forked us (the forkserver, or the parent itself)
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-    def watch():
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(3)
-            except PermissionError:
-                pass
-
-    threading.Thread(target=watch, daemon=True, name="epkit-verify-watchdog").start()
-
-
-class _NoMainImport:
-    """Workers never need the parent's ``__main__`` (their code lives in this module), but
-    forkserver / spawn children re-run it as ``__mp_main__``, which breaks scripts without a
-    ``__main__`` guard. Hide it while the children are launched."""
-
-    def __enter__(self):
-        import sys
-
-        self.main = sys.modules.get("__main__")
-        self.saved = {k: getattr(self.main, k) for k in ("__spec__", "__file__")
-                      if hasattr(self.main, k)}
-        if self.main is not None:
-            self.main.__spec__ = None
-            if hasattr(self.main, "__file__"):
-                del self.main.__file__
-
-    def __exit__(self, *exc):
-        if self.main is not None:
-            for k, v in self.saved.items():
-                setattr(self.main, k, v)
-
-
 def _worker_main(rank, world, store, conn, timeout, parent_pid, threads):
-    _watch_parent(parent_pid)
+    die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
@@ -184,7 +140,7 @@ class Pool:
         self._generation += 1
         store = os.path.join(self._dir, f"store{self._generation}")
         procs, conns = [], []
-        with _NoMainImport():
+        with NoMainImport():
             self._launch(ctx, store, procs, conns)
         self._procs, self._conns = procs, conns
         self._await_ready()

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from epkit import bench  # noqa: E402
+from epkit.tools import bench  # noqa: E402
 
 
 def _number(v):
@@ -16,7 +16,7 @@ def _number(v):
 
 
 def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
-    from epkit.bench_group import progress_units
+    from epkit.tools.bench_group import progress_units
 
     seen, totals, real = [], [], bench.run_group
 
@@ -32,7 +32,8 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     assert rc == 0
     res = json.loads(out.read_text())
     for key in ("speedup_vs_naive", "overhead_vs_exchange", "pack_vs_memcpy",
-                "speedup_vs_naive_padded"):
+                "speedup_vs_plain_torch", "speedup_vs_plain_torch_padded",
+                "speedup_vs_megatron_style"):
         assert _number(res[key]), key
     names = {r["name"] for r in res["rows"]}
     assert names == set(bench.ALL_METHODS)
@@ -49,6 +50,9 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     assert {"pack", "unpack", "gather_rows", "reduce_tokens"} <= set(kern)
     text = capsys.readouterr().out
     assert "speedup_vs_naive" in text
+    # speedup_vs_naive is the smallest of the baselines' ratios: against the fastest baseline
+    base = [res[k] for k in bench.BASELINES.values()]
+    assert res["speedup_vs_naive"] == min(base) and res["naive_row"] in bench.BASELINES
     # progress: one unit per round and kernel replay, exactly the bar's total; each part's
     # table reported as it finished, in order, and printed once, before the figures of merit
     assert sum(p for k, p in seen if k == "progress") == sum(totals) > 0
@@ -59,10 +63,13 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
 
 
 def test_ratios_and_targets():
-    rows = [{"name": "epkit dedup", "median_ms": 10.0}, {"name": "plain-torch", "median_ms": 20.0},
-            {"name": "floor", "median_ms": 8.0}]
+    rows = [{"name": "epkit dedup", "median_ms": 10.0}, {"name": "plain-torch", "median_ms": 40.0},
+            {"name": "megatron-style", "median_ms": 35.0}, {"name": "floor", "median_ms": 8.0}]
     r = bench.ratios(rows)
-    assert r["speedup_vs_naive"] == 2.0 and r["overhead_vs_exchange"] == 1.25
+    # against the faster baseline, each reported
+    assert r["speedup_vs_naive"] == 3.5 and r["naive_row"] == "megatron-style"
+    assert r["speedup_vs_plain_torch"] == 4.0 and r["speedup_vs_megatron_style"] == 3.5
+    assert r["overhead_vs_exchange"] == 1.25
     lines = bench.target_lines({**r, "pack_vs_memcpy": 0.4})
     assert any("pack_vs_memcpy" in ln and "MISSED" in ln for ln in lines)
     assert any("speedup_vs_naive" in ln and "met" in ln for ln in lines)

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from epkit import _build, bench, cli, simulate
+from epkit import _build
+from epkit.tools import bench, cli, simulate
 
 
 @pytest.mark.parametrize("module, defaults", [

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from epkit import reference as ref
-from epkit import simulate as sim
+from epkit.tools import simulate as sim
 from epkit.reference import transport
 
 
@@ -116,7 +116,7 @@ def test_main_writes_json_and_heatmap(tmp_path, capsys):
 
 
 def test_heatmap_scale_and_caption():
-    from epkit.simulate import heatmap_caption, relative_ticks
+    from epkit.tools.simulate import heatmap_caption, relative_ticks
 
     assert relative_ticks(1.25) == [0.8, 0.9, 1.0, 1.1, 1.25]       # uniform: a narrow scale
     assert relative_ticks(8.0) == [0.2, 0.5, 0.8, 1.0, 1.25, 2.0, 5.0]

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from epkit.verify.plain_torch import PlainTorchDispatcher
+from epkit.baselines.plain_torch import PlainTorchDispatcher
 
 
 def _segments(d):

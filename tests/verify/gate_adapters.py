@@ -1,5 +1,5 @@
 """Dispatchers for the gate tests: refusals, and broken variants of the docs' permute +
-all-to-all + index_add dispatcher (epkit.verify.example_dispatcher) that must fail ``bounded``.
+all-to-all + index_add dispatcher (epkit.baselines.megatron_style) that must fail ``bounded``.
 Workers load this file by path (``--impl path.py:factory``)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from epkit.verify import example_adapter
 from epkit.verify.adapt import FullTopK
-from epkit.verify.example_dispatcher import A2ADispatcher
-from epkit.verify.plain_torch import PlainTorchDispatcher
+from epkit.baselines.megatron_style import A2ADispatcher
+from epkit.baselines.plain_torch import PlainTorchDispatcher
 
 
 # -- refusals ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import time
 
 import torch.distributed as dist
 
-from epkit.verify.plain_torch import PlainTorchDispatcher
+from epkit.baselines.plain_torch import PlainTorchDispatcher
 
 
 class _OnRank(PlainTorchDispatcher):

@@ -5,8 +5,8 @@ interleaved round by round, forward + backward of dispatch -> identity expert ->
 epkit (dedup), epkit (pairs), the plain-torch dispatcher (Megatron / torchtitan style), the same
 over the padded exchange, and the floor (bare ``all_to_all_single`` calls moving exactly epkit
 dedup's bytes). A row's figure is the median over the timed iterations of the slowest rank's
-time (see :mod:`epkit.bench_group`). Also: the lazy exchange overlapping independent compute,
-and epkit's local kernels against memcpy (:mod:`epkit.bench_kernels`).
+time (see :mod:`epkit.tools.bench_group`). Also: the lazy exchange overlapping independent compute,
+and epkit's local kernels against memcpy (:mod:`epkit.tools.bench_kernels`).
 A progress bar runs on stderr (where it is a terminal) and each table prints as soon as its
 part of the run finishes.
 
@@ -15,10 +15,11 @@ part of the run finishes.
     epkit bench --plot docs/bench.png    # adds the sweeps over tokens per rank and world size
 
 Figures of merit (in the JSON):
-    speedup_vs_naive      plain-torch median / epkit dedup median      (target >= 1.5)
-    speedup_vs_megatron_style  megatron-style median / epkit dedup median (the fair row: the
-                          permute + all_to_all + index_add_ dispatcher users run)
-    overhead_vs_exchange  epkit dedup median / floor median            (target <= 1.3)
+    speedup_vs_naive      fastest baseline median / epkit dedup median (target >= 3); the
+                          baselines: plain-torch, plain-torch padded, megatron-style (the
+                          permute + all_to_all + index_add_ dispatcher users run); each one's
+                          own ratio is speedup_vs_plain_torch, ..._padded, ..._megatron_style
+    overhead_vs_exchange  epkit dedup median / floor median            (target <= 1.5)
     pack_vs_memcpy        pack kernel GB/s / memcpy GB/s, one thread   (target >= 0.5)
 """
 
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 
-TARGETS = {"speedup_vs_naive": (">=", 1.5), "overhead_vs_exchange": ("<=", 1.3),
+TARGETS = {"speedup_vs_naive": (">=", 3.0), "overhead_vs_exchange": ("<=", 1.5),
            "pack_vs_memcpy": (">=", 0.5)}
 ALLOC_ENV = {"default": {}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
              "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}}
@@ -51,7 +52,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from epkit.cli import HelpFormatter
+    from .cli import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="epkit bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
@@ -137,11 +138,11 @@ def parse_args(argv):
 
 def run_group(world: int, cfg: dict, deadline_s: float, on_message=None) -> dict:
     """Spawn ``world`` ranks (FileStore rendezvous in a private temp dir, so no port is
-    raced for), run :func:`epkit.bench_group.worker` on each, return rank 0's result.
+    raced for), run :func:`epkit.tools.bench_group.worker` on each, return rank 0's result.
     ``on_message(kind, payload)``: rank 0's reports as it goes (``"progress"``, then each
     finished part: ``"workload"``, ``"kernels"``, ``"overlap"``, ``"profile"``)."""
-    from epkit import bench_group
-    from epkit.verify.pool import _NoMainImport
+    from . import bench_group
+    from .procs import NoMainImport
 
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="epkit-bench-")
@@ -151,7 +152,7 @@ def run_group(world: int, cfg: dict, deadline_s: float, on_message=None) -> dict
              for r in range(world)]
     result, error = None, None
     try:
-        with _NoMainImport():
+        with NoMainImport():
             for p in procs:
                 p.start()
         end = time.monotonic() + deadline_s
@@ -236,17 +237,26 @@ def format_table(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+BASELINES = {"plain-torch": "speedup_vs_plain_torch",
+             "plain-torch padded": "speedup_vs_plain_torch_padded",
+             "megatron-style": "speedup_vs_megatron_style"}
+
+
 def ratios(rows: list[dict]) -> dict:
+    """The figures of merit from one run's medians. ``speedup_vs_naive`` is taken against the
+    *fastest* baseline row that ran (so it never flatters epkit by picking a slow one); each
+    baseline's own ratio is reported too."""
     med = {r["name"]: r["median_ms"] for r in rows}
     ep = med.get("epkit dedup")
     out = {}
     if ep:
-        if "plain-torch" in med:
-            out["speedup_vs_naive"] = med["plain-torch"] / ep
-        if "megatron-style" in med:  # the permute + all_to_all + index_add_ users run
-            out["speedup_vs_megatron_style"] = med["megatron-style"] / ep
-        if "plain-torch padded" in med:
-            out["speedup_vs_naive_padded"] = med["plain-torch padded"] / ep
+        ran = {name: med[name] for name in BASELINES if name in med}
+        for name, ms in ran.items():
+            out[BASELINES[name]] = ms / ep
+        if ran:
+            fastest = min(ran, key=ran.get)
+            out["speedup_vs_naive"] = ran[fastest] / ep
+            out["naive_row"] = fastest
         if "floor" in med:
             out["overhead_vs_exchange"] = ep / med["floor"]
         if "epkit pairs" in med:
@@ -262,9 +272,10 @@ def target_lines(figures: dict) -> list[str]:
         v = figures[key]
         ok = v >= goal if op == ">=" else v <= goal
         lines.append(f"  {key:<22}{v:>7.2f}   target {op} {goal}   {'met' if ok else 'MISSED'}")
-    if "speedup_vs_megatron_style" in figures:  # no target of its own: the fair comparison
-        lines.append(f"  {'speedup_vs_megatron_style':<22}{figures['speedup_vs_megatron_style']:>7.2f}"
-                     "   (permute + all_to_all + index_add_, the dispatcher users run)")
+    if "naive_row" in figures:  # speedup_vs_naive is against this row; the others for context
+        lines.append(f"  (speedup_vs_naive is against {figures['naive_row']}, the fastest baseline; "
+                     + ", ".join(f"{k} {figures[k]:.2f}" for k in BASELINES.values() if k in figures)
+                     + ")")
     return lines
 
 
@@ -393,8 +404,8 @@ def plot(path: str, results: dict, args=None) -> None:
                  fontsize=11)
     fig.text(0.01, 0.005,
              "Numbers beside the points: ×r = that row's time ÷ epkit dedup's at the same x "
-             "(plain-torch's r is speedup_vs_naive); ÷r on the floor = epkit dedup's time ÷ the "
-             "floor's (overhead_vs_exchange, target ≤ 1.3).\nThe floor replays exactly the "
+             "(the fastest baseline's r is speedup_vs_naive); ÷r on the floor = epkit dedup's time ÷ "
+             "the floor's (overhead_vs_exchange, target ≤ 1.5).\nThe floor replays exactly the "
              "all_to_all_single calls of one epkit dedup step (same split sizes and bytes, "
              "buffers made once): the exchange alone, no packing, no plan, no autograd.",
              fontsize=8, ha="left", va="bottom")
@@ -442,7 +453,7 @@ def main(argv=None) -> int:
     if args.plot:
         groups += [(w, dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
                             kernel_threads=[])) for w in args.sweep_world if w != args.world_size]
-    from epkit.bench_group import progress_units
+    from .bench_group import progress_units
 
     bar = _progress_bar(sum(progress_units(c) for _, c in groups), args.no_progress)
     first = []

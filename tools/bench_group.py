@@ -8,8 +8,8 @@ interleaved so that drift in the machine's load hits all of them alike:
     epkit pairs       the same with transport="pairs"
     megatron-style    what Megatron / torchtitan-style code runs: argsort permute,
                       all_to_all_single, chunk sort, one float32 index_add_ combine (not
-                      bit-exact; epkit.verify.example_dispatcher)
-    plain-torch       the plain-torch dispatcher of epkit.verify.plain_torch: the spec's exact
+                      bit-exact; epkit.baselines.megatron_style)
+    plain-torch       the plain-torch dispatcher of epkit.baselines.plain_torch: the spec's exact
                       two-level combine order, one indexed pass per top-k position and rank
     plain-torch pad   the same path with every all-to-all padded to the group-wide largest chunk
                       (how a backend without split sizes is served)
@@ -146,7 +146,7 @@ def epkit_step(transport, group, E, x, idx, w, grad):
 def plain_step(padded, group, E, x, idx, w, grad):
     """The plain-torch baseline; ``padded``: the same path over its padded exchange (every
     chunk padded to the group-wide largest split, known from its count gather)."""
-    from epkit.verify.plain_torch import PlainTorchDispatcher
+    from epkit.baselines.plain_torch import PlainTorchDispatcher
 
     pt = PlainTorchDispatcher(group, exchange="padded" if padded else "ragged")
     return _train_step(lambda a, b, c: pt.dispatch(a, b, c, num_experts=E),
@@ -156,8 +156,8 @@ def plain_step(padded, group, E, x, idx, w, grad):
 def megatron_step(group, E, x, idx, w, grad):
     """What Megatron-Core / torchtitan-style code runs: argsort permute, ``all_to_all_single``,
     chunk sort to expert-major, and one float32 ``index_add_`` combine (not bit-exact; the
-    permute + all-to-all dispatcher of verify/example_dispatcher.py)."""
-    from epkit.verify.example_dispatcher import A2ADispatcher
+    permute + all-to-all dispatcher of baselines/megatron_style.py)."""
+    from epkit.baselines.megatron_style import A2ADispatcher
 
     a2a = A2ADispatcher(group, E)
 
@@ -260,8 +260,8 @@ def run_workload(cfg: dict, T: int, group) -> dict:
 
 def run_kernels(cfg: dict, group, x, idx, w, grad) -> list:
     """Record one epkit step per transport on every rank; rank 0 replays its kernel calls
-    alone (:mod:`epkit.bench_kernels`) while the others wait at a barrier."""
-    from epkit.bench_kernels import KernelRecorder, replay
+    alone (:mod:`epkit.tools.bench_kernels`) while the others wait at a barrier."""
+    from .bench_kernels import KernelRecorder, replay
 
     out = []
     for transport in ("dedup", "pairs"):
@@ -383,21 +383,11 @@ def run_profile(cfg: dict, group, steps: int = 3, top: int = 14) -> list[dict]:
 
 # ---- the process ------------------------------------------------------------------------------
 
-def _die_with_parent(parent_pid: int):
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(3)
-
-
 def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int) -> None:
-    """Entry point of one rank (spawned by :func:`epkit.bench.run_group`)."""
-    _die_with_parent(parent_pid)
+    """Entry point of one rank (spawned by :func:`epkit.tools.bench.run_group`)."""
+    from .procs import die_with_parent
+
+    die_with_parent(parent_pid)
     global _emit
     if rank == 0:
         _emit = lambda kind, payload: queue.put((rank, kind, payload))  # noqa: E731

@@ -13,12 +13,12 @@ import sys
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS = {
     "verify": ("epkit.verify.cli", "prove an implementation against the reference on a real process group"),
-    "bench": ("epkit.bench", "time epkit against the plain-torch dispatcher and the bare exchange"),
-    "simulate": ("epkit.simulate", "plan traffic for a large group with the reference (no process group)"),
+    "bench": ("epkit.tools.bench", "time epkit against the plain-torch dispatcher and the bare exchange"),
+    "simulate": ("epkit.tools.simulate", "plan traffic for a large group with the reference (no process group)"),
     "version": (None, "print the versions of epkit and torch, the extension's build and whether it loads"),
 }
 # the defaults the one-line usage quotes (each command's --help lists all of them)
-DEFAULTS_OF = {"bench": "epkit.bench", "simulate": "epkit.simulate"}
+DEFAULTS_OF = {"bench": "epkit.tools.bench", "simulate": "epkit.tools.simulate"}
 QUOTED = ("world_size", "ranks", "tokens", "hidden", "topk", "experts", "dtype", "routing")
 
 

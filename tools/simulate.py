@@ -404,7 +404,7 @@ def heatmap(path: str, B: np.ndarray, title: str, ranks_per_node: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from epkit.cli import HelpFormatter
+    from .cli import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="epkit simulate", description=__doc__.split("\n\n")[0],
                                  formatter_class=HelpFormatter)
