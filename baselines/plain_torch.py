@@ -145,6 +145,102 @@ def _steps(counts) -> list:
     return [(e - c, e) for c, e in zip(counts, ends) if c]
 
 
+@dataclass
+class _Counts:
+    """What the count exchange tells this rank (NumPy, host): ``cnt``/``kept`` [R, E] used and
+    kept slots per (source, expert); ``recv_c`` [R, L] kept slots each source sends to this
+    rank's experts; split sizes, the padded chunk, ``tpe`` [L], ``offsets`` [L + 1], ``M``."""
+    rank: int
+    cnt: np.ndarray
+    kept: np.ndarray
+    send_splits: list
+    recv_splits: list
+    recv_c: np.ndarray
+    tpe: np.ndarray
+    offsets: np.ndarray
+    M: int
+    dropped: np.ndarray
+    chunk: int | None
+
+
+def _count_exchange(flat, group, R, me, E, align, capacity, padded) -> _Counts:
+    """1. all-gather of every rank's per-expert counts; the one host read. The capacity rule
+    is written out here (not imported from the reference): this baseline is the harness's
+    second, independent implementation."""
+    L = E // R
+    used = flat >= 0
+    counts = torch.bincount(flat[used], minlength=E)
+    gathered = [torch.empty_like(counts) for _ in range(R)]
+    dist.all_gather(gathered, counts, group=group)
+    cnt = torch.stack(gathered).cpu().numpy()  # [R, E]
+    if capacity is None:
+        kept = cnt
+    else:
+        before = np.cumsum(cnt, axis=0) - cnt  # slots from lower ranks
+        kept = np.clip(capacity - before, 0, cnt)
+    rows = kept.reshape(R, R, L).sum(axis=2)  # [source, destination] rows on the wire
+    recv_c = kept[:, me * L:(me + 1) * L]
+    tpe = recv_c.sum(axis=0)
+    offsets = np.concatenate([[0], np.cumsum(-(-tpe // align) * align)])
+    return _Counts(me, cnt, kept, rows[me].tolist(), recv_c.sum(axis=1).tolist(), recv_c, tpe,
+                   offsets, int(offsets[-1]), cnt[:, me * L:(me + 1) * L].sum(axis=0) - tpe,
+                   int(rows.max(initial=0)) if padded else None)
+
+
+def _permute(flat, topk_weights, c: _Counts, K, L):
+    """2. used slots sorted by expert (stable: token ascending), the first ``kept[me, e]`` of
+    each kept: their token, k, destination, and the 12 metadata bytes ``t | k | w``."""
+    E, dev = c.cnt.shape[1], flat.device
+    used = flat >= 0
+    key = torch.where(used, flat, E)
+    order = torch.argsort(key, stable=True)[: int(used.sum())]
+    e_sorted = flat[order]
+    mine = c.cnt[c.rank]
+    start = torch.as_tensor(np.cumsum(mine) - mine, device=dev)
+    pos = torch.arange(order.shape[0], device=dev) - start[e_sorted]
+    keep = pos < torch.as_tensor(c.kept[c.rank], device=dev)[e_sorted]
+    slots = order[keep]
+    send_t, send_k = slots // K, slots % K
+    w_send = topk_weights.detach()[send_t, send_k].to(torch.float32)
+    meta = torch.stack([send_t.to(torch.int32), send_k.to(torch.int32),
+                        w_send.view(torch.int32)], dim=1).view(torch.uint8)
+    return send_t, send_k, flat[slots] // L, meta
+
+
+def _chunk_sort(c: _Counts, R, dev):
+    """3./4. the received chunks come in order (s, j, t); ``dest`` [n_recv]: each received
+    row's expert-major row (j, s, t order, padded); ``src_rank`` [n_recv]: its source."""
+    n = c.recv_c.reshape(-1)  # chunks in receive order (s, j)
+    in_start = np.cumsum(n) - n
+    out_start = (c.offsets[:-1][None, :] + np.cumsum(c.recv_c, axis=0) - c.recv_c).reshape(-1)
+    n_recv = int(n.sum())
+    dest = (torch.repeat_interleave(torch.as_tensor(out_start - in_start, device=dev),
+                                    torch.as_tensor(n, device=dev), output_size=n_recv)
+            + torch.arange(n_recv, device=dev))
+    src_rank = torch.repeat_interleave(torch.arange(R, device=dev),
+                                       torch.as_tensor(c.recv_splits, device=dev),
+                                       output_size=n_recv)
+    return dest, src_rank
+
+
+def _sum_plan(send_t, send_k, send_d, R, K):
+    """The source side of the two-level sum: (token, rank) pairs ordered by (m, t), m the
+    pair's ordinal among its token's ranks, and the slots ordered by k (see _two_level_sum)."""
+    dev = send_t.device
+    pair_keys, pair_of_slot = torch.unique(send_t * R + send_d, sorted=True, return_inverse=True)
+    pair_t = pair_keys // R
+    m = torch.arange(pair_t.shape[0], device=dev) - torch.searchsorted(pair_t, pair_t)
+    by_m = torch.argsort(m, stable=True)
+    new_id = torch.empty_like(by_m)
+    new_id[by_m] = torch.arange(by_m.shape[0], device=dev)
+    m_steps = _steps(torch.bincount(m, minlength=1).tolist() if m.numel() else [])
+    k_order = torch.argsort(send_k, stable=True)
+    p_sorted = new_id[pair_of_slot][k_order]
+    k_steps = [(a, b, p_sorted[a:b])
+               for a, b in _steps(torch.bincount(send_k, minlength=K).tolist())]
+    return k_order, k_steps, pair_t[by_m], m_steps
+
+
 class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send_meta, plan: _Plan):
@@ -211,100 +307,39 @@ class PlainTorchDispatcher:
 
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
+        """The four steps of a Megatron / torchtitan-style dispatch, one helper each: count
+        exchange, permute, all-to-all with a chunk sort into expert-major, and the source's
+        plan of the two-level combine sum."""
         group = self.group
-        R = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        E = int(num_experts)
+        R, me, E = dist.get_world_size(group), dist.get_rank(group), int(num_experts)
         if E < 1 or E % R or align < 1 or (capacity is not None and capacity < 0):
             raise ValueError("plain_torch: bad num_experts / align / capacity")
-        L = E // R
         T, K = topk_idx.shape
-        H = x.shape[1]
-        dev = x.device
-
-        # 1. count exchange
         flat = topk_idx.reshape(-1).to(torch.int64)
-        used = flat >= 0
-        counts = torch.bincount(flat[used], minlength=E)
-        gathered = [torch.empty_like(counts) for _ in range(R)]
-        dist.all_gather(gathered, counts, group=group)
-        cnt = torch.stack(gathered).cpu().numpy()  # [R, E]: the one host read
-        if capacity is None:
-            kept = cnt
-        else:
-            before = np.cumsum(cnt, axis=0) - cnt  # slots from lower ranks
-            kept = np.clip(capacity - before, 0, cnt)
-        rows = kept.reshape(R, R, L).sum(axis=2)  # [source, destination] rows on the wire
-        send_splits = rows[me].tolist()
-        chunk = int(rows.max(initial=0)) if self.exchange == "padded" else None
-        recv_c = kept[:, me * L:(me + 1) * L]  # [R(source), L]
-        recv_splits = recv_c.sum(axis=1).tolist()
-        tpe = recv_c.sum(axis=0)
-        padded = -(-tpe // align) * align
-        offsets = np.concatenate([[0], np.cumsum(padded)])
-        M = int(offsets[-1])
-        dropped = cnt[:, me * L:(me + 1) * L].sum(axis=0) - tpe
-
-        # 2. permute: used slots by expert (stable: token ascending), keep the first kept[me, e]
-        key = torch.where(used, flat, E)
-        order = torch.argsort(key, stable=True)[: int(used.sum())]
-        e_sorted = flat[order]
-        start = torch.as_tensor(np.cumsum(cnt[me]) - cnt[me], device=dev)
-        pos = torch.arange(order.shape[0], device=dev) - start[e_sorted]
-        keep = pos < torch.as_tensor(kept[me], device=dev)[e_sorted]
-        slots = order[keep]
-        send_t, send_k = slots // K, slots % K
-        send_d = flat[slots] // L
-        w_send = topk_weights.detach()[send_t, send_k].to(torch.float32)
-        meta = torch.stack([send_t.to(torch.int32), send_k.to(torch.int32),
-                            w_send.view(torch.int32)], dim=1).view(torch.uint8)
-
-        # 3./4. chunk sort: receive order (s, j, t) -> expert-major (j, s, t), padded
-        c = recv_c.reshape(-1)  # chunks in receive order (s, j)
-        in_start = np.cumsum(c) - c
-        out_start = (offsets[:-1][None, :] + np.cumsum(recv_c, axis=0) - recv_c).reshape(-1)
-        n_recv = int(c.sum())
-        dest = (torch.repeat_interleave(torch.as_tensor(out_start - in_start, device=dev),
-                                        torch.as_tensor(c, device=dev), output_size=n_recv)
-                + torch.arange(n_recv, device=dev))
-        src_rank = torch.repeat_interleave(torch.arange(R, device=dev),
-                                           torch.as_tensor(recv_splits, device=dev),
-                                           output_size=n_recv)
-
-        # the source side of the two-level sum: (token, rank) pairs, ordered by (m, t) where
-        # m is the pair's ordinal among its token's ranks; slots ordered by k
-        pair_key = send_t * R + send_d
-        pair_keys, pair_of_slot = torch.unique(pair_key, sorted=True, return_inverse=True)
-        pair_t = pair_keys // R
-        m = torch.arange(pair_t.shape[0], device=dev) - torch.searchsorted(pair_t, pair_t)
-        by_m = torch.argsort(m, stable=True)
-        new_id = torch.empty_like(by_m)
-        new_id[by_m] = torch.arange(by_m.shape[0], device=dev)
-        m_steps = _steps(torch.bincount(m, minlength=1).tolist() if m.numel() else [])
-        k_order = torch.argsort(send_k, stable=True)
-        p_sorted = new_id[pair_of_slot][k_order]
-        k_steps = [(a, b, p_sorted[a:b])
-                   for a, b in _steps(torch.bincount(send_k, minlength=K).tolist())]
-
-        plan = _Plan(group=group, R=R, T=T, H=H, M=M, send_splits=send_splits,
-                     recv_splits=recv_splits, send_t=send_t, send_k=send_k, dest=dest,
-                     k_order=k_order, k_steps=k_steps, pair_t=pair_t[by_m], m_steps=m_steps,
-                     chunk=chunk)
+        c = _count_exchange(flat, group, R, me, E, align, capacity, self.exchange == "padded")
+        send_t, send_k, send_d, meta = _permute(flat, topk_weights, c, K, E // R)
+        dest, src_rank = _chunk_sort(c, R, x.device)
+        k_order, k_steps, pair_t, m_steps = _sum_plan(send_t, send_k, send_d, R, K)
+        plan = _Plan(group=group, R=R, T=T, H=x.shape[1], M=c.M, send_splits=c.send_splits,
+                     recv_splits=c.recv_splits, send_t=send_t, send_k=send_k, dest=dest,
+                     k_order=k_order, k_steps=k_steps, pair_t=pair_t, m_steps=m_steps,
+                     chunk=c.chunk)
         expert_x, recv_meta = _DispatchFn.apply(x, meta, plan)
         recv_meta = recv_meta.view(torch.int32)
-        row_src = torch.full((M, 3), -1, dtype=torch.int64, device=dev)
+        dev = x.device
+        row_src = torch.full((c.M, 3), -1, dtype=torch.int64, device=dev)
         row_src[dest] = torch.stack([src_rank, recv_meta[:, 0].long(), recv_meta[:, 1].long()],
                                     dim=1)
-        row_weight = torch.zeros(M, dtype=torch.float32, device=dev)
+        row_weight = torch.zeros(c.M, dtype=torch.float32, device=dev)
         row_weight[dest] = recv_meta[:, 2].contiguous().view(torch.float32)
         i64 = dict(dtype=torch.int64, device=dev)
         return PlainDispatch(
             expert_x=expert_x,
-            tokens_per_expert=torch.as_tensor(tpe, **i64),
-            expert_offsets=torch.as_tensor(offsets, **i64),
+            tokens_per_expert=torch.as_tensor(c.tpe, **i64),
+            expert_offsets=torch.as_tensor(c.offsets, **i64),
             row_src=row_src,
             row_weight=row_weight,
-            dropped_per_expert=torch.as_tensor(dropped, **i64),
+            dropped_per_expert=torch.as_tensor(c.dropped, **i64),
             plan=plan,
             topk_weights=topk_weights,
             x_dtype=x.dtype,

@@ -8,6 +8,9 @@ rows each source addressed to this rank.
   (for a backend without split sizes).
 - ``equal``: the plan is uniform (every count the same): the split-free all-to-all.
 
+Each is one entry of :data:`VARIANTS` (how it stages rows and reads them back). The lazy
+schedule is ``all_to_all(..., async_op=True)``: any variant, issued now, finished later.
+
 The low-level :func:`all_to_all` moves a buffer whose counts every rank already knows (the plan
 gives them); the public :func:`exchange` also exchanges the counts and is differentiable, its
 backward being the exchange with send and receive counts swapped.
@@ -16,7 +19,8 @@ backward being the exchange with send and receive counts swapped.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,7 +65,6 @@ def _why(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"a peer died, stalled past the process group timeout, or left the group: {text}"
 
-VARIANTS = ("ragged", "padded", "equal")
 CODES = dict(abi.EXCHANGE_CODES)  # the requested exchange's code (reference/abi.py)
 
 
@@ -111,6 +114,47 @@ def small_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class Variant:
+    """How one exchange variant (reference/exchange.py) runs on ``all_to_all_single``:
+    ``stage(buf, send_counts, recv_counts, P)`` -> ``(out, inp, out_splits, in_splits)`` (None
+    splits: equal-length chunks), and ``unstage(out, recv_counts, P)`` -> the received rows.
+    ``P`` is the group-wide largest count (the padded chunk, the equal count). ``static`` is
+    not here: pack writes its fixed chunks and in-band headers, so its rows move as ``equal``.
+    A new variant is one entry here and one in the reference's table."""
+    name: str
+    stage: Callable
+    unstage: Callable
+
+
+def _ragged_stage(buf, send, recv, P):
+    return buf.new_empty((sum(recv),) + tuple(buf.shape[1:])), buf, list(recv), list(send)
+
+
+def _equal_stage(buf, send, recv, P):
+    return buf.new_empty((len(send) * P,) + tuple(buf.shape[1:])), buf, None, None
+
+
+def _padded_stage(buf, send, recv, P):
+    src = buf.new_zeros((len(send) * P,) + tuple(buf.shape[1:]))
+    for d, chunk in enumerate(torch.split(buf, list(send))):
+        src[d * P : d * P + chunk.shape[0]] = chunk
+    return _equal_stage(buf, send, recv, P)[0], src, None, None
+
+
+def _as_is(staged, recv, P):
+    return staged
+
+
+def _unpad(staged, recv, P):
+    return torch.cat([staged[s * P : s * P + n] for s, n in enumerate(recv)])
+
+
+VARIANTS = {v.name: v for v in (Variant("ragged", _ragged_stage, _as_is),
+                                Variant("padded", _padded_stage, _unpad),
+                                Variant("equal", _equal_stage, _as_is))}
+
+
 def all_to_all(
     buf: torch.Tensor,
     send_counts: Sequence[int],
@@ -124,35 +168,22 @@ def all_to_all(
     """Move rows of ``buf [sum(send_counts), ...]``; returns ``[sum(recv_counts), ...]``.
 
     ``max_chunk`` is the group-wide largest count (the padded chunk, the equal count).
-    With ``async_op`` returns ``finish``: calling it waits and returns the rows.
+    ``async_op`` is the lazy schedule: returns ``finish``, which waits and returns the rows.
     """
-    R = len(send_counts)
-    rest = tuple(buf.shape[1:])
-    buf = buf.contiguous()
-    if variant == "ragged":
-        staged = buf.new_empty((sum(recv_counts),) + rest)
-        work = _collective(what, dist.all_to_all_single, staged, buf, list(recv_counts),
-                           list(send_counts), group=group, async_op=async_op)
-    elif variant in ("equal", "padded"):
-        P = int(max_chunk)
-        src = buf
-        if variant == "padded":
-            src = buf.new_zeros((R * P,) + rest)
-            for d, chunk in enumerate(torch.split(buf, list(send_counts))):
-                src[d * P : d * P + chunk.shape[0]] = chunk
-        staged = buf.new_empty((R * P,) + rest)
-        work = _collective(what, dist.all_to_all_single, staged, src, group=group,
-                           async_op=async_op)
-    else:
-        raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from {VARIANTS})")
+    if variant not in VARIANTS:
+        raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from "
+                         f"{tuple(VARIANTS)})")
+    v, P = VARIANTS[variant], int(max_chunk)
+    staged, src, out_splits, in_splits = v.stage(buf.contiguous(), send_counts, recv_counts, P)
+    splits = {} if out_splits is None else {"output_split_sizes": out_splits,
+                                            "input_split_sizes": in_splits}
+    work = _collective(what, dist.all_to_all_single, staged, src, group=group,
+                       async_op=async_op, **splits)
 
     def finish() -> torch.Tensor:
         if async_op:
             work.wait()
-        if variant != "padded":
-            return staged
-        P = int(max_chunk)
-        return torch.cat([staged[s * P : s * P + n] for s, n in enumerate(recv_counts)])
+        return v.unstage(staged, recv_counts, P)
 
     return finish if async_op else finish()
 
@@ -215,7 +246,7 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)
 
 
-_VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}
+_VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}  # what epkit.exchange takes
 
 
 def dtype_code(dt) -> int:

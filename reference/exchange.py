@@ -17,6 +17,16 @@ same bytes; they differ in what travels:
             the plan. A count above ``cap`` is an InputError (STATIC_OVERFLOW)
     auto    equal when the plan is uniform, else ragged
 
+    lazy    not a variant: a *schedule*. ``issue`` starts an exchange and returns a
+            :class:`Pending`; ``wait()`` gives the result. The bytes and the result are the
+            variant's, exactly; only the time at which a rank waits differs, so independent
+            work can run while the rows travel. ``exchange="lazy"`` (an option value of
+            dispatch and combine) is the ``auto`` variant on the lazy schedule.
+
+Each variant is one entry of ``VARIANTS``: how it moves rows (``move``) and how many bytes
+that takes without moving any (``bytes``). A new variant is one pair of functions here, its
+ABI code in abi.py and its counterpart in production (epkit.collectives).
+
 A transport may move several sections (dedup: token rows and slot rows), each one exchange of
 its own rows with its own counts and, under static, its own ``cap``. The variant is decided
 once for the plan (``resolve`` with every section's counts): equal needs every section
@@ -28,13 +38,21 @@ Backward of an exchange is the exchange with the counts transposed (send <-> rec
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .errors import Reason, error
 
-VARIANTS = ("ragged", "padded", "equal", "static", "auto")
+NAMES = ("ragged", "padded", "equal", "static", "auto")  # what an option may name
+SCHEDULES = ("eager", "lazy")
+
+
+def split_option(exchange: str) -> Tuple[str, str]:
+    """An ``exchange=`` option value -> ``(variant name, schedule)``: ``"lazy"`` is the auto
+    variant on the lazy schedule; every other name is itself, eager."""
+    return ("auto", "lazy") if exchange == "lazy" else (exchange, "eager")
 
 
 def is_uniform(counts: np.ndarray) -> bool:
@@ -66,6 +84,8 @@ def header_rows(row_bytes: int) -> int:
     return -(-8 // row_bytes)
 
 
+# --- the collectives underneath ------------------------------------------------------------
+
 def _all_to_all_split(bufs: List[np.ndarray], counts: np.ndarray) -> List[np.ndarray]:
     """The collective with split sizes: rank d gets chunk (s, d) of every s, s ascending."""
     R = len(bufs)
@@ -85,51 +105,58 @@ def _chunks(buf: np.ndarray, counts_row: np.ndarray) -> List[np.ndarray]:
     return [buf[starts[d]:starts[d + 1]] for d in range(len(counts_row))]
 
 
-def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragged",
-                  cap: Optional[int] = None) -> Tuple[List[np.ndarray], np.ndarray]:
-    """Carry out one exchange of byte rows.
+def _same(counts: np.ndarray, nbytes: int) -> np.ndarray:
+    return np.full(counts.shape, nbytes, np.int64)
 
-    Args:
-        bufs: R arrays [S_r, B] uint8 (the same B everywhere).
-        send_counts: [R, R] ints, row s = rows s sends to each peer (sums to S_s).
-        variant: see the module docstring; cap: the static chunk size in rows.
-    Returns:
-        (received: R arrays [N_d, B] uint8, moved: [R, R] int64 bytes s sent to d, padding and
-        headers included).
-    """
-    counts = np.asarray(send_counts, np.int64).reshape(len(bufs), len(bufs))
-    R = len(bufs)
-    B = bufs[0].shape[1]
-    if (counts < 0).any() or any(counts[s].sum() != bufs[s].shape[0] for s in range(R)):
-        raise ValueError("epkit.reference: send_counts must be >= 0 and sum to each rank's rows")
-    variant = resolve(variant, counts)
-    if variant == "ragged":
-        return _all_to_all_split(list(bufs), counts), counts * B
-    if variant == "equal":
-        block = int(counts.flat[0])
-        return _all_to_all_equal(list(bufs), block), np.full((R, R), block * B, np.int64)
-    if variant == "padded":
-        P = int(counts.max())
-        sends = []
-        for s in range(R):
-            chunks = _chunks(bufs[s], counts[s])
-            sends.append(np.concatenate([np.concatenate([c, np.zeros((P - len(c), B), np.uint8)])
-                                         for c in chunks]))
-        got = _all_to_all_equal(sends, P)
-        received = [np.concatenate([got[d][s * P:s * P + counts[s, d]] for s in range(R)])
-                    for d in range(R)]
-        return received, np.full((R, R), P * B, np.int64)
-    # static
+
+# --- the variants: move(bufs [R] of [S, B] uint8, counts [R, R], cap) -> (received, bytes) ---
+
+def _ragged_move(bufs, counts, cap):
+    return _all_to_all_split(bufs, counts), counts * bufs[0].shape[1]
+
+
+def _ragged_bytes(counts, row_bytes, cap):
+    return counts * row_bytes
+
+
+def _equal_move(bufs, counts, cap):
+    block = int(counts.flat[0])
+    return _all_to_all_equal(bufs, block), _same(counts, block * bufs[0].shape[1])
+
+
+def _padded_move(bufs, counts, cap):
+    R, B, P = len(bufs), bufs[0].shape[1], int(counts.max())
+    sends = [np.concatenate([np.concatenate([c, np.zeros((P - len(c), B), np.uint8)])
+                             for c in _chunks(bufs[s], counts[s])]) for s in range(R)]
+    got = _all_to_all_equal(sends, P)
+    received = [np.concatenate([got[d][s * P:s * P + counts[s, d]] for s in range(R)])
+                for d in range(R)]
+    return received, _same(counts, P * B)
+
+
+def _padded_bytes(counts, row_bytes, cap):
+    return _same(counts, int(counts.max()) * row_bytes)
+
+
+def _static_check(counts, cap):
     if cap is None:
         raise ValueError("epkit.reference: the static exchange needs cap")
+    too_many = np.argwhere(counts > cap)
+    if too_many.size:
+        s, d = too_many[0]
+        raise error(int(s), Reason.STATIC_OVERFLOW, int(counts[s, d]), cap)
+
+
+def _static_move(bufs, counts, cap):
+    """Chunks of ``header + cap`` rows; the receiver reads each count from its header."""
+    _static_check(counts, cap)
+    R, B = len(bufs), bufs[0].shape[1]
     hdr = header_rows(B)
     block = hdr + cap
     sends = []
     for s in range(R):
         blocks = []
-        for d, chunk in enumerate(_chunks(bufs[s], counts[s])):
-            if len(chunk) > cap:
-                raise error(s, Reason.STATIC_OVERFLOW, len(chunk), cap)
+        for chunk in _chunks(bufs[s], counts[s]):
             head = np.zeros(hdr * B, np.uint8)
             head[:8] = np.frombuffer(np.int64(len(chunk)).astype("<i8").tobytes(), np.uint8)
             blocks += [head.reshape(hdr, B), chunk, np.zeros((cap - len(chunk), B), np.uint8)]
@@ -143,25 +170,75 @@ def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragge
             n = int(np.frombuffer(blk[:hdr].tobytes()[:8], "<i8")[0])   # the in-band count
             parts.append(blk[hdr:hdr + n])
         received.append(np.concatenate(parts))
-    return received, np.full((R, R), block * B, np.int64)
+    return received, _same(counts, block * B)
+
+
+def _static_bytes(counts, row_bytes, cap):
+    _static_check(counts, cap)
+    return _same(counts, (header_rows(row_bytes) + cap) * row_bytes)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of moving a section's rows: ``move`` carries it out on byte rows, ``bytes``
+    says what it would send without moving anything ([R, R] int64, padding and headers
+    included)."""
+    name: str
+    move: Callable
+    bytes: Callable
+
+
+VARIANTS: Dict[str, Variant] = {v.name: v for v in (
+    Variant("ragged", _ragged_move, _ragged_bytes),
+    Variant("padded", _padded_move, _padded_bytes),
+    Variant("equal", _equal_move, _ragged_bytes),  # uniform: n rows per chunk, no padding
+    Variant("static", _static_move, _static_bytes),
+)}
+
+
+def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragged",
+                  cap: Optional[int] = None) -> Tuple[List[np.ndarray], np.ndarray]:
+    """Carry out one exchange of byte rows.
+
+    Args:
+        bufs: R arrays [S_r, B] uint8 (the same B everywhere).
+        send_counts: [R, R] ints, row s = rows s sends to each peer (sums to S_s).
+        variant: a name of ``NAMES`` (see the module docstring); cap: the static chunk size.
+    Returns:
+        (received: R arrays [N_d, B] uint8, moved: [R, R] int64 bytes s sent to d, padding and
+        headers included).
+    """
+    counts = np.asarray(send_counts, np.int64).reshape(len(bufs), len(bufs))
+    R = len(bufs)
+    if (counts < 0).any() or any(counts[s].sum() != bufs[s].shape[0] for s in range(R)):
+        raise ValueError("epkit.reference: send_counts must be >= 0 and sum to each rank's rows")
+    return VARIANTS[resolve(variant, counts)].move(list(bufs), counts, cap)
 
 
 def exchange_bytes(counts, row_bytes: int, variant: str, cap: Optional[int] = None) -> np.ndarray:
     """Bytes each rank sends to each peer ([R, R] int64) for a count matrix, without moving any."""
     counts = np.asarray(counts, np.int64)
-    variant = resolve(variant, counts)
-    R = counts.shape[0]
-    if variant in ("ragged", "equal"):
-        return counts * row_bytes
-    if variant == "padded":
-        return np.full((R, R), int(counts.max()) * row_bytes, np.int64)
-    if cap is None:
-        raise ValueError("epkit.reference: the static exchange needs cap")
-    too_many = np.argwhere(counts > cap)
-    if too_many.size:
-        s, d = too_many[0]
-        raise error(int(s), Reason.STATIC_OVERFLOW, int(counts[s, d]), cap)
-    return np.full((R, R), (header_rows(row_bytes) + cap) * row_bytes, np.int64)
+    return VARIANTS[resolve(variant, counts)].bytes(counts, row_bytes, cap)
+
+
+class Pending:
+    """An exchange on the lazy schedule: issued, not yet waited for. ``wait()`` returns what
+    the eager call would have (once). In one process nothing overlaps, so this states the
+    contract production keeps: no result exists before ``wait()``, and it is the variant's."""
+
+    def __init__(self, run: Callable):
+        self._run, self._done = run, None
+
+    def wait(self):
+        if self._run is not None:
+            self._done, self._run = self._run(), None
+        return self._done
+
+
+def issue(xs: Sequence[np.ndarray], send_counts, variant: str = "auto",
+          cap: Optional[int] = None) -> Pending:
+    """``exchange`` on the lazy schedule: the same arguments, the same result, at ``wait()``."""
+    return Pending(lambda: exchange(xs, send_counts, variant, cap))
 
 
 def exchange(xs: Sequence[np.ndarray], send_counts, variant: str = "ragged",
@@ -171,7 +248,8 @@ def exchange(xs: Sequence[np.ndarray], send_counts, variant: str = "ragged",
     Args:
         xs: R arrays [S_r, ...] (one dtype and trailing shape for the group).
         send_counts: R sequences of R ints; ``send_counts[s][d]`` rows go from s to d.
-        variant: "ragged", "padded", "equal", "static" (needs ``cap``) or "auto".
+        variant: "ragged", "padded", "equal", "static" (needs ``cap``) or "auto";
+            ``"lazy"`` is not a variant: use :func:`issue` (the lazy schedule).
     Returns:
         R arrays [N_r, ...]: on rank r the rows addressed to r, source ranks ascending.
     """
