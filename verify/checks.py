@@ -511,37 +511,102 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
     reference (the ``epkit.reference`` module unless another is given) under ``contract``
     (``exact``, ``reordered`` or ``bounded``). ``capabilities`` says how padding is held
     (``padding``) and the accumulation dtype of the bound (``accumulate``, which the
-    argument overrides; default float32)."""
+    argument overrides; default float32).
+
+    The steps, in order (each in :class:`_Check`): the reference's dispatch (an expected input
+    error ends the check there), what the ranks raised, then each property that the ranks
+    reached: dispatch, dispatch backward, combine, combine backward, weight gradient."""
     if contract not in CONTRACTS:
         raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}, got {contract!r}")
     caps = capabilities or Capabilities()
-    acc = accumulate or caps.accumulate or "float32"
-    ref = reference or _reference()
-    v = Verdict(case=case, mode=mode, impl=impl, contract=contract)
-    R = case.world_size
+    c = _Check(case, mode, results, impl, reference or _reference(), contract, caps,
+               accumulate or caps.accumulate or "float32")
     xs, idxs, ws = case.all_inputs()
-
-    errs = {r: res["error"] for r, res in enumerate(results) if res.get("error")}
-    reached = len(STAGES)
-    expected_error = None
     try:
-        res = ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
-                           capacity=case.capacity, payload=case.payload)
+        c.res = c.ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
+                               capacity=case.capacity, payload=case.payload)
     except ValueError as exc:  # the reference's InputError: every rank must raise it
-        expected_error, res = exc, None
+        return c.expected_error(exc)
+    c.raised()
+    rank_major = any((r or {}).get("layout") == "rank_major" for r in results)
+    if rank_major:
+        _rank_major_checks(case, results, c.ref, contract, c.v, c.todo, c.settle,
+                           c.value_check)
+        return _finish(c.v)
+    c.dispatch()
+    c.dispatch_backward()
+    ys = c.fed(TAG_Y, case.y_dtype) if _STAGE["combine"] < c.reached else None
+    c.combine(ys)
+    if c.todo("combine_backward") or c.todo("weight_grad"):
+        gos = [np.asarray(results[r]["grad_out"]) for r in range(case.world_size)]
+        c.combine_backward(gos, ys)
+        c.weight_grad(gos, ys)
+    return _finish(c.v)
 
-    if expected_error is not None:
+
+class _Check:
+    """One case's comparison: the verdict so far and what every step needs (the case, the
+    ranks' results, the reference's dispatch ``res``, the contract, the capabilities)."""
+
+    def __init__(self, case, mode, results, impl, ref, contract, caps, acc):
+        self.case, self.mode, self.results, self.ref = case, mode, results, ref
+        self.contract, self.caps, self.acc = contract, caps, acc
+        self.v = Verdict(case=case, mode=mode, impl=impl, contract=contract)
+        self.R = case.world_size
+        self.errs = {r: res["error"] for r, res in enumerate(results) if res.get("error")}
+        self.reached = len(STAGES)
+        self.res = None
+
+    # -- bookkeeping shared by the steps ---------------------------------------------------
+    def todo(self, p):
+        return _STAGE[p] < self.reached and p not in self.v.status
+
+    def settle(self, p, rank, output, level, exact_msg, weak_msg, reason):
+        """Record what property ``p`` met on ``rank``: the strongest contract ``level`` (None:
+        none), the message at the requested contract, the reason it is not exact."""
+        v = self.v
+        v.met[p] = weaker(v.met.get(p, "exact"), level)
+        if level is not None and level != "exact" and reason:
+            v.not_exact.setdefault(p, reason)
+        if level is None or _RANK[level] > _RANK[self.contract]:
+            v.fail(p, rank, output,
+                   exact_msg if self.contract == "exact" else (weak_msg or exact_msg))
+
+    def value_check(self, p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None):
+        bit = compare_bitwise(got, want) if mask is None else compare_bitwise(
+            np.where(mask, got, want) if got is not None and np.shape(got) == np.shape(want)
+            and np.asarray(got).dtype == np.asarray(want).dtype else got, want)
+        if bit is None:
+            self.settle(p, r, output, "exact", None, None, None)
+            return
+        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc, mask)
+        if np.isfinite(ratio):
+            self.v.worst[p] = max(self.v.worst.get(p, (0.0, 0.0)), (ratio, u))
+        reason = {"combine": "combine summation order",
+                  "dispatch_backward": "dispatch backward summation order",
+                  "combine_backward": "combine backward rounding"}[p]
+        self.settle(p, r, output, None if msg else "bounded", bit, msg, reason)
+
+    def fed(self, tag, dtype):
+        """The rows fed to the reference: the same slot rows as the implementation got,
+        placed in the reference's layout."""
+        return [self.case.slot_rows(d, tag, self.res[d].row_src, dtype) for d in range(self.R)]
+
+    # -- the steps ---------------------------------------------------------------------------
+    def expected_error(self, expected) -> Verdict:
+        """The reference raised: every rank must raise the same InputError, message included."""
+        v, errs, R = self.v, self.errs, self.R
         bad = [r for r in range(R) if not (errs.get(r) or {}).get("input_error")]
         if bad:
             v.fail("dispatch", bad[0], "error",
-                   f"expected an input error on every rank ({expected_error}), rank {bad[0]} "
+                   f"expected an input error on every rank ({expected}), rank {bad[0]} "
                    + ("raised " + errs[bad[0]]["type"] if bad[0] in errs else "did not raise"))
         else:
             wrong = [r for r in range(R) if errs[r]["message"].startswith("epkit: ")
-                     and errs[r]["message"] != str(expected_error)]
+                     and errs[r]["message"] != str(expected)]
             if wrong:
                 v.fail("dispatch", wrong[0], "error", f"message {errs[wrong[0]]['message']!r}, "
-                       f"expected {str(expected_error)!r}")
+                       f"expected {str(expected)!r}")
             else:
                 v.status["dispatch"] = PASSED
                 v.met["dispatch"] = "exact"
@@ -549,19 +614,24 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
             v.status.setdefault(p, NA)
         return v
 
-    if errs:
+    def raised(self):
+        """Ranks that raised: the properties from the earliest such stage on are refused (every
+        rank raised NotImplementedError at one stage) or failed."""
+        v, errs = self.v, self.errs
+        if not errs:
+            return
         stage_idx = {r: (STAGES.index(e["stage"]) if e["stage"] in STAGES else -1)
                      for r, e in errs.items()}
-        reached = min(stage_idx.values())
-        uniform = (len(errs) == R and len(set(stage_idx.values())) == 1
+        self.reached = min(stage_idx.values())
+        uniform = (len(errs) == self.R and len(set(stage_idx.values())) == 1
                    and all(e["unsupported"] for e in errs.values()))
         e0 = errs[min(errs)]
         first_line = e0["message"].splitlines()[0] if e0["message"] else ""
         if uniform:
             v.refusal = f"{e0['stage']}: NotImplementedError: {first_line}".rstrip(": ")
         for p in PROPERTIES:
-            if _STAGE[p] >= reached:
-                if p == "weight_grad" and not case.weighted:
+            if _STAGE[p] >= self.reached:
+                if p == "weight_grad" and not self.case.weighted:
                     v.status[p] = NA
                 elif uniform:
                     v.status[p] = REFUSED
@@ -574,138 +644,114 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
                 v.errors.append(f"rank {r}, stage {e['stage']}: {e['type']}: {e['message']}\n"
                                 f"{e.get('traceback') or ''}")
 
-    def todo(p):
-        return _STAGE[p] < reached and p not in v.status
-
-    def settle(p, rank, output, level, exact_msg, weak_msg, reason):
-        """Record what property ``p`` met on ``rank``: the strongest contract ``level`` (None:
-        none), the message at the requested contract, the reason it is not exact."""
-        prev = v.met.get(p, "exact")
-        v.met[p] = weaker(prev, level)
-        if level is not None and level != "exact" and reason:
-            v.not_exact.setdefault(p, reason)
-        if level is None or _RANK[level] > _RANK[contract]:
-            v.fail(p, rank, output, exact_msg if contract == "exact" else (weak_msg or exact_msg))
-
-    static = mode.static
-    rank_major = any((r or {}).get("layout") == "rank_major" for r in results)
-    if todo("dispatch") and not rank_major:
+    def dispatch(self):
+        if not self.todo("dispatch"):
+            return
+        v, case = self.v, self.case
         v.status["dispatch"] = PASSED
-        for r in range(R):
-            got, want = results[r]["dispatch"], res[r]
-            exact = _exact_dispatch(got, want, case, static, ref)
+        for r in range(self.R):
+            got, want = self.results[r]["dispatch"], self.res[r]
+            exact = _exact_dispatch(got, want, case, self.mode.static, self.ref)
             level, weak = "exact", []
             if exact:
-                weak, _ = _reordered_dispatch(got, want, case, caps.padding)
+                weak, _ = _reordered_dispatch(got, want, case, self.caps.padding)
                 level = None if weak else "reordered"
             v.met["dispatch"] = weaker(v.met.get("dispatch", "exact"), level)
             if level == "reordered":
                 v.not_exact.setdefault("dispatch", _not_exact_layout(got, want))
-            if level is None or _RANK[level] > _RANK[contract]:
-                for name, msg in (exact if contract == "exact" else weak):
+            if level is None or _RANK[level] > _RANK[self.contract]:
+                for name, msg in (exact if self.contract == "exact" else weak):
                     v.fail("dispatch", r, name, msg)
 
-    # The rows fed to the reference: the same slot rows as the implementation got, placed in the
-    # reference's layout.
-    g_dtype = "float32" if (case.payload is not None and results and
-                            (results[0].get("dispatch") or {}).get("expert_x_hp") is not None) \
-        else case.dtype
-
-    def _fed(tag, dtype):
-        return [case.slot_rows(d, tag, res[d].row_src, dtype) for d in range(R)]
-
-    def value_check(p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None):
-        bit = compare_bitwise(got, want) if mask is None else compare_bitwise(
-            np.where(mask, got, want) if got is not None and np.shape(got) == np.shape(want)
-            and np.asarray(got).dtype == np.asarray(want).dtype else got, want)
-        if bit is None:
-            settle(p, r, output, "exact", None, None, None)
+    def dispatch_backward(self):
+        if not self.todo("dispatch_backward"):
             return
-        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, acc, mask)
-        if np.isfinite(ratio):
-            prev = v.worst.get(p, (0.0, 0.0))
-            v.worst[p] = max(prev, (ratio, u))
-        reason = {"combine": "combine summation order",
-                  "dispatch_backward": "dispatch backward summation order",
-                  "combine_backward": "combine backward rounding"}[p]
-        settle(p, r, output, None if msg else "bounded", bit, msg, reason)
-
-    if rank_major:
-        _rank_major_checks(case, results, ref, contract, v, todo, settle, value_check)
-        return _finish(v)
-
-    if todo("dispatch_backward"):
+        case, results, R = self.case, self.results, self.R
         if any(isinstance(results[r].get("grad_x"), str) for r in range(R)):
-            v.status["dispatch_backward"] = REFUSED
-            v.refusal = v.refusal or "dispatch_backward: MXFP8 dispatch without expert_x_hp"
-        else:
-            gs = _fed(TAG_GRAD_X, g_dtype)
-            want = ref.dispatch_backward(gs, res)
-            ex64, ab, n = _token_sums(gs, res, False, case.tokens, case.hidden)
-            v.status["dispatch_backward"] = PASSED
-            for r in range(R):
-                value_check("dispatch_backward", r, "grad_x", results[r].get("grad_x"), want[r],
-                            ex64[r], ab[r], n[r], case.dtype)
-
-    ys = _fed(TAG_Y, case.y_dtype) if _STAGE["combine"] < reached else None
-    if todo("combine"):
-        want = ref.combine(ys, res, weighted=case.weighted)
-        ex64, ab, n = _token_sums(ys, res, case.weighted, case.tokens, case.hidden)
-        v.status["combine"] = PASSED
+            self.v.status["dispatch_backward"] = REFUSED
+            self.v.refusal = self.v.refusal or ("dispatch_backward: MXFP8 dispatch without "
+                                                "expert_x_hp")
+            return
+        # a quantized payload's gradient flows through expert_x_hp, float32
+        hp = case.payload is not None and results and \
+            (results[0].get("dispatch") or {}).get("expert_x_hp") is not None
+        gs = self.fed(TAG_GRAD_X, "float32" if hp else case.dtype)
+        want = self.ref.dispatch_backward(gs, self.res)
+        ex64, ab, n = _token_sums(gs, self.res, False, case.tokens, case.hidden)
+        self.v.status["dispatch_backward"] = PASSED
         for r in range(R):
-            value_check("combine", r, "out", results[r].get("out"), want[r], ex64[r], ab[r],
-                        n[r], case.dtype)
+            self.value_check("dispatch_backward", r, "grad_x", results[r].get("grad_x"),
+                             want[r], ex64[r], ab[r], n[r], case.dtype)
 
-    if todo("combine_backward") or todo("weight_grad"):
-        gos = [np.asarray(results[r]["grad_out"]) for r in range(R)]
-        gys, _gws = ref.combine_backward(gos, ys, res, weighted=case.weighted)
-        v.status["combine_backward"] = PASSED
+    def combine(self, ys):
+        if not self.todo("combine"):
+            return
+        case = self.case
+        want = self.ref.combine(ys, self.res, weighted=case.weighted)
+        ex64, ab, n = _token_sums(ys, self.res, case.weighted, case.tokens, case.hidden)
+        self.v.status["combine"] = PASSED
+        for r in range(self.R):
+            self.value_check("combine", r, "out", self.results[r].get("out"), want[r], ex64[r],
+                             ab[r], n[r], case.dtype)
+
+    def combine_backward(self, gos, ys):
+        """grad_expert_y on every rank: the reference's gradient rows, placed by slot in the
+        implementation's layout, compared where the implementation has real rows."""
+        case, res, R = self.case, self.res, self.R
+        gys, _gws = self.ref.combine_backward(gos, ys, res, weighted=case.weighted)
+        self.v.status["combine_backward"] = PASSED
         for r in range(R):
-            got_y = results[r].get("grad_y")
-            rows = int(np.shape(results[r]["expert_y"])[0])
-            src = sane_row_src(results[r]["dispatch"].get("row_src"), rows)
-            # the reference's gradient rows, placed in the implementation's layout by slot
-            want = np.zeros((rows, case.hidden), gys[r].dtype)
-            ex64 = np.zeros((rows, case.hidden))
-            nterm = np.zeros((rows, case.hidden))
-            real = src[:, 0] >= 0
-            pad = ~real
-            for d in range(R):
-                wkeys = _slot_keys(np.asarray(res[d].row_src), case.topk, max(case.tokens))
-                wreal = np.asarray(res[d].row_src)[:, 0] >= 0
-                keys = _slot_keys(src, case.topk, max(case.tokens))
-                hit = real & np.isin(keys, wkeys[wreal])
-                if not hit.any():
-                    continue
-                lookup = {int(kk): m for m, kk in enumerate(wkeys) if wreal[m]}
-                ms = np.array([lookup[int(kk)] for kk in keys[hit]])
-                want[hit] = gys[d][ms]
-                c = np.asarray(res[d].row_weight, np.float64)[ms] if case.weighted else 1.0
-                g64 = np.stack([gos[int(s)][int(t)] for s, t in src[hit][:, :2]]).astype(
-                    np.float64) if hit.any() else 0
-                ex64[hit] = (g64 * (c[:, None] if case.weighted else 1.0))
-                nterm[hit] = 1
+            rows = int(np.shape(self.results[r]["expert_y"])[0])
+            src = sane_row_src(self.results[r]["dispatch"].get("row_src"), rows)
+            want, ex64, nterm = _placed_grad_y(case, res, gys, gos, src, rows, R)
             mask = None
-            if caps.padding == "ignored" and contract != "exact":
-                mask = np.broadcast_to(real[:, None], want.shape)
-            value_check("combine_backward", r, "grad_expert_y", got_y, want, ex64,
-                        np.abs(ex64), nterm, case.y_dtype, mask)
+            if self.caps.padding == "ignored" and self.contract != "exact":
+                mask = np.broadcast_to((src[:, 0] >= 0)[:, None], want.shape)
+            self.value_check("combine_backward", r, "grad_expert_y",
+                             self.results[r].get("grad_y"), want, ex64, np.abs(ex64), nterm,
+                             case.y_dtype, mask)
+
+    def weight_grad(self, gos, ys):
+        case, res, R, v = self.case, self.res, self.R, self.v
         if not case.weighted:
             v.status["weight_grad"] = NA
-        else:
-            v.status["weight_grad"] = PASSED
-            got_w = [results[r].get("grad_w") for r in range(R)]
-            bad = weight_grad_tolerance(got_w, gos, ys, res, case.topk, case.hidden)
-            ex64, ab, n = _weight_grad_exact(gos, ys, res, case.topk)
-            for r in range(R):
-                msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32", acc)
-                if np.isfinite(ratio):
-                    v.worst["weight_grad"] = max(v.worst.get("weight_grad", (0.0, 0.0)),
-                                                 (ratio, u))
-                level = "exact" if r not in bad else (None if msg else "bounded")
-                settle("weight_grad", r, "grad_topk_weights", level, bad.get(r), msg,
-                       "weight gradient precision")
-    return _finish(v)
+            return
+        v.status["weight_grad"] = PASSED
+        got_w = [self.results[r].get("grad_w") for r in range(R)]
+        bad = weight_grad_tolerance(got_w, gos, ys, res, case.topk, case.hidden)
+        ex64, ab, n = _weight_grad_exact(gos, ys, res, case.topk)
+        for r in range(R):
+            msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32", self.acc)
+            if np.isfinite(ratio):
+                v.worst["weight_grad"] = max(v.worst.get("weight_grad", (0.0, 0.0)), (ratio, u))
+            level = "exact" if r not in bad else (None if msg else "bounded")
+            self.settle("weight_grad", r, "grad_topk_weights", level, bad.get(r), msg,
+                        "weight gradient precision")
+
+
+def _placed_grad_y(case, res, gys, gos, src, rows, R):
+    """The reference's grad_expert_y rows ``gys`` placed, slot by slot, at the rows ``src``
+    (``[rows, 3]`` (s, t, k)) of an implementation's layout; with the float64 exact values and
+    term counts the bound needs. Rows matching no reference slot stay zero."""
+    want = np.zeros((rows, case.hidden), gys[0].dtype if gys else np.float32)
+    ex64 = np.zeros((rows, case.hidden))
+    nterm = np.zeros((rows, case.hidden))
+    real = src[:, 0] >= 0
+    keys = _slot_keys(src, case.topk, max(case.tokens))
+    for d in range(R):
+        wkeys = _slot_keys(np.asarray(res[d].row_src), case.topk, max(case.tokens))
+        wreal = np.asarray(res[d].row_src)[:, 0] >= 0
+        hit = real & np.isin(keys, wkeys[wreal])
+        if not hit.any():
+            continue
+        lookup = {int(kk): m for m, kk in enumerate(wkeys) if wreal[m]}
+        ms = np.array([lookup[int(kk)] for kk in keys[hit]])
+        want[hit] = gys[d][ms]
+        c = np.asarray(res[d].row_weight, np.float64)[ms] if case.weighted else 1.0
+        g64 = np.stack([gos[int(s)][int(t)] for s, t in src[hit][:, :2]]).astype(np.float64)
+        ex64[hit] = (g64 * (c[:, None] if case.weighted else 1.0))
+        nterm[hit] = 1
+    return want, ex64, nterm
 
 
 def _finish(v: Verdict) -> Verdict:
