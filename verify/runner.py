@@ -366,137 +366,11 @@ class Suite:
 
     # -- one mode --------------------------------------------------------------------------
     def run_mode(self, mode: ModeSpec) -> ModeResult:
+        """One mode's property run (a :class:`_ModeRun`): the requested examples, the first
+        failure shrunk, the rest drawn afresh and tallied."""
         caps = self.capabilities.get(mode.name) or resolve_capabilities(
             load_factory(self.impl), mode, self.supports)
-        mr = ModeResult(mode=mode, capabilities=caps)
-        checked: dict = {}
-        evaluated: dict = {}
-        known: list = []  # features refusals were attributed to in this mode
-        st = {"failed_at": None, "primary": None, "generated": 0, "no_shrink": False,
-              "counting": True}
-
-        timeout = float(getattr(self.runner, "timeout", 30.0))
-
-        def run_check(case) -> Verdict:
-            if case not in checked:
-                t0 = time.monotonic()
-                results = self.runner.run(case, self.impl, mode)
-                took = time.monotonic() - t0
-                try:
-                    checked[case] = check_case(case, mode, results, self.impl, self.reference,
-                                               contract=self.contract, capabilities=caps,
-                                               accumulate=self.accumulate)
-                except Exception as exc:  # noqa: BLE001 - outputs the checks cannot read
-                    import traceback
-
-                    v = Verdict(case=case, mode=mode, impl=self.impl, contract=self.contract)
-                    for p in PROPERTIES:
-                        v.fail(p, None, "outputs", f"could not be compared ({type(exc).__name__}"
-                               f": {exc})")
-                        v.met[p] = None
-                    v.errors.append(traceback.format_exc(limit=-4))
-                    checked[case] = v
-                if took >= timeout and any(
-                        (r.get("error") or {}).get("type") in ("Timeout", "WorkerDied")
-                        for r in results):
-                    st["no_shrink"] = True  # a hang: every further case could cost a timeout
-            return checked[case]
-
-        def attribute(case, v, v2, keys) -> Verdict:
-            declared = [k for k in keys if caps.declared(k, case)]
-            if not declared:
-                return dataclasses.replace(v2, redrawn_from=case, refused_for=tuple(keys))
-            vf = dataclasses.replace(v, status=dict(v.status), mismatches=list(v.mismatches))
-            for p in PROPERTIES:
-                if vf.status.get(p) == REFUSED:
-                    vf.status[p] = FAILED
-            vf.mismatches.append(Mismatch(
-                "dispatch", None, "refusal", f"{v.refusal}: refused although declared "
-                f"supported ({', '.join(f'{k}: {getattr(caps, k)!r}' for k in declared)}); "
-                f"without {'+'.join(keys)} the case runs"))
-            return vf
-
-        def evaluate(case) -> Verdict:
-            if case in evaluated:
-                return evaluated[case]
-            v = run_check(case)
-            if v.refused and not st["no_shrink"]:
-                present = [f for f in FEATURES if f.present(case)]
-                words = (v.refusal or "").lower()
-                present.sort(key=lambda f: (f.key not in known,
-                                            not any(w in words for w in f.words)))
-                found = None
-                for f in present:
-                    c2 = f.remove(case)
-                    if c2 != case and not run_check(c2).refused:
-                        found = (c2, (f.key,))
-                        break
-                if found is None and len(present) > 1:
-                    c2 = case
-                    for f in present:
-                        c2 = f.remove(c2)
-                    if not run_check(c2).refused:
-                        found = (c2, tuple(f.key for f in present))
-                if found is not None:
-                    known.extend(k for k in found[1] if k not in known)
-                    v = attribute(case, v, checked[found[0]], found[1])
-            evaluated[case] = v
-            return v
-
-        def tally(v):
-            st["generated"] += 1
-            self.progress(1)
-            mr.count(v)
-
-        def prop(case):
-            if case not in evaluated:
-                if st["failed_at"] is not None and (
-                        st["no_shrink"]
-                        or time.monotonic() - st["failed_at"] > self.shrink_seconds):
-                    return  # shrink budget spent: unseen cases count as passing
-                if st["no_shrink"]:
-                    return  # a timeout: the rest is reported as not run
-            v = evaluate(case)
-            if st["failed_at"] is None and st["generated"] < self.examples:
-                tally(v)
-            if v.failed:
-                if st["failed_at"] is None:
-                    st["failed_at"] = time.monotonic()
-                    st["primary"] = v.failed_properties[0] if v.failed_properties else None
-                if st["primary"] is None or st["primary"] in v.failed_properties:
-                    raise _CaseFailed(v)
-
-        strategy = cases(self.runner.world_size, mode, max_tokens=self.max_tokens,
-                         capabilities=caps, **self.strategy_kwargs)
-        base_seed = self.seed ^ zlib.crc32(mode.name.encode())
-        try:
-            self._hypothesis(strategy, prop, self.examples, base_seed,
-                             [Phase.explicit, Phase.generate, Phase.shrink])()
-        except _CaseFailed as exc:
-            mr.failure = exc.verdict
-        # Every requested example runs: after a failure (shrunk and reported above), the rest
-        # are drawn afresh and tallied without shrinking.
-
-        def rest(case):
-            if st["generated"] >= self.examples or st["no_shrink"]:
-                return
-            v = evaluate(case)
-            tally(v)
-            if v.failed:
-                mr.later_failures += 1
-
-        for attempt in range(1, 4):
-            left = self.examples - st["generated"]
-            if left <= 0 or st["no_shrink"]:
-                break
-            self._hypothesis(strategy, rest, left, base_seed ^ (0x9E3779B1 * attempt),
-                             [Phase.generate])()
-        left = self.examples - st["generated"]
-        if left > 0:
-            mr.not_run(left, "not run (the implementation hung)" if st["no_shrink"]
-                       else "not drawn")
-            self.progress(left)
-        return mr
+        return _ModeRun(self, mode, caps).run()
 
     @staticmethod
     def _hypothesis(strategy, fn, examples, seed, phases):
@@ -511,3 +385,158 @@ class Suite:
             verbosity=Verbosity.quiet,
         )(given(strategy)(fn))
         return hypothesis_seed(seed)(test)
+
+
+class _ModeRun:
+    """The state of one mode's run: the verdicts so far (``checked``: one case run and
+    checked; ``evaluated``: after a refusal was attributed to a feature), the features
+    refusals were attributed to, and where the run stands (first failure, examples drawn,
+    whether a hang forbids shrinking)."""
+
+    def __init__(self, verifier, mode: ModeSpec, caps):
+        self.vr, self.mode, self.caps = verifier, mode, caps
+        self.mr = ModeResult(mode=mode, capabilities=caps)
+        self.checked: dict = {}
+        self.evaluated: dict = {}
+        self.known: list = []
+        self.failed_at = None
+        self.primary = None
+        self.generated = 0
+        self.no_shrink = False
+        self.timeout = float(getattr(verifier.runner, "timeout", 30.0))
+
+    def run(self) -> ModeResult:
+        vr, mr = self.vr, self.mr
+        strategy = cases(vr.runner.world_size, self.mode, max_tokens=vr.max_tokens,
+                         capabilities=self.caps, **vr.strategy_kwargs)
+        base_seed = vr.seed ^ zlib.crc32(self.mode.name.encode())
+        try:
+            vr._hypothesis(strategy, self.prop, vr.examples, base_seed,
+                           [Phase.explicit, Phase.generate, Phase.shrink])()
+        except _CaseFailed as exc:
+            mr.failure = exc.verdict
+        # Every requested example runs: after a failure (shrunk and reported above), the rest
+        # are drawn afresh and tallied without shrinking.
+        for attempt in range(1, 4):
+            left = vr.examples - self.generated
+            if left <= 0 or self.no_shrink:
+                break
+            vr._hypothesis(strategy, self.rest, left, base_seed ^ (0x9E3779B1 * attempt),
+                           [Phase.generate])()
+        left = vr.examples - self.generated
+        if left > 0:
+            mr.not_run(left, "not run (the implementation hung)" if self.no_shrink
+                       else "not drawn")
+            vr.progress(left)
+        return mr
+
+    def run_check(self, case) -> Verdict:
+        """Run ``case`` on the group and check it (once per case)."""
+        if case in self.checked:
+            return self.checked[case]
+        vr = self.vr
+        t0 = time.monotonic()
+        results = vr.runner.run(case, vr.impl, self.mode)
+        took = time.monotonic() - t0
+        try:
+            self.checked[case] = check_case(case, self.mode, results, vr.impl, vr.reference,
+                                            contract=vr.contract, capabilities=self.caps,
+                                            accumulate=vr.accumulate)
+        except Exception as exc:  # noqa: BLE001 - outputs the checks cannot read
+            import traceback
+
+            v = Verdict(case=case, mode=self.mode, impl=vr.impl, contract=vr.contract)
+            for p in PROPERTIES:
+                v.fail(p, None, "outputs", f"could not be compared ({type(exc).__name__}"
+                       f": {exc})")
+                v.met[p] = None
+            v.errors.append(traceback.format_exc(limit=-4))
+            self.checked[case] = v
+        if took >= self.timeout and any(
+                (r.get("error") or {}).get("type") in ("Timeout", "WorkerDied")
+                for r in results):
+            self.no_shrink = True  # a hang: every further case could cost a timeout
+        return self.checked[case]
+
+    def attribute(self, case, v, v2, keys) -> Verdict:
+        """A refusal that goes away without the features ``keys``: the verdict of the case
+        without them, unless the implementation declared them supported (then a failure)."""
+        caps = self.caps
+        declared = [k for k in keys if caps.declared(k, case)]
+        if not declared:
+            return dataclasses.replace(v2, redrawn_from=case, refused_for=tuple(keys))
+        vf = dataclasses.replace(v, status=dict(v.status), mismatches=list(v.mismatches))
+        for p in PROPERTIES:
+            if vf.status.get(p) == REFUSED:
+                vf.status[p] = FAILED
+        vf.mismatches.append(Mismatch(
+            "dispatch", None, "refusal", f"{v.refusal}: refused although declared "
+            f"supported ({', '.join(f'{k}: {getattr(caps, k)!r}' for k in declared)}); "
+            f"without {'+'.join(keys)} the case runs"))
+        return vf
+
+    def _without_refused(self, case, v):
+        """The features whose removal makes a refused case run: ``(case', keys)`` or None.
+        One feature at a time (the likeliest first: named in the refusal, or seen before),
+        then all of them together."""
+        present = [f for f in FEATURES if f.present(case)]
+        words = (v.refusal or "").lower()
+        present.sort(key=lambda f: (f.key not in self.known,
+                                    not any(w in words for w in f.words)))
+        for f in present:
+            c2 = f.remove(case)
+            if c2 != case and not self.run_check(c2).refused:
+                return c2, (f.key,)
+        if len(present) > 1:
+            c2 = case
+            for f in present:
+                c2 = f.remove(c2)
+            if not self.run_check(c2).refused:
+                return c2, tuple(f.key for f in present)
+        return None
+
+    def evaluate(self, case) -> Verdict:
+        if case in self.evaluated:
+            return self.evaluated[case]
+        v = self.run_check(case)
+        if v.refused and not self.no_shrink:
+            found = self._without_refused(case, v)
+            if found is not None:
+                self.known.extend(k for k in found[1] if k not in self.known)
+                v = self.attribute(case, v, self.checked[found[0]], found[1])
+        self.evaluated[case] = v
+        return v
+
+    def tally(self, v):
+        self.generated += 1
+        self.vr.progress(1)
+        self.mr.count(v)
+
+    def prop(self, case):
+        """The hypothesis property: raises _CaseFailed on a failure of the first failing
+        property (so hypothesis shrinks towards it), within the shrink budget."""
+        vr = self.vr
+        if case not in self.evaluated:
+            if self.failed_at is not None and (
+                    self.no_shrink or time.monotonic() - self.failed_at > vr.shrink_seconds):
+                return  # shrink budget spent: unseen cases count as passing
+            if self.no_shrink:
+                return  # a timeout: the rest is reported as not run
+        v = self.evaluate(case)
+        if self.failed_at is None and self.generated < vr.examples:
+            self.tally(v)
+        if v.failed:
+            if self.failed_at is None:
+                self.failed_at = time.monotonic()
+                self.primary = v.failed_properties[0] if v.failed_properties else None
+            if self.primary is None or self.primary in v.failed_properties:
+                raise _CaseFailed(v)
+
+    def rest(self, case):
+        """After the failure: further draws, tallied, not shrunk."""
+        if self.generated >= self.vr.examples or self.no_shrink:
+            return
+        v = self.evaluate(case)
+        self.tally(v)
+        if v.failed:
+            self.mr.later_failures += 1
