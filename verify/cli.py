@@ -87,18 +87,18 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse, choose the modes, make the group (a local pool, or this torchrun job), run the
+    suite with a progress bar, print and write the results. Exit status: 0 all passed, 1 a
+    property failed, 2 bad usage."""
+    args = build_parser().parse_args(argv)
     from epkit.verify.capabilities import parse_supports
-    from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
-    from epkit.verify.runner import Suite, modes_of, select_modes
+    from epkit.verify.runner import modes_of, select_modes
 
     try:
         parse_supports(args.supports)
     except ValueError as exc:
         print(f"epkit verify: {exc}", file=sys.stderr)
         return 2
-
     modes = select_modes(modes_of(args.impl), args.modes)
     if args.list_modes:
         for m in modes:
@@ -107,19 +107,32 @@ def main(argv=None) -> int:
     if not modes:
         print(f"epkit verify: no mode of {args.impl} matches {args.modes}", file=sys.stderr)
         return 2
+    runner, rc = _runner(args)
+    return rc if runner is None else _run_suite(args, modes, runner)
+
+
+def _runner(args):
+    """``(group, exit status)``: the group the cases run on, a local Pool or this torchrun
+    job; ``(None, 0)`` on a torchrun rank other than 0, once it has served rank 0's cases;
+    ``(None, 2)`` for a backend that cannot run here."""
+    from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
 
     if under_torchrun():
         runner = TorchrunGroup(args.backend, timeout=args.timeout)
         if runner.rank != 0:
             runner.serve()
             runner.close()
-            return 0
-    elif args.backend == "nccl":
+            return None, 0
+        return runner, 0
+    if args.backend == "nccl":
         print("epkit verify: --backend nccl needs one process per GPU; launch with\n"
               "  torchrun --nproc-per-node N -m epkit.verify --backend nccl", file=sys.stderr)
-        return 2
-    else:
-        runner = Pool(args.world_size, timeout=args.timeout)
+        return None, 2
+    return Pool(args.world_size, timeout=args.timeout), 0
+
+
+def _run_suite(args, modes, runner) -> int:
+    from epkit.verify.runner import Suite
 
     bar = None
     if not args.no_progress:
@@ -155,11 +168,15 @@ def main(argv=None) -> int:
     print()
     print(result.table())
     print(f"{time.monotonic() - t0:.1f}s, seed {suite.seed}; repeat with: --seed {suite.seed}")
+    _write_reports(args, result)
+    print(result.summary(), flush=True)
+    return 0 if result.ok else 1
+
+
+def _write_reports(args, result) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_json(), f, indent=2)
     if args.junit_xml:
         with open(args.junit_xml, "w") as f:
             f.write(result.junit_xml())
-    print(result.summary(), flush=True)
-    return 0 if result.ok else 1
