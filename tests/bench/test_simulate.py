@@ -56,9 +56,10 @@ def test_drawn_words_match_a_direct_count():
     for routing in sim.ROUTINGS:
         rng = np.random.default_rng(7)
         w = sim.expert_weights(E, routing, 1.5, rng)
-        idx = sim.sample_routing(rng, R * T, E, K, routing, w)
+        idx = sim.sample_routing(rng, R * T, E, K, routing, w, nodes=2, nodes_per_token=1)
         want = transport.count_words([idx[r * T:(r + 1) * T] for r in range(R)], R, E)
-        got = sim.draw_count_words(R, E, K, T, routing, skew=1.5, seed=7)
+        got = sim.draw_count_words(R, E, K, T, routing, skew=1.5, seed=7, ranks_per_node=2,
+                                   nodes_per_token=1)
         np.testing.assert_array_equal(got, want)
 
 
@@ -67,7 +68,8 @@ def test_sampled_routing_is_valid(routing):
     rng = np.random.default_rng(3)
     E, K, n = 12, 5, 4000
     w = sim.expert_weights(E, routing, 2.0, rng)
-    idx = sim.sample_routing(rng, n, E, K, routing, w, hot_expert=0, hot_fraction=0.3)
+    idx = sim.sample_routing(rng, n, E, K, routing, w, hot_expert=0, hot_fraction=0.3,
+                             nodes=3, nodes_per_token=2)
     assert idx.shape == (n, K) and idx.min() >= 0 and idx.max() < E
     s = np.sort(idx, axis=1)
     assert (s[:, 1:] != s[:, :-1]).all()          # distinct experts per token
@@ -77,6 +79,45 @@ def test_sampled_routing_is_valid(routing):
     if routing == "zipf":                          # first pick follows the weights
         freq = np.bincount(idx[:, 0], minlength=E) / n
         np.testing.assert_allclose(freq, w / w.sum(), atol=0.03)
+
+
+@pytest.mark.parametrize("nodes, per_node, M, K", [(8, 32, 4, 8), (4, 2, 2, 4), (4, 3, 1, 3),
+                                                   (2, 4, 2, 8)])
+def test_grouped_routing_stays_on_m_nodes(nodes, per_node, M, K):
+    """At most M nodes per token, K distinct experts; every node and every expert of a node
+    drawn alike (uniform over nodes, then over the chosen nodes' experts); K = M * per_node
+    takes every expert of the M nodes."""
+    rng = np.random.default_rng(11)
+    n, E = 20000, nodes * per_node
+    idx = sim.sample_grouped(rng, n, E, K, nodes, M)
+    assert idx.shape == (n, K) and idx.min() >= 0 and idx.max() < E
+    s = np.sort(idx, axis=1)
+    assert (s[:, 1:] != s[:, :-1]).all()
+    node = idx // per_node
+    visited = np.array([len(set(r)) for r in node.tolist()])
+    assert visited.max() <= M
+    if K == M * per_node:
+        assert (visited == M).all()
+    # a node is among a token's M with probability M / nodes; an expert is then taken with
+    # probability K / (M * per_node): each expert's frequency is K / E per token
+    # (5 standard deviations of a count of about n K / E)
+    np.testing.assert_allclose(np.bincount(idx.ravel(), minlength=E) / n, K / E,
+                               rtol=5 / np.sqrt(n * K / E))
+    chosen = np.bincount(np.concatenate([list(set(r)) for r in node.tolist()]), minlength=nodes)
+    if K == M * per_node:                           # every drawn node gets slots: uniform nodes
+        np.testing.assert_allclose(chosen / n, M / nodes, rtol=5 / np.sqrt(n * M / nodes))
+    with pytest.raises(ValueError, match="grouped"):
+        sim.sample_grouped(rng, 4, E, M * per_node + 1, nodes, M)
+
+
+def test_grouped_parser_checks():
+    with pytest.raises(SystemExit):
+        sim.parse_args(["--ranks", "8", "--experts", "16", "--ranks-per-node", "3"])
+    with pytest.raises(SystemExit):            # 2 nodes of 8 experts: 1 node cannot give top-9
+        sim.parse_args(["--ranks", "8", "--experts", "16", "--ranks-per-node", "4", "--topk", "9",
+                        "--routing", "grouped", "--nodes-per-token", "1"])
+    sim.parse_args(["--ranks", "8", "--experts", "16", "--ranks-per-node", "4", "--topk", "8",
+                    "--routing", "grouped", "--nodes-per-token", "1"])
 
 
 def test_successive_sampling_second_pick():
@@ -96,6 +137,42 @@ def test_bandwidth_model():
     # rank 0: intra out 100 B at 1000 B/s, inter out 40 B at 100 B/s -> max(0.1, 0.4)
     np.testing.assert_allclose(t_r, [0.4, 0.1, 0.4])
     assert t == pytest.approx(0.4 + 1e-5)
+    t_intra, t_inter = sim.tier_seconds(B, 2, 1e-6, 1e-7)
+    np.testing.assert_allclose(t_intra, [0.1, 0.1, 0.0])
+    np.testing.assert_allclose(t_inter, [0.4, 0.0, 0.4])
+    # two exchanges in sequence (hier's stages): their times add, each tier on its own too
+    p = sim.price([B, B.T], 2, 1e-6, 1e-7, latency_us=10)
+    assert p["predicted_ms"] == pytest.approx(2 * (400 + 0.01))
+    assert p["intra_ms"] == pytest.approx(200) and p["inter_ms"] == pytest.approx(800)
+
+
+def test_byte_split_by_tier():
+    rng = np.random.default_rng(2)
+    B = rng.integers(0, 1000, size=(8, 8))
+    for g in (1, 2, 4, 8):
+        s = sim.byte_stats(B, g)
+        assert s["intra_node_bytes"] + s["inter_node_bytes"] == s["total_bytes"]
+        assert s["total_bytes"] == B.sum() - np.trace(B)            # the local copy left out
+        want_intra = sum(B[a, b] for a in range(8) for b in range(8) if a != b and a // g == b // g)
+        assert s["intra_node_bytes"] == want_intra
+    assert sim.byte_stats(B, 8)["inter_node_bytes"] == 0                # one node: nothing crosses
+    assert sim.byte_stats(B, 1)["intra_node_bytes"] == 0                # one rank a node
+
+
+@pytest.mark.parametrize("routing", ["uniform", "grouped"])
+def test_report_splits_bytes_by_tier(routing):
+    args = sim.parse_args(["--ranks", "8", "--experts", "32", "--tokens", "32", "--hidden", "16",
+                           "--ranks-per-node", "4", "--routing", routing, "--nodes-per-token", "1",
+                           "--capacity-factor", "1.25"])
+    res = sim.simulate(args)
+    for tr, d in res["transports"].items():
+        for ph, s in d.items():
+            assert s["intra_node_bytes"] + s["inter_node_bytes"] == s["total_bytes"] > 0
+            assert s["predicted_ms"] >= max(s["intra_ms"], s["inter_ms"]) > 0
+    one = sim.simulate(sim.parse_args(["--ranks", "8", "--experts", "32", "--tokens", "32",
+                                       "--hidden", "16", "--ranks-per-node", "8"]))
+    assert all(s["inter_node_bytes"] == 0 for d in one["transports"].values() for s in d.values())
+    assert "inter GB" in sim.report(res)
 
 
 def test_main_writes_json_and_heatmap(tmp_path, capsys):
