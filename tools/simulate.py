@@ -8,7 +8,12 @@ and hands them to the reference's own plan and byte accounting
 (``reference.transport.plan``, ``dispatch_bytes_of``, ``combine_bytes_of``: the functions behind
 ``epkit.reference.dispatch_bytes`` / ``combine_bytes``). It prints, for pairs and dedup, the
 bytes each rank sends (max and mean), expert load imbalance, the slots a capacity factor drops,
-and a predicted dispatch and combine time from the bandwidth model below.
+and a predicted dispatch and combine time from the bandwidth model below. For the hier
+transport, whose counts need each token's kept slots per rank and node (not in the count
+words), it also keeps, per source rank, ``reference.hier.NodeCounts`` (tokens with one / two or
+more kept slots per rank and per node, kept slots per rank), vectorized and equal to
+``reference.hier.node_counts``, and asks ``reference.hier.plan``, ``dispatch_bytes_of`` and
+``combine_bytes_of`` for its two stages' bytes.
 
 Routing (every token names ``K`` distinct experts):
     uniform   every expert alike
@@ -58,10 +63,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from epkit.reference import hier
 from epkit.reference.common import FLOAT_DTYPES, Group
 from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
 
 ROUTINGS = ("uniform", "zipf", "hot", "grouped")
+TRANSPORTS = ("pairs", "dedup", "hier")
 _MAX_SLOTS_PER_BLOCK = 1 << 22  # routing drawn at most ~4M slots at a time (memory bound)
 
 
@@ -203,6 +210,74 @@ def draw_count_words(R: int, E: int, K: int, T: int, routing: str = "uniform", s
     return words
 
 
+def kept_block(idx: np.ndarray, before: np.ndarray, capacity: Optional[int]) -> np.ndarray:
+    """The kept mask ``[n, K] bool`` of consecutive ranks' routing (rows in (rank, token)
+    order), given ``before [E]``, the used slots of every expert on the ranks before them, which
+    it advances: a slot is kept iff the used slots to its expert before it, in (rank, token)
+    order, are fewer than ``capacity`` (reference.capacity)."""
+    used = idx >= 0
+    e = idx[used]
+    if capacity is None:
+        np.add.at(before, e, 1)
+        return used
+    order = np.argsort(e, kind="stable")          # slots of one expert stay in (rank, token) order
+    first = np.searchsorted(e[order], e[order], side="left")
+    place = np.empty(len(e), np.int64)
+    place[order] = np.arange(len(e)) - first
+    kept = np.zeros(idx.shape, bool)
+    kept[used] = before[e] + place < capacity
+    before += np.bincount(e, minlength=len(before))
+    return kept
+
+
+def _repeats(col: np.ndarray):
+    """Per slot of ``col [n, K]`` (-1: none): (first of its value in the row, second of it)."""
+    seen = np.zeros(col.shape, np.int64)
+    for k in range(1, col.shape[1]):
+        seen[:, k] = (col[:, :k] == col[:, k:k + 1]).sum(axis=1)
+    valid = col >= 0
+    return valid & (seen == 0), valid & (seen == 1)
+
+
+def node_counts_block(idx: np.ndarray, kept: np.ndarray, tokens: Sequence[int], R: int, E: int,
+                      G: int) -> dict:
+    """``reference.hier.NodeCounts``'s rows of consecutive ranks, vectorized: a dict of
+    ``[len(tokens), R]`` / ``[len(tokens), R / G]`` int64 arrays."""
+    n_ranks, L, N = len(tokens), E // R, R // G
+    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))[:, None]
+    dest = np.where(kept, idx // L, -1)
+    node = np.where(kept, dest // G, -1)
+    out = {}
+    for name, col, width in (("", dest, R), ("node_", node, N)):
+        first, second = _repeats(col)
+        key = owner * width + col
+        count = lambda m: np.bincount(key[m], minlength=n_ranks * width).reshape(n_ranks, width)
+        out[name + "tokens"], out[name + "multi"] = count(first), count(second)
+        if not name:
+            out["slots"] = count(col >= 0)
+    return out
+
+
+def draw_counts(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: float = 1.2,
+                hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0,
+                ranks_per_node: int = 1, nodes_per_token: int = 1,
+                capacity: Optional[int] = None):
+    """The draw of :func:`draw_count_words`, keeping the count words and the group's
+    ``hier.NodeCounts`` under ``capacity`` (nodes of ``ranks_per_node``)."""
+    G, N = ranks_per_node, R // ranks_per_node
+    words = np.empty((R, E + R), np.int64)
+    parts = {k: np.empty((R, w), np.int64) for k, w in (("tokens", R), ("multi", R), ("slots", R),
+                                                         ("node_tokens", N), ("node_multi", N))}
+    before = np.zeros(E, np.int64)
+    for s0, n, idx in routing_blocks(R, E, K, T, routing, skew, hot_expert, hot_fraction, seed,
+                                     ranks_per_node, nodes_per_token):
+        words[s0:s0 + n] = count_words_block(idx, [T] * n, R, E)
+        kept = kept_block(idx, before, capacity)
+        for k, v in node_counts_block(idx, kept, [T] * n, R, E, G).items():
+            parts[k][s0:s0 + n] = v
+    return words, hier.NodeCounts(**parts)
+
+
 def routing_blocks(R: int, E: int, K: int, T: int, routing: str, skew: float, hot_expert: int,
                    hot_fraction: float, seed: int, ranks_per_node: int, nodes_per_token: int):
     """Yield ``(first rank, ranks, routing [ranks * T, K] int64)``, ranks ascending, about 4 M
@@ -228,12 +303,18 @@ def traffic(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16", transpo
 
 
 def traffic_stages(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16",
-                   transport="dedup", exchange="ragged", capacity: Optional[int] = None) -> dict:
+                   transport="dedup", exchange="ragged", capacity: Optional[int] = None,
+                   ranks_per_node: int = 1, node_counts: Optional[hier.NodeCounts] = None) -> dict:
     """``{"dispatch": [B...], "combine": [B...]}``: each pass's exchanges in the order they run,
-    each an [R, R] int64 byte matrix (pairs, dedup: one exchange a pass)."""
+    each an [R, R] int64 byte matrix (pairs, dedup: one exchange a pass; hier: stage 1 then
+    stage 2, and back, from ``node_counts``)."""
     R = words.shape[0]
     dtype = _dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None)
+    group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None, ranks_per_node)
+    if transport == "hier":
+        p = hier.plan(group, node_counts)
+        return {"dispatch": hier.dispatch_bytes_of(group, p),
+                "combine": hier.combine_bytes_of(group, p)}
     p = plan(group, words)
     return {"dispatch": [dispatch_bytes_of(group, p)], "combine": [combine_bytes_of(group, p)]}
 
@@ -315,15 +396,15 @@ def simulate(args) -> dict:
     """Everything ``epkit simulate`` reports, as a dict (see :func:`main`)."""
     R, E, K, T, H = args.ranks, args.experts, args.topk, args.tokens, args.hidden
     t0 = time.perf_counter()
-    words = draw_count_words(R, E, K, T, args.routing, args.skew, args.hot_expert,
-                             args.hot_fraction, args.seed, args.ranks_per_node,
-                             args.nodes_per_token)
-    t_draw = time.perf_counter() - t0
-    counts = words[:, :E]
-    load = counts.sum(axis=0)
     capacity = None
     if args.capacity_factor is not None:
         capacity = int(math.ceil(args.capacity_factor * R * T * K / E))
+    words, nodes = draw_counts(R, E, K, T, args.routing, args.skew, args.hot_expert,
+                               args.hot_fraction, args.seed, args.ranks_per_node,
+                               args.nodes_per_token, capacity)
+    t_draw = time.perf_counter() - t0
+    counts = words[:, :E]
+    load = counts.sum(axis=0)
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
            "capacity": capacity,
            "expert_load": {"max": int(load.max()), "mean": float(load.mean()),
@@ -336,8 +417,9 @@ def simulate(args) -> dict:
                             float(rank_load.max() / max(rank_load.mean(), 1e-12))}
     used = int(counts.sum())
     mats = {}
-    for tr in ("pairs", "dedup"):
-        stages = traffic_stages(words, E, K, H, args.dtype, tr, args.exchange, capacity)
+    for tr in TRANSPORTS:
+        stages = traffic_stages(words, E, K, H, args.dtype, tr, args.exchange, capacity,
+                                args.ranks_per_node, nodes)
         mats[tr] = sum(stages["dispatch"])
         out["transports"][tr] = {ph: _pass(stages[ph], args) for ph in ("dispatch", "combine")}
     if capacity is not None:
@@ -540,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the routing")
     ap.add_argument("--json", metavar="PATH", help="write the report's figures here")
     ap.add_argument("--plot", metavar="PATH", help="PNG heatmap of the rank x rank dispatch bytes")
-    ap.add_argument("--plot-transport", choices=["dedup", "pairs"], default="dedup",
+    ap.add_argument("--plot-transport", choices=list(TRANSPORTS), default="dedup",
                     help="whose dispatch bytes --plot shows")
     return ap
 
