@@ -12,6 +12,7 @@ spec in prose; each module's docstring states its part exactly:
     arith.py       (exact float32 arithmetic shared by combine and the backward passes)
     exchange.py    exchange                  the all-to-all variants on raw row bytes
     transport.py   dispatch_bytes, combine_bytes; pairs / dedup carried out for real
+    hier.py        the node-aware transport (two stages), carried out for real
     mxfp8.py       quantize_mxfp8, dequantize_mxfp8
     validate.py    the checks, and which rank an InputError names
     fast.py        the same operations vectorized for scale (``epkit.reference.fast``)

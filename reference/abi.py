@@ -69,6 +69,10 @@ PAIRS_META_BYTES = 4 * len(PAIRS_META)
 DEDUP_TOKEN_META = ("t", "n")      # int32 t, int32 n (kept slots on this rank) after the payload
 DEDUP_TOKEN_META_BYTES = 4 * len(DEDUP_TOKEN_META)
 SLOT_ROW_BYTES = 8                 # int32 (k << 24 | j), float32 w
+# hier (reference only so far): its inter-node rows are dedup's token and slot rows (the slot's
+# j the expert's id on the node); its intra-node token rows name the source rank too
+HIER_TOKEN_META = ("s", "t", "n")  # int32 s, int32 t, int32 n (kept slots on this rank)
+HIER_TOKEN_META_BYTES = 4 * len(HIER_TOKEN_META)
 SLOT_K_SHIFT = 24                  # k: the top 8 bits (decoded unsigned), j: the low 24
 DEDUP_MAX_TOPK = 255               # k < 2**8 (the spec's limit: K <= 255)
 DEDUP_MAX_LOCAL = 1 << SLOT_K_SHIFT  # j < 2**24

@@ -6,6 +6,9 @@ Every operation is float32 and rounded on its own (NumPy never fuses a multiply 
                   k ascending; each c * y one float32 multiply, each + one float32 add, with y
                   widened to float32 first (exact for bfloat16)
     total_sum     out(t) = (((+0.0 + P_0) + P_1) + ...)                over d = 0..R-1 ascending
+    grouped_total_sum  with ``ranks_per_node = G > 1``: out(t) = +0.0 + N_0 + N_1 + ... over
+                  nodes ascending, N_n = +0.0 + P_{nG} + ... + P_{nG+G-1} (the node partial);
+                  for G = 1 bitwise equal to total_sum
     cast          to x's dtype, round to nearest even (ml_dtypes)
 
 Skipping a rank that holds none of t's slots (its P_d is +0.0) cannot change a bit: a sum that
@@ -44,6 +47,29 @@ def total_sum(partials: Iterable[np.ndarray], hidden: int) -> np.ndarray:
     for p in partials:
         acc = acc + p
     return acc
+
+
+def grouped_total_sum(partials: Iterable[Tuple[int, np.ndarray]], ranks_per_node: int,
+                      hidden: int) -> np.ndarray:
+    """The total over nodes: ``out(t) = +0.0 + N_0 + N_1 + ...`` over nodes ``n`` ascending, with
+    the node partial ``N_n = +0.0 + P_{nG} + P_{nG+1} + ...`` over node n's ranks ascending
+    (``G = ranks_per_node``; rank d is on node ``d // G``), every sum float32, left to right.
+
+    Args: partials: ``(d, P_d)`` pairs, d strictly ascending, P_d [H] float32; a rank left out
+    counts as ``P_d = +0.0`` and a node with none as ``N_n = +0.0`` (exact: adding +0.0 to a sum
+    that started at +0.0 changes no bit). Returns: [H] float32.
+
+    With ``G = 1`` this is :func:`total_sum` bit for bit: ``N_d = +0.0 + P_d`` differs from P_d
+    only for ``P_d = -0.0`` (it becomes +0.0), and the running total, which starts at +0.0 and
+    is never -0.0, is unchanged by adding either zero.
+    """
+    nodes: dict = {}
+    last = -1
+    for d, p in partials:
+        assert d > last, "partials in ascending rank order"
+        last = d
+        nodes.setdefault(d // ranks_per_node, []).append(p)
+    return total_sum((total_sum(ps, hidden) for _, ps in sorted(nodes.items())), hidden)
 
 
 def scaled(c, g: np.ndarray, dtype) -> np.ndarray:

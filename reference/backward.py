@@ -43,7 +43,10 @@ def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[Dispat
     """
     check_results(res)
     gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
-    if res[0].wire is not None:
+    if res[0].transport == "hier":
+        from . import hier
+        sums, _ = hier.reduce_back(res, gs, weighted=False)
+    elif res[0].wire is not None:
         sums, _ = transport.reduce_back(res, gs, weighted=False)
     else:
         sums = ordered_sums(gs, res, weighted=False)
@@ -67,6 +70,10 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
     check_results(res)
     gs = check_rows(grad_outs, [(r.num_tokens, r.hidden) for r in res], grad=True)
     ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
+    if res[0].transport == "hier":
+        from . import hier
+        gys, gws, _ = hier.combine_backward(res, gs, ys, weighted)
+        return gys, gws
     if res[0].wire is not None:
         gys, gws, _ = transport.combine_backward(res, gs, ys, weighted)
         return gys, gws

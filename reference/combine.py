@@ -4,12 +4,15 @@ Input on rank ``d``: ``expert_y [M_d, H]`` (float32 or bfloat16, one dtype for t
 d's expert-major layout; padding rows are ignored whatever they hold, NaN included. Output on
 rank ``r``, ``[T_r, H]`` in x's dtype:
 
-    out_r[t] = sum over d = 0..R-1 ascending of P_d(t)
+    out_r[t] = sum over nodes n ascending of N_n(t)                  (ranks_per_node = G)
+    N_n(t)   = sum over d = nG .. nG + G - 1 ascending of P_d(t)      (the node partial)
     P_d(t)   = sum over k = 0..K-1 ascending, slot (r, t, k) kept and living on d, of c_k * y(r, t, k)
     c_k      = row_weight of the slot's row (= topk_weights_r[t, k]) when weighted, else 1
 
 with the arithmetic of arith.py (float32, one rounding per multiply and per add, sums from
-+0.0, cast to x's dtype with round-to-nearest-even). A token with no kept slot gets +0.0.
++0.0, cast to x's dtype with round-to-nearest-even). A token with no kept slot gets +0.0. With
+G = 1 (the default) N_d = +0.0 + P_d, and the order is bitwise the rank-by-rank sum
+``sum over d ascending of P_d(t)`` (arith.grouped_total_sum says why).
 
 Results of a transport run (``dispatch(..., transport=...)``) are combined through the same
 transport and exchange (transport.reduce_back); the bytes are the same.
@@ -22,7 +25,7 @@ from typing import List, Sequence
 import numpy as np
 
 from . import transport
-from .arith import partial_sum, total_sum
+from .arith import grouped_total_sum, partial_sum
 from .common import DispatchResult
 from .validate import check_results, check_rows
 
@@ -46,15 +49,15 @@ def ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weight
     for r in range(len(res)):
         out = np.zeros((res[r].num_tokens, H), np.float32)
         for t in range(res[r].num_tokens):
-            partials = []
+            partials = []                                   # (d, P_d(t)), d ascending
             for d in range(len(res)):
                 terms = []
                 for k in range(K):
                     if where.get((r, t, k), (None,))[0] == d:
                         m = where[r, t, k][1]
                         terms.append((res[d].row_weight[m] if weighted else 1, ys[d][m]))
-                partials.append(partial_sum(terms, H))
-            out[t] = total_sum(partials, H)
+                partials.append((d, partial_sum(terms, H)))
+            out[t] = grouped_total_sum(partials, res[0].ranks_per_node, H)
         outs.append(out)
     return outs
 
@@ -72,7 +75,10 @@ def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weig
     """
     check_results(res)
     ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    if res[0].wire is not None:
+    if res[0].transport == "hier":
+        from . import hier
+        sums, _ = hier.reduce_back(res, ys, weighted)
+    elif res[0].wire is not None:
         sums, _ = transport.reduce_back(res, ys, weighted)
     else:
         sums = ordered_sums(ys, res, weighted)

@@ -32,7 +32,7 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
 
 # Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
-TRANSPORTS = ("pairs", "dedup")
+TRANSPORTS = ("pairs", "dedup", "hier")   # hier: reference only (hier.py)
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 PAYLOADS = ("mxfp8",)
 
@@ -127,6 +127,8 @@ class DispatchResult:
     recv_src: Optional[np.ndarray] = None
     bytes_sent: Optional[np.ndarray] = None
     max_tokens_per_rank: Optional[int] = None
+    # The nodes of the combine's summation order (arith.grouped_total_sum); 1: rank by rank.
+    ranks_per_node: int = 1
     # What a simulated transport keeps between dispatch and combine (transport.py); None for
     # canonical runs and for the vectorized tier.
     wire: Any = field(default=None, repr=False)
@@ -155,6 +157,7 @@ class Group:
     transport: Optional[str] = None
     exchange: Optional[str] = None
     max_tokens_per_rank: Optional[int] = None
+    ranks_per_node: int = 1     # nodes of the summation order (and of the hier transport)
 
     @property
     def num_local_experts(self) -> int:
@@ -176,6 +179,7 @@ class Group:
             topk=self.topk, num_tokens=int(topk_idx.shape[0]), x_dtype=self.x_dtype, align=self.align,
             capacity=self.capacity, payload=self.payload, transport=self.transport,
             exchange=self.exchange, max_tokens_per_rank=self.max_tokens_per_rank,
+            ranks_per_node=self.ranks_per_node,
             topk_idx=topk_idx, topk_weights=topk_weights, kept=kept, **arrays)
 
 

@@ -38,17 +38,19 @@ from .validate import check_dispatch
 
 
 def prepare(xs, topk_idx, topk_weights, num_experts, align, capacity, transport, exchange,
-            payload, max_tokens_per_rank):
+            payload, max_tokens_per_rank, ranks_per_node=1):
     """Validate, and fix the group's facts and the kept mask (shared by both tiers)."""
     transport, exchange = resolve_options(transport, exchange)
     xs, idx, ws = check_dispatch(xs, topk_idx, topk_weights, num_experts=num_experts, align=align,
                                  capacity=capacity, transport=transport, exchange=exchange,
-                                 payload=payload, max_tokens_per_rank=max_tokens_per_rank)
+                                 payload=payload, max_tokens_per_rank=max_tokens_per_rank,
+                                 ranks_per_node=ranks_per_node)
     group = Group(num_ranks=len(xs), num_experts=int(num_experts), hidden=xs[0].shape[1],
                   topk=idx[0].shape[1], x_dtype=xs[0].dtype, align=int(align),
                   capacity=None if capacity is None else int(capacity), payload=payload,
                   transport=transport, exchange=exchange,
-                  max_tokens_per_rank=None if max_tokens_per_rank is None else int(max_tokens_per_rank))
+                  max_tokens_per_rank=None if max_tokens_per_rank is None else int(max_tokens_per_rank),
+                  ranks_per_node=int(ranks_per_node))
     return group, xs, idx, ws
 
 
@@ -56,8 +58,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
              topk_weights: Sequence[np.ndarray], num_experts: int, align: int = 1,
              capacity: Optional[int] = None, transport: Optional[str] = None,
              exchange: Optional[str] = None, payload: Optional[str] = None,
-             rank_major: bool = False, max_tokens_per_rank: Optional[int] = None
-             ) -> List[DispatchResult]:
+             rank_major: bool = False, max_tokens_per_rank: Optional[int] = None,
+             ranks_per_node: int = 1) -> List[DispatchResult]:
     """Dispatch a whole group's tokens to their experts.
 
     Args:
@@ -68,18 +70,25 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
         align: pad each expert's segment to a multiple of this (>= 1).
         capacity: keep at most this many slots per expert (capacity.py), None = all.
         transport: None (with exchange None) = the canonical computation; "pairs" or "dedup" =
-            carried out through the simulated transport (transport.py).
+            carried out through the simulated transport (transport.py); "hier" through the
+            node-aware one (hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
             uniform, else ragged).
         payload: None or "mxfp8".
         rank_major: also return the rank-major fields.
         max_tokens_per_rank: the static exchange's bound on T_r.
+        ranks_per_node: G, a divisor of R: ranks ``nG .. nG + G - 1`` are node n. It fixes the
+            combine's summation order (combine.py; 1, the default: rank by rank) and the hier
+            transport's nodes; the dispatch's arrays do not depend on it.
     Returns:
         R ``DispatchResult`` (common.py), one per destination rank.
     """
     group, xs, idx, ws = prepare(xs, topk_idx, topk_weights, num_experts, align, capacity,
-                                 transport, exchange, payload, max_tokens_per_rank)
+                                 transport, exchange, payload, max_tokens_per_rank, ranks_per_node)
     kept = kept_mask(idx, group.num_experts, group.capacity)
+    if group.transport == "hier":
+        from . import hier
+        return hier.dispatch(group, xs, idx, ws, kept, rank_major)
     if group.transport is not None:
         return transport_mod.dispatch(group, xs, idx, ws, kept, rank_major)
     return canonical(group, xs, idx, ws, kept, rank_major)

@@ -111,6 +111,7 @@ class Reason(enum.IntEnum):
     CALL_FLAGS_MISMATCH = 54   # a: this rank's call flags (CALL_FLAGS), b: rank 0's
     BAD_ARGUMENT = 55          # a: argument id (ARGUMENTS; 0: an option) that raised when read
     BAD_GROUP = 56             # (no details)
+    RANKS_PER_NODE = 57        # a: ranks_per_node, b: group size
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -239,6 +240,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
                                     f"{_flags(b, a)}",
         Reason.BAD_ARGUMENT: f"{ARGUMENTS.get(a, 'an argument or option')} could not be read (it raised on "
                              "this rank: see the exception's cause there)",
+        Reason.RANKS_PER_NODE: f"ranks_per_node must be >= 1 and divide the group size {b}, "
+                               f"got {a}",
         Reason.BAD_GROUP: "group must be a torch.distributed ProcessGroup (or None for the "
                           "default group)",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "

@@ -54,7 +54,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from .arith import partial_sum, scaled, total_sum, weight_grad_dot
+from .arith import grouped_total_sum, partial_sum, scaled, weight_grad_dot
 from .capacity import kept_counts
 from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
                      DEDUP_TOKEN_META_BYTES, FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group,
@@ -326,6 +326,7 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
                 part[n] = partial_sum([(c[m], y[m]) for m in slot_rows if m >= 0], H)
             bufs.append(_rows_of(part))
     received, moved = exchange_rows(bufs, p.rows.T, p.variant, p.cap)
+    G = res[0].ranks_per_node           # the summation order's nodes (arith.grouped_total_sum)
     row_dtype = ys[0].dtype if group.transport == "pairs" else FLOAT32
     outs = []
     for s in range(R):
@@ -337,13 +338,15 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
             where = {(d, t, k): got[d][i] for d in range(R) for i, (t, k) in enumerate(send[d])}
             w = res[s].topk_weights
             for t in range(T):
-                out[t] = total_sum([partial_sum([(w[t, k] if weighted else 1, where[d, t, k])
-                                                 for k in range(K) if (d, t, k) in where], H)
-                                    for d in range(R)], H)
+                out[t] = grouped_total_sum(
+                    [(d, partial_sum([(w[t, k] if weighted else 1, where[d, t, k])
+                                      for k in range(K) if (d, t, k) in where], H))
+                     for d in range(R)], G, H)
         else:
             where = {(d, t): got[d][i] for d in range(R) for i, t in enumerate(send[d])}
             for t in range(T):
-                out[t] = total_sum([where[d, t] for d in range(R) if (d, t) in where], H)
+                out[t] = grouped_total_sum([(d, where[d, t]) for d in range(R) if (d, t) in where],
+                                           G, H)
         outs.append(out)
     return outs, moved
 

@@ -13,7 +13,8 @@ Order of the checks on one rank (the first failing one is reported):
 
 1. options, identical on every rank, so always reported for rank 0: ``align >= 1``,
    ``capacity >= 0``, ``num_experts >= 1``, ``num_experts % R == 0``, transport, exchange,
-   payload names (``OPTION``, ``b = -1``), ``max_tokens_per_rank >= 0`` under the static exchange;
+   payload names (``OPTION``, ``b = -1``), ``max_tokens_per_rank >= 0`` under the static exchange,
+   ``ranks_per_node`` a divisor of ``R`` (``RANKS_PER_NODE``);
 2. dtypes: x float32 or bfloat16; topk_idx an integer dtype (not bool); topk_weights float32;
 3. shapes: x 2-D; topk_idx 2-D; topk_idx rows == x rows; topk_weights 2-D; its shape == topk_idx's;
 4. index range: the first entry, in row-major order, outside ``[-1, E)`` (``a`` = the entry);
@@ -46,7 +47,7 @@ HEADER_WORDS = 8
 
 
 def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exchange=None,
-                   payload=None, max_tokens_per_rank=None) -> Triple:
+                   payload=None, max_tokens_per_rank=None, ranks_per_node=1) -> Triple:
     if not 1 <= int(align) <= MAX_ALIGN:
         return (Reason.ALIGN, int(align), 0)
     if capacity is not None and not 0 <= int(capacity) <= MAX_CAPACITY:
@@ -64,6 +65,8 @@ def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exch
     if exchange == "static" and (max_tokens_per_rank is None
                                  or not 0 <= int(max_tokens_per_rank) <= MAX_TOKENS):
         return (Reason.STATIC_MAX, -1 if max_tokens_per_rank is None else int(max_tokens_per_rank), 0)
+    if not 1 <= int(ranks_per_node) <= num_ranks or num_ranks % int(ranks_per_node):
+        return (Reason.RANKS_PER_NODE, int(ranks_per_node), num_ranks)
     return OK
 
 
@@ -164,14 +167,16 @@ def group_error(headers: np.ndarray) -> Optional[InputError]:
 
 
 def check_dispatch(xs, topk_idx, topk_weights, *, num_experts, align=1, capacity=None,
-                   transport=None, exchange=None, payload=None, max_tokens_per_rank=None):
+                   transport=None, exchange=None, payload=None, max_tokens_per_rank=None,
+                   ranks_per_node=1):
     """Validate a whole group's dispatch inputs; return ``(xs, idx, ws)`` as NumPy arrays with
     ``idx`` widened to int64. Raises the ``InputError`` every rank would raise."""
     R = len(xs)
     if not (len(topk_idx) == len(topk_weights) == R):
         raise ValueError("epkit.reference: xs, topk_idx and topk_weights need one entry per rank")
     check_options(R, align=align, capacity=capacity, num_experts=num_experts, transport=transport,
-                  exchange=exchange, payload=payload, max_tokens_per_rank=max_tokens_per_rank)
+                  exchange=exchange, payload=payload, max_tokens_per_rank=max_tokens_per_rank,
+                  ranks_per_node=ranks_per_node)
     xs = [np.asarray(x) for x in xs]
     idx = [np.asarray(i) for i in topk_idx]
     ws = [np.asarray(w) for w in topk_weights]

@@ -8,7 +8,12 @@ and hands them to the reference's own plan and byte accounting
 (``reference.transport.plan``, ``dispatch_bytes_of``, ``combine_bytes_of``: the functions behind
 ``epkit.reference.dispatch_bytes`` / ``combine_bytes``). It prints, for pairs and dedup, the
 bytes each rank sends (max and mean), expert load imbalance, the slots a capacity factor drops,
-and a predicted dispatch and combine time from the bandwidth model below.
+and a predicted dispatch and combine time from the bandwidth model below. For the hier
+transport, whose counts need each token's kept slots per rank and node (not in the count
+words), it also keeps, per source rank, ``reference.hier.NodeCounts`` (tokens with one / two or
+more kept slots per rank and per node, kept slots per rank), vectorized and equal to
+``reference.hier.node_counts``, and asks ``reference.hier.plan``, ``dispatch_bytes_of`` and
+``combine_bytes_of`` for its two stages' bytes.
 
 Routing (every token names ``K`` distinct experts):
     uniform   every expert alike
@@ -18,14 +23,30 @@ Routing (every token names ``K`` distinct experts):
               proportion to the weights of those not yet taken
     hot       one hot expert (``--hot-expert``) is named by a fraction ``--hot-fraction`` of the
               tokens; every other slot is uniform over the other experts
+    grouped   node-limited (DeepSeek-V3 style): a node is ``--ranks-per-node`` ranks, so
+              ``E * ranks_per_node / R`` experts; each token draws ``M = --nodes-per-token``
+              distinct nodes uniformly without replacement, then its ``K`` experts uniformly
+              without replacement among the ``M * E * ranks_per_node / R`` experts of those
+              nodes (so a token reaches at most ``M`` nodes; a drawn node may get none of the K,
+              as when DeepSeek-V3 picks its nodes before its experts)
+
+Bytes, split by tier: a pair ``s -> d`` is intra-node when ``s // ranks_per_node == d //
+ranks_per_node``, else inter-node. The diagonal ``s == d`` (a local copy) is excluded from
+``total_bytes``, ``intra_node_bytes`` and ``inter_node_bytes`` alike, so
+``intra_node_bytes + inter_node_bytes == total_bytes`` (whole group, per transport and pass).
 
 Bandwidth model (documented in docs/benchmarks.md): ranks sit ``--ranks-per-node`` to a node.
 Each rank has an intra-node link of ``--intra-gbps`` and an inter-node link of ``--inter-gbps``
 (GB/s, each direction, full duplex), used at the same time. For an exchange with byte matrix
 ``B[s, d]`` (the diagonal, a local copy, costs nothing), rank ``r`` needs
-``t_r = max(max(intra_out_r, intra_in_r) / intra, max(inter_out_r, inter_in_r) / inter)`` and the
-exchange ends with the slowest rank: ``t = latency + max_r t_r``. An all-to-all's duration
-under ideal scheduling; congestion, incast and message rate are not modelled.
+``t_intra_r = max(intra_out_r, intra_in_r) / intra`` on its intra-node link and
+``t_inter_r = max(inter_out_r, inter_in_r) / inter`` on its inter-node link; the two tiers run
+concurrently, so ``t_r = max(t_intra_r, t_inter_r)``, and the exchange ends with the slowest
+rank: ``t = latency + max_r t_r``. The report gives each tier's own time too (``intra_ms =
+max_r t_intra_r``, ``inter_ms = max_r t_inter_r``). A pass of several stages that depend on
+each other (hier: the inter-node stage, then the intra-node one) costs the sum of its stages'
+times, each with its latency (no pipelining between the stages is modelled). An all-to-all's
+duration under ideal scheduling; congestion, incast and message rate are not modelled.
 
 Capacity: ``--capacity-factor F`` sets ``C = ceil(F * R * T * K / E)`` slots per expert,
 group-wide (epkit's capacity: the first ``C`` slots in (source rank, token) order are kept).
@@ -42,10 +63,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from epkit.reference import hier
 from epkit.reference.common import FLOAT_DTYPES, Group
 from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
 
-ROUTINGS = ("uniform", "zipf", "hot")
+ROUTINGS = ("uniform", "zipf", "hot", "grouped")
+TRANSPORTS = ("pairs", "dedup", "hier")
 _MAX_SLOTS_PER_BLOCK = 1 << 22  # routing drawn at most ~4M slots at a time (memory bound)
 
 
@@ -63,6 +86,8 @@ def expert_weights(E: int, routing: str, skew: float, rng: np.random.Generator,
         w = np.ones(E)
         w[hot_expert] = 0.0
         return w
+    if routing == "grouped":
+        return None
     raise ValueError(f"epkit simulate: routing must be one of {ROUTINGS}, got {routing!r}")
 
 
@@ -115,10 +140,28 @@ def sample_topk(rng: np.random.Generator, n: int, E: int, K: int,
     return idx
 
 
+def sample_grouped(rng: np.random.Generator, n: int, E: int, K: int, nodes: int,
+                   nodes_per_token: int) -> np.ndarray:
+    """Node-limited routing ``[n, K]`` int64 (module docstring, ``grouped``): ``nodes_per_token``
+    distinct nodes of ``nodes`` uniformly, then ``K`` distinct experts uniformly among theirs.
+    Node ``m`` holds experts ``m * E / nodes`` to ``(m + 1) * E / nodes - 1``."""
+    per_node = E // nodes
+    if not 1 <= nodes_per_token <= nodes or K > nodes_per_token * per_node:
+        raise ValueError(f"epkit simulate: grouped routing needs 1 <= nodes-per-token <= {nodes} "
+                         f"and top-{K} <= nodes-per-token * {per_node} experts per node")
+    chosen = sample_topk(rng, n, nodes, nodes_per_token)           # [n, M] distinct nodes
+    pick = sample_topk(rng, n, nodes_per_token * per_node, K)      # [n, K] into their experts
+    return chosen[np.arange(n)[:, None], pick // per_node] * per_node + pick % per_node
+
+
 def sample_routing(rng: np.random.Generator, n: int, E: int, K: int, routing: str,
                    weights: Optional[np.ndarray], hot_expert: int = 0,
-                   hot_fraction: float = 0.5) -> np.ndarray:
-    """``n`` tokens' routing ``[n, K]`` under ``routing`` (``weights``: :func:`expert_weights`)."""
+                   hot_fraction: float = 0.5, nodes: int = 1,
+                   nodes_per_token: int = 1) -> np.ndarray:
+    """``n`` tokens' routing ``[n, K]`` under ``routing`` (``weights``: :func:`expert_weights`;
+    ``nodes``, ``nodes_per_token``: the grouped routing's)."""
+    if routing == "grouped":
+        return sample_grouped(rng, n, E, K, nodes, nodes_per_token)
     idx = sample_topk(rng, n, E, K, weights)
     if routing == "hot":
         idx[rng.random(n) < hot_fraction, 0] = hot_expert
@@ -156,18 +199,97 @@ def count_words(idx: Sequence[np.ndarray], R: int, E: int) -> np.ndarray:
 
 
 def draw_count_words(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: float = 1.2,
-                     hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0) -> np.ndarray:
+                     hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0,
+                     ranks_per_node: int = 1, nodes_per_token: int = 1) -> np.ndarray:
     """Draw the whole group's routing rank block by rank block; keep only its count words
     ``int64 [R, E + R]`` (the routing itself, ``R * T * K`` slots, is never held at once)."""
-    rng = np.random.default_rng(seed)
-    weights = expert_weights(E, routing, skew, rng, hot_expert)
-    block = max(1, _MAX_SLOTS_PER_BLOCK // max(1, T * K))
     words = np.empty((R, E + R), np.int64)
-    for s0 in range(0, R, block):
-        n = min(block, R - s0)
-        idx = sample_routing(rng, n * T, E, K, routing, weights, hot_expert, hot_fraction)
+    for s0, n, idx in routing_blocks(R, E, K, T, routing, skew, hot_expert, hot_fraction, seed,
+                                     ranks_per_node, nodes_per_token):
         words[s0:s0 + n] = count_words_block(idx, [T] * n, R, E)
     return words
+
+
+def kept_block(idx: np.ndarray, before: np.ndarray, capacity: Optional[int]) -> np.ndarray:
+    """The kept mask ``[n, K] bool`` of consecutive ranks' routing (rows in (rank, token)
+    order), given ``before [E]``, the used slots of every expert on the ranks before them, which
+    it advances: a slot is kept iff the used slots to its expert before it, in (rank, token)
+    order, are fewer than ``capacity`` (reference.capacity)."""
+    used = idx >= 0
+    e = idx[used]
+    if capacity is None:
+        np.add.at(before, e, 1)
+        return used
+    order = np.argsort(e, kind="stable")          # slots of one expert stay in (rank, token) order
+    first = np.searchsorted(e[order], e[order], side="left")
+    place = np.empty(len(e), np.int64)
+    place[order] = np.arange(len(e)) - first
+    kept = np.zeros(idx.shape, bool)
+    kept[used] = before[e] + place < capacity
+    before += np.bincount(e, minlength=len(before))
+    return kept
+
+
+def _repeats(col: np.ndarray):
+    """Per slot of ``col [n, K]`` (-1: none): (first of its value in the row, second of it)."""
+    seen = np.zeros(col.shape, np.int64)
+    for k in range(1, col.shape[1]):
+        seen[:, k] = (col[:, :k] == col[:, k:k + 1]).sum(axis=1)
+    valid = col >= 0
+    return valid & (seen == 0), valid & (seen == 1)
+
+
+def node_counts_block(idx: np.ndarray, kept: np.ndarray, tokens: Sequence[int], R: int, E: int,
+                      G: int) -> dict:
+    """``reference.hier.NodeCounts``'s rows of consecutive ranks, vectorized: a dict of
+    ``[len(tokens), R]`` / ``[len(tokens), R / G]`` int64 arrays."""
+    n_ranks, L, N = len(tokens), E // R, R // G
+    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))[:, None]
+    dest = np.where(kept, idx // L, -1)
+    node = np.where(kept, dest // G, -1)
+    out = {}
+    for name, col, width in (("", dest, R), ("node_", node, N)):
+        first, second = _repeats(col)
+        key = owner * width + col
+        count = lambda m: np.bincount(key[m], minlength=n_ranks * width).reshape(n_ranks, width)
+        out[name + "tokens"], out[name + "multi"] = count(first), count(second)
+        if not name:
+            out["slots"] = count(col >= 0)
+    return out
+
+
+def draw_counts(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: float = 1.2,
+                hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0,
+                ranks_per_node: int = 1, nodes_per_token: int = 1,
+                capacity: Optional[int] = None):
+    """The draw of :func:`draw_count_words`, keeping the count words and the group's
+    ``hier.NodeCounts`` under ``capacity`` (nodes of ``ranks_per_node``)."""
+    G, N = ranks_per_node, R // ranks_per_node
+    words = np.empty((R, E + R), np.int64)
+    parts = {k: np.empty((R, w), np.int64) for k, w in (("tokens", R), ("multi", R), ("slots", R),
+                                                         ("node_tokens", N), ("node_multi", N))}
+    before = np.zeros(E, np.int64)
+    for s0, n, idx in routing_blocks(R, E, K, T, routing, skew, hot_expert, hot_fraction, seed,
+                                     ranks_per_node, nodes_per_token):
+        words[s0:s0 + n] = count_words_block(idx, [T] * n, R, E)
+        kept = kept_block(idx, before, capacity)
+        for k, v in node_counts_block(idx, kept, [T] * n, R, E, G).items():
+            parts[k][s0:s0 + n] = v
+    return words, hier.NodeCounts(**parts)
+
+
+def routing_blocks(R: int, E: int, K: int, T: int, routing: str, skew: float, hot_expert: int,
+                   hot_fraction: float, seed: int, ranks_per_node: int, nodes_per_token: int):
+    """Yield ``(first rank, ranks, routing [ranks * T, K] int64)``, ranks ascending, about 4 M
+    slots at a time: the one seeded draw behind every count the simulator keeps."""
+    rng = np.random.default_rng(seed)
+    weights = expert_weights(E, routing, skew, rng, hot_expert)
+    nodes = R // ranks_per_node if routing == "grouped" else 1
+    block = max(1, _MAX_SLOTS_PER_BLOCK // max(1, T * K))
+    for s0 in range(0, R, block):
+        n = min(block, R - s0)
+        yield s0, n, sample_routing(rng, n * T, E, K, routing, weights, hot_expert, hot_fraction,
+                                    nodes, nodes_per_token)
 
 
 # ---- traffic and the bandwidth model -----------------------------------------------------
@@ -176,11 +298,25 @@ def traffic(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16", transpo
             exchange="ragged", capacity: Optional[int] = None):
     """``(dispatch [R, R], combine [R, R])`` bytes rank s sends rank d, from the count words,
     through the reference's plan and byte accounting."""
+    stages = traffic_stages(words, E, K, H, dtype, transport, exchange, capacity)
+    return sum(stages["dispatch"]), sum(stages["combine"])
+
+
+def traffic_stages(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16",
+                   transport="dedup", exchange="ragged", capacity: Optional[int] = None,
+                   ranks_per_node: int = 1, node_counts: Optional[hier.NodeCounts] = None) -> dict:
+    """``{"dispatch": [B...], "combine": [B...]}``: each pass's exchanges in the order they run,
+    each an [R, R] int64 byte matrix (pairs, dedup: one exchange a pass; hier: stage 1 then
+    stage 2, and back, from ``node_counts``)."""
     R = words.shape[0]
     dtype = _dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None)
+    group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None, ranks_per_node)
+    if transport == "hier":
+        p = hier.plan(group, node_counts)
+        return {"dispatch": hier.dispatch_bytes_of(group, p),
+                "combine": hier.combine_bytes_of(group, p)}
     p = plan(group, words)
-    return dispatch_bytes_of(group, p), combine_bytes_of(group, p)
+    return {"dispatch": [dispatch_bytes_of(group, p)], "combine": [combine_bytes_of(group, p)]}
 
 
 def _dtype(name: str) -> np.dtype:
@@ -190,43 +326,85 @@ def _dtype(name: str) -> np.dtype:
     raise ValueError(f"epkit simulate: dtype must be float32 or bfloat16, got {name!r}")
 
 
-def predict_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
-                    latency_us: float = 0.0):
-    """The bandwidth model of the module docstring: ``(t, per-rank t_r)`` seconds."""
-    R = B.shape[0]
+def same_node(R: int, ranks_per_node: int) -> np.ndarray:
+    """[R, R] bool: ``s // ranks_per_node == d // ranks_per_node`` (the diagonal included)."""
     node = np.arange(R) // max(1, ranks_per_node)
-    same = node[:, None] == node[None, :]
+    return node[:, None] == node[None, :]
+
+
+def split_tiers(B: np.ndarray, ranks_per_node: int):
+    """``(intra [R, R], inter [R, R])`` float64: ``B`` without its diagonal, split by tier."""
+    same = same_node(B.shape[0], ranks_per_node)
     intra = np.where(same, B, 0).astype(np.float64)
     np.fill_diagonal(intra, 0)
-    inter = np.where(same, 0, B).astype(np.float64)
-    t_intra = np.maximum(intra.sum(1), intra.sum(0)) / (intra_gbps * 1e9)
-    t_inter = np.maximum(inter.sum(1), inter.sum(0)) / (inter_gbps * 1e9)
+    return intra, np.where(same, 0, B).astype(np.float64)
+
+
+def tier_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float):
+    """Per rank, ``(t_intra_r, t_inter_r)`` seconds (module docstring): each tier's busier
+    direction over that tier's link."""
+    intra, inter = split_tiers(B, ranks_per_node)
+    return (np.maximum(intra.sum(1), intra.sum(0)) / (intra_gbps * 1e9),
+            np.maximum(inter.sum(1), inter.sum(0)) / (inter_gbps * 1e9))
+
+
+def predict_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
+                    latency_us: float = 0.0):
+    """The bandwidth model of the module docstring for one exchange: ``(t, per-rank t_r)``
+    seconds, the two tiers concurrent."""
+    t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps)
     t_r = np.maximum(t_intra, t_inter)
     return latency_us * 1e-6 + float(t_r.max()), t_r
 
 
-def _stats(B: np.ndarray) -> dict:
-    off = B.astype(np.float64).copy()
-    np.fill_diagonal(off, 0)
+def price(stages, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
+          latency_us: float = 0.0) -> dict:
+    """A pass of exchanges run one after the other: ``predicted_ms`` (the sum of each
+    exchange's :func:`predict_seconds`), ``intra_ms`` / ``inter_ms`` (the sum over exchanges of
+    the slowest rank's time on that tier alone)."""
+    out = {"predicted_ms": 0.0, "intra_ms": 0.0, "inter_ms": 0.0}
+    for B in stages:
+        t, _ = predict_seconds(B, ranks_per_node, intra_gbps, inter_gbps, latency_us)
+        t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps)
+        out["predicted_ms"] += 1e3 * t
+        out["intra_ms"] += 1e3 * float(t_intra.max())
+        out["inter_ms"] += 1e3 * float(t_inter.max())
+    return out
+
+
+def byte_stats(B: np.ndarray, ranks_per_node: int) -> dict:
+    """One pass's figures from its [R, R] byte matrix (all its exchanges summed): per rank sent
+    and received, and the whole group's bytes by tier, the diagonal (a local copy) left out of
+    every one (``intra_node_bytes + inter_node_bytes == total_bytes``)."""
+    intra, inter = split_tiers(B, ranks_per_node)
+    off = intra + inter
     sent = off.sum(1)
     return {"max_bytes_per_rank": float(sent.max()), "mean_bytes_per_rank": float(sent.mean()),
             "max_bytes_received": float(off.sum(0).max()),
             "total_bytes": float(off.sum()),
+            "intra_node_bytes": float(intra.sum()), "inter_node_bytes": float(inter.sum()),
             "local_copy_bytes_mean": float(np.diag(B).mean())}
+
+
+def _pass(stages, args) -> dict:
+    return dict(byte_stats(sum(stages), args.ranks_per_node),
+                **price(stages, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
+                        args.latency_us))
 
 
 def simulate(args) -> dict:
     """Everything ``epkit simulate`` reports, as a dict (see :func:`main`)."""
     R, E, K, T, H = args.ranks, args.experts, args.topk, args.tokens, args.hidden
     t0 = time.perf_counter()
-    words = draw_count_words(R, E, K, T, args.routing, args.skew, args.hot_expert,
-                             args.hot_fraction, args.seed)
-    t_draw = time.perf_counter() - t0
-    counts = words[:, :E]
-    load = counts.sum(axis=0)
     capacity = None
     if args.capacity_factor is not None:
         capacity = int(math.ceil(args.capacity_factor * R * T * K / E))
+    words, nodes = draw_counts(R, E, K, T, args.routing, args.skew, args.hot_expert,
+                               args.hot_fraction, args.seed, args.ranks_per_node,
+                               args.nodes_per_token, capacity)
+    t_draw = time.perf_counter() - t0
+    counts = words[:, :E]
+    load = counts.sum(axis=0)
     out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
            "capacity": capacity,
            "expert_load": {"max": int(load.max()), "mean": float(load.mean()),
@@ -239,15 +417,11 @@ def simulate(args) -> dict:
                             float(rank_load.max() / max(rank_load.mean(), 1e-12))}
     used = int(counts.sum())
     mats = {}
-    for tr in ("pairs", "dedup"):
-        disp, comb = traffic(words, E, K, H, args.dtype, tr, args.exchange, capacity)
-        mats[tr] = disp
-        td, _ = predict_seconds(disp, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
-                                args.latency_us)
-        tc, _ = predict_seconds(comb, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
-                                args.latency_us)
-        out["transports"][tr] = {"dispatch": dict(_stats(disp), predicted_ms=1e3 * td),
-                                 "combine": dict(_stats(comb), predicted_ms=1e3 * tc)}
+    for tr in TRANSPORTS:
+        stages = traffic_stages(words, E, K, H, args.dtype, tr, args.exchange, capacity,
+                                args.ranks_per_node, nodes)
+        mats[tr] = sum(stages["dispatch"])
+        out["transports"][tr] = {ph: _pass(stages[ph], args) for ph in ("dispatch", "combine")}
     if capacity is not None:
         from epkit.reference.capacity import kept_counts
 
@@ -267,6 +441,10 @@ def _mb(v: float) -> str:
     return f"{v / 1e6:,.1f}"
 
 
+def _gb(v: float) -> str:
+    return f"{v / 1e9:,.2f}"
+
+
 def report(res: dict) -> str:
     c = res["config"]
     lines = [f"epkit simulate: {c['ranks']} ranks ({c['ranks_per_node']} per node, intra "
@@ -274,7 +452,9 @@ def report(res: dict) -> str:
              f"top-{c['topk']}, {c['tokens']} tokens/rank, hidden {c['hidden']}, {c['dtype']}, "
              f"routing {c['routing']}" + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
              + (f" (expert {c['hot_expert']} in {c['hot_fraction']:.0%} of tokens)"
-                if c["routing"] == "hot" else "") + f", {c['exchange']} exchange"]
+                if c["routing"] == "hot" else "")
+             + (f" ({c['nodes_per_token']} nodes per token)" if c["routing"] == "grouped" else "")
+             + f", {c['exchange']} exchange"]
     el, rl = res["expert_load"], res["rank_load"]
     lines.append(f"expert load: max {el['max']:,} mean {el['mean']:,.1f} slots "
                  f"(imbalance {el['imbalance_max_over_mean']:.2f}); rank load imbalance "
@@ -284,16 +464,20 @@ def report(res: dict) -> str:
         lines.append(f"capacity {res['capacity']:,} slots per expert (factor "
                      f"{c['capacity_factor']}): dropped {res['dropped']['slots']:,} slots "
                      f"({res['dropped']['fraction']:.2%})")
-    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB out':>12}{'mean MB out':>13}"
-                 f"{'max MB in':>12}{'predicted ms':>14}")
+    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB out':>12}{'max MB in':>12}"
+                 f"{'inter GB':>11}{'intra GB':>11}{'inter ms':>10}{'intra ms':>10}"
+                 f"{'predicted ms':>14}")
     for tr, d in res["transports"].items():
         for ph in ("dispatch", "combine"):
             s = d[ph]
             lines.append(f"  {tr:<10}{ph:<10}{_mb(s['max_bytes_per_rank']):>12}"
-                         f"{_mb(s['mean_bytes_per_rank']):>13}{_mb(s['max_bytes_received']):>12}"
-                         f"{s['predicted_ms']:>14.3f}")
-    lines.append("(per rank, bytes sent to / received from other ranks; the local copy is left "
-                 f"out; {res['seconds']['total']:.1f} s)")
+                         f"{_mb(s['max_bytes_received']):>12}{_gb(s['inter_node_bytes']):>11}"
+                         f"{_gb(s['intra_node_bytes']):>11}{s['inter_ms']:>10.3f}"
+                         f"{s['intra_ms']:>10.3f}{s['predicted_ms']:>14.3f}")
+    lines.append("(MB: per rank, to / from other ranks; GB: the whole group's bytes over "
+                 "inter-node and intra-node pairs; ms: the slowest rank on that tier alone, "
+                 "and the predicted pass, tiers concurrent, stages in sequence; the local copy "
+                 f"is left out; {res['seconds']['total']:.1f} s)")
     return "\n".join(lines)
 
 
@@ -422,9 +606,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hot-fraction", type=float, default=0.5,
                     help="fraction of tokens naming the hot expert (routing hot)")
     ap.add_argument("--ranks-per-node", type=int, default=8,
-                    help="ranks per node: intra-node pairs use --intra-gbps")
-    ap.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per rank, each way")
-    ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per rank, each way")
+                    help="ranks per node (a divisor of --ranks): pairs s -> d with s // "
+                         "ranks_per_node == d // ranks_per_node are intra-node (--intra-gbps), "
+                         "the others inter-node (--inter-gbps)")
+    ap.add_argument("--nodes-per-token", type=int, default=4,
+                    help="routing grouped: each token draws this many distinct nodes uniformly, "
+                         "then its top-k distinct experts uniformly among those nodes' experts")
+    ap.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per rank and link, each way")
+    ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per rank and link, each way")
     ap.add_argument("--latency-us", type=float, default=0.0, help="fixed cost per exchange")
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="capacity C = ceil(F * R * T * K / E) slots per expert (default: none)")
@@ -433,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the routing")
     ap.add_argument("--json", metavar="PATH", help="write the report's figures here")
     ap.add_argument("--plot", metavar="PATH", help="PNG heatmap of the rank x rank dispatch bytes")
-    ap.add_argument("--plot-transport", choices=["dedup", "pairs"], default="dedup",
+    ap.add_argument("--plot-transport", choices=list(TRANSPORTS), default="dedup",
                     help="whose dispatch bytes --plot shows")
     return ap
 
@@ -449,6 +638,14 @@ def parse_args(argv):
         ap.error("--hot-expert must name an expert")
     if args.routing == "hot" and args.topk > args.experts - 1:
         ap.error("routing hot needs --topk < --experts")
+    if args.ranks_per_node < 1 or args.ranks % args.ranks_per_node:
+        ap.error("--ranks-per-node must be a positive divisor of --ranks")
+    nodes = args.ranks // args.ranks_per_node
+    if args.routing == "grouped" and not (
+            1 <= args.nodes_per_token <= nodes
+            and args.topk <= args.nodes_per_token * args.experts // nodes):
+        ap.error(f"routing grouped needs 1 <= --nodes-per-token <= {nodes} (nodes) and --topk <= "
+                 "nodes-per-token * experts per node")
     return args
 
 

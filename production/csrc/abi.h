@@ -66,6 +66,7 @@ constexpr int64_t kCapacityFactorMismatch = 53;
 constexpr int64_t kCallFlagsMismatch = 54;
 constexpr int64_t kBadArgument = 55;
 constexpr int64_t kBadGroup = 56;
+constexpr int64_t kRanksPerNode = 57;
 }  // namespace reason
 
 // dtype codes (reference/errors.py DTYPE_CODES)

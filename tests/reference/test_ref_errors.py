@@ -209,6 +209,17 @@ def test_topk_beyond_the_dedup_wire_limit():
                  num_experts=256, transport="pairs", exchange="ragged")  # pairs has no limit
 
 
+@pytest.mark.parametrize("rpn", [0, -1, 2, 4])
+def test_ranks_per_node_must_divide_the_group(rpn):
+    """ranks_per_node (the clear reference's option; 3 ranks here) must be a divisor of R."""
+    xs, idx, ws = group()
+    with pytest.raises(ref.InputError) as err:
+        ref.dispatch(xs, idx, ws, num_experts=E, ranks_per_node=rpn)
+    assert (err.value.code, err.value.rank) == (Reason.RANKS_PER_NODE, 0)
+    assert err.value.reason == f"ranks_per_node must be >= 1 and divide the group size 3, got {rpn}"
+    ref.dispatch(xs, idx, ws, num_experts=E, ranks_per_node=3, transport="hier")
+
+
 PRODUCTION_TESTS = os.path.join(os.path.dirname(__file__), os.pardir, "production",
                                 "test_collective_safety.py")
 
