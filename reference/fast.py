@@ -64,10 +64,33 @@ def _counts(idx: List[np.ndarray], R: int, E: int):
     return np.array(tpe).reshape(R, E), np.array(tpr).reshape(R, R), np.array(spr).reshape(R, R), itr
 
 
-def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
+def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) -> np.ndarray:
+    """Count words of consecutive ranks from their concatenated routing (the form a simulator
+    of a large group draws: a block of ranks at a time, never the whole group's routing).
+
+    Args: idx [sum(tokens), K] integer (``-1`` = unused slot); tokens: tokens of each rank.
+    Returns: int64 [len(tokens), E + R], row ``s`` = ``[tokens_per_expert | tokens_per_rank]``
+    of that rank, what ``transport.count_words`` gives."""
+    n_ranks, L = len(tokens), E // R
+    idx = np.asarray(idx, np.int64)
+    K = idx.shape[1] if idx.ndim == 2 else 0
+    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))
+    used = idx >= 0
+    tpe = np.bincount((owner[:, None] * E + idx)[used], minlength=n_ranks * E)
+    dest = np.where(used, idx // L, -1)
+    first = used.copy()               # slot k is the first of its token on its rank
+    for k in range(1, K):
+        for j in range(k):
+            first[:, k] &= dest[:, k] != dest[:, j]
+    tpr = np.bincount((owner[:, None] * R + dest)[first], minlength=n_ranks * R)
+    return np.concatenate([tpe.reshape(n_ranks, E), tpr.reshape(n_ranks, R)], axis=1)
+
+
+def count_words(idx: Sequence[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
     """transport.count_words, vectorized: int64 [R, E + R]."""
-    tpe, tpr, _, _ = _counts(idx, num_ranks, num_experts)
-    return np.concatenate([tpe, tpr], axis=1)
+    K = max((np.shape(i)[1] for i in idx if np.ndim(i) == 2), default=0)
+    cat = np.concatenate([np.asarray(i, np.int64).reshape(-1, K) for i in idx])
+    return count_words_block(cat, [len(i) for i in idx], num_ranks, num_experts)
 
 
 def layout(topk_idx: Sequence[np.ndarray], num_experts: int) -> List[Layout]:

@@ -64,6 +64,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from epkit.reference import hier
+from epkit.reference.fast import count_words, count_words_block
 from epkit.reference.common import FLOAT_DTYPES, Group
 from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
 
@@ -169,34 +170,6 @@ def sample_routing(rng: np.random.Generator, n: int, E: int, K: int, routing: st
 
 
 # ---- count words ---------------------------------------------------------------------------
-
-def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) -> np.ndarray:
-    """Count words of consecutive ranks from their concatenated routing.
-
-    Args: idx [sum(tokens), K] integer (``-1`` = unused slot); tokens: tokens of each rank.
-    Returns: int64 [len(tokens), E + R], row ``s`` = ``[tokens_per_expert | tokens_per_rank]``
-    of that rank, what ``reference.transport.count_words`` gives."""
-    n_ranks, L = len(tokens), E // R
-    idx = np.asarray(idx, np.int64)
-    K = idx.shape[1] if idx.ndim == 2 else 0
-    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))
-    used = idx >= 0
-    tpe = np.bincount((owner[:, None] * E + idx)[used], minlength=n_ranks * E)
-    dest = np.where(used, idx // L, -1)
-    first = used.copy()               # slot k is the first of its token on its rank
-    for k in range(1, K):
-        for j in range(k):
-            first[:, k] &= dest[:, k] != dest[:, j]
-    tpr = np.bincount((owner[:, None] * R + dest)[first], minlength=n_ranks * R)
-    return np.concatenate([tpe.reshape(n_ranks, E), tpr.reshape(n_ranks, R)], axis=1)
-
-
-def count_words(idx: Sequence[np.ndarray], R: int, E: int) -> np.ndarray:
-    """``reference.transport.count_words`` for given per-rank routing, vectorized."""
-    K = max((np.shape(i)[1] for i in idx if np.ndim(i) == 2), default=0)
-    cat = np.concatenate([np.asarray(i, np.int64).reshape(-1, K) for i in idx])
-    return count_words_block(cat, [len(i) for i in idx], R, E)
-
 
 def draw_count_words(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: float = 1.2,
                      hot_expert: int = 0, hot_fraction: float = 0.5, seed: int = 0,
