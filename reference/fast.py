@@ -89,7 +89,7 @@ def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) ->
 def count_words(idx: Sequence[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
     """transport.count_words, vectorized: int64 [R, E + R]."""
     K = max((np.shape(i)[1] for i in idx if np.ndim(i) == 2), default=0)
-    cat = np.concatenate([np.asarray(i, np.int64).reshape(-1, K) for i in idx])
+    cat = np.concatenate([np.asarray(i, np.int64).reshape(len(i), K) for i in idx])
     return count_words_block(cat, [len(i) for i in idx], num_ranks, num_experts)
 
 
