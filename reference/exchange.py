@@ -6,8 +6,9 @@ ascending, of the rows ``s`` addressed to ``r``; ``s``'s rows for peer ``q`` are
 same bytes; they differ in what travels:
 
     ragged  one all-to-all with split sizes: chunk (s, d) is send_counts[s][d] rows
-    padded  every chunk padded with zero rows to P = max over all (s, d) of the counts, one
-            equal-length all-to-all of R * P rows each way, unpadded with the known counts
+    padded  every chunk padded with zero rows to P = max over all (s, d) of the counts (or to
+            a given ``cap >= P``, a bound both sides derive from the plan), one equal-length
+            all-to-all of R * P rows each way, unpadded with the known counts
     equal   the plan is uniform (every count the same, n): the split-free all-to-all of n rows
             per chunk; a non-uniform plan is an InputError (EQUAL_NONUNIFORM) naming the lowest
             rank with a count that differs from send_counts[0][0]
@@ -66,6 +67,16 @@ def header_rows(row_bytes: int) -> int:
     return -(-8 // row_bytes)
 
 
+def _pad_to(counts: np.ndarray, cap: Optional[int]) -> int:
+    """The padded exchange's chunk: the largest count, or ``cap`` when given (never below it)."""
+    P = int(counts.max(initial=0))
+    if cap is None:
+        return P
+    if P > cap:
+        raise ValueError(f"epkit.reference: a padded chunk of {P} rows exceeds its cap {cap}")
+    return int(cap)
+
+
 def _all_to_all_split(bufs: List[np.ndarray], counts: np.ndarray) -> List[np.ndarray]:
     """The collective with split sizes: rank d gets chunk (s, d) of every s, s ascending."""
     R = len(bufs)
@@ -92,7 +103,8 @@ def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragge
     Args:
         bufs: R arrays [S_r, B] uint8 (the same B everywhere).
         send_counts: [R, R] ints, row s = rows s sends to each peer (sums to S_s).
-        variant: see the module docstring; cap: the static chunk size in rows.
+        variant: see the module docstring; cap: the static chunk size in rows (padded: the
+            chunk to pad to, default the largest count).
     Returns:
         (received: R arrays [N_d, B] uint8, moved: [R, R] int64 bytes s sent to d, padding and
         headers included).
@@ -109,7 +121,7 @@ def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragge
         block = int(counts.flat[0])
         return _all_to_all_equal(list(bufs), block), np.full((R, R), block * B, np.int64)
     if variant == "padded":
-        P = int(counts.max())
+        P = _pad_to(counts, cap)
         sends = []
         for s in range(R):
             chunks = _chunks(bufs[s], counts[s])
@@ -154,7 +166,7 @@ def exchange_bytes(counts, row_bytes: int, variant: str, cap: Optional[int] = No
     if variant in ("ragged", "equal"):
         return counts * row_bytes
     if variant == "padded":
-        return np.full((R, R), int(counts.max()) * row_bytes, np.int64)
+        return np.full((R, R), _pad_to(counts, cap) * row_bytes, np.int64)
     if cap is None:
         raise ValueError("epkit.reference: the static exchange needs cap")
     too_many = np.argwhere(counts > cap)
