@@ -294,7 +294,8 @@ class Dispatcher:
         shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), int(mx)]
                  if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
-                                  EXCHANGE_CODES[self.exchange], max_tokens, shape, factor)
+                                  EXCHANGE_CODES[self.exchange], max_tokens, shape, factor,
+                                  topk_idx if code == Reason.OK else None)
         if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
             raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         if static:
@@ -303,7 +304,8 @@ class Dispatcher:
             L, K, H = E // R, topk_idx.shape[1], x.shape[1]
             P = abi.payload_bytes(H, x.element_size(), mx)
             per = min(K, L)
-            rows = max_tokens * (per if transport == ops.PAIRS else 1)  # data rows per chunk
+            # data rows per chunk (a dedup token row needs a kept slot: 0 when K = 0)
+            rows = max_tokens * per if transport == ops.PAIRS else min(max_tokens, max_tokens * per)
             chunk = ops.dispatch_chunk_bytes(transport, P, 1 + rows, 1 + max_tokens * per)
             SB, N = R * chunk, R * (1 + rows)
             M = R * max_tokens * per + L * (align - 1)

@@ -61,9 +61,15 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, align: int,
                    capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
-                   static_shape: Optional[list] = None) -> torch.Tensor:
+                   static_shape: Optional[list] = None,
+                   topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``epkit::count_exchange`` for device words: the device plan with its host mirror attached;
-    raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module)."""
+    raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
+
+    dedup with capacity drops: the second all-gather of the token rows (ops.token_rows_gather)
+    and the plan again; eager: when the mirror shows drops (a second host wait then); static:
+    whenever a capacity is set, with no host read (the words equal tokens_per_rank when nothing
+    was dropped, so the plan is the same)."""
     import torch.distributed as dist
 
     from epkit import ops
@@ -88,6 +94,10 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
                              ("payload", payload)):
             template[:, F[field]] = value
         mirror = ops.C.plan(template, *args)  # the CPU kernel: routing-independent words
+        if transport == ops.DEDUP and capacity >= 0:
+            setattr(plan, HOST, mirror)  # may_drop: a capacity is set
+            words2 = ops.token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            plan = ops.C.plan(words2, *args)
     elif os.environ.get("EPKIT_HOST_PLAN") == "1":
         mirror = ops.C.plan(_pinned_copy(gathered).view(R, -1), *args).pin_memory()
         plan = mirror.to(words.device, non_blocking=True)
@@ -100,6 +110,10 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
         if code:
             raise error(int(mirror[ops.ERR_RANK]), code, int(mirror[ops.ERR_A]),
                         int(mirror[ops.ERR_B]))
+        if transport == ops.DEDUP and int(mirror[ops.DROPPED_ANY]):
+            words2 = ops.token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            plan = ops.C.plan(words2, *args)
+            setattr(plan, HOST, _pinned_copy(plan))  # a second host wait, only with drops
     return plan
 
 
@@ -220,7 +234,7 @@ class Side:
         if self.cuda:
             cur = torch.cuda.current_stream(self.stream.device)
             cur.wait_event(self.done)
-            for t in made:
+            for t in (x for m in made for x in (m if isinstance(m, tuple) else (m,))):
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(cur)
 

@@ -92,9 +92,9 @@ def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, exper
 class _CombineWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, row_weight, state):
-        back, state["finish"] = state["finish"](), None  # the work is done: let it go
+        (back, idx), state["finish"] = state["finish"](), None  # the work is done: let it go
         d = state["dispatch"]
-        out = C.reduce_tokens(back, d._send_map, d._topk_idx, d._topk_weights,
+        out = C.reduce_tokens(back, d._send_map, idx, d._topk_weights,
                               int(ops.host_plan(d._plan)[ops.EXPERTS]),
                               int(ops.host_plan(d._plan)[ops.RANKS]),
                               state["transport"], state["weighted"], d._x_dtype)
@@ -127,10 +127,9 @@ class PendingCombine:
 
 def issue_combine(expert_y, d, group_name, transport, weighted):
     with device.Side(expert_y, d._recv_map, d.row_weight) as side:  # CUDA: a side stream
-        rows = C.gather_rows(expert_y.contiguous(), d._recv_map, d.row_weight.detach(), transport,
-                             weighted)
-        finish = ops._move(rows, d._plan, group_name, reverse=True, async_op=True,
-                           what="epkit.combine (lazy)")
+        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), d._topk_idx,
+                               d._send_map, d._recv_map, d._plan, group_name, transport,
+                               weighted, async_op=True, what="epkit.combine (lazy)")
     state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

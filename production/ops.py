@@ -40,8 +40,9 @@ SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = (
     _F[n] for n in ("send_rows", "recv_rows", "expert_rows", "uniform", "max_chunk"))
 RANKS, LOCAL_EXPERTS, EXPERTS = _F["ranks"], _F["local_experts"], _F["experts"]
 (STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES,
- NONUNIFORM_RANK) = (_F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap",
-                                     "slot_cap", "send_bytes", "recv_bytes", "nonuniform_rank"))
+ NONUNIFORM_RANK, DROPPED_ANY) = (
+    _F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap", "slot_cap", "send_bytes",
+                    "recv_bytes", "nonuniform_rank", "dropped_any"))
 PLAN_HEADER = abi.PLAN_HEADER
 VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}
 WORD_HEADER = abi.WORD_HEADER
@@ -102,7 +103,9 @@ def _(expert_y, recv_map, row_weight, transport, weighted):
 
 @torch.library.register_fake("epkit::reduce_tokens")
 def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype):
-    return back.new_empty((send_map.shape[0], back.shape[1]), dtype=out_dtype)
+    # dedup: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
+    H = back.shape[1] if transport == PAIRS else back.shape[1] * back.element_size() // 4
+    return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
 
 
 @torch.library.register_fake("epkit::scatter_rows")
@@ -169,17 +172,197 @@ def _move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async
                       async_op=async_op, what="epkit.dispatch (token exchange)")
 
 
+# ---- dedup: the kept routing, and the way back of raw rows or partials -----------------------
+
+def may_drop(plan: torch.Tensor) -> bool:
+    """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
+    ``DROPPED_ANY``; under the static exchange on CUDA, whose host mirror is a routing-free
+    template (epkit/device.py), whether a capacity is set at all."""
+    hp = host_plan(plan)
+    if plan.is_cuda and int(hp[STATIC_CAP]) >= 0:
+        return int(hp[_F["capacity"]]) >= 0
+    return bool(int(hp[DROPPED_ANY]))
+
+
+def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``topk_idx [T, K]`` as int64 with the slots capacity dropped set to -1 (``topk_idx``
+    itself, as int64, when the plan dropped nothing). The rule is pack's: of this rank's slots to
+    expert ``e`` in token order, the first ``own_kept[e]`` are kept. Torch ops on the plan's
+    device, no host read (:func:`may_drop` reads the host mirror); values outside ``[0, E)``
+    count as unused."""
+    idx = topk_idx.to(torch.int64)
+    hp = host_plan(plan)
+    if not may_drop(plan):
+        return idx
+    E = int(hp[EXPERTS])
+    own_kept = plan[plan_slices(int(hp[RANKS]), E)["own_kept"]].to(idx.device)
+    flat = idx.reshape(-1)
+    e = torch.where((flat >= 0) & (flat < E), flat, E)             # E: not a kept candidate
+    order = torch.sort(e, stable=True).indices
+    sorted_e = e[order]
+    used = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).index_add_(
+        0, e, torch.ones_like(e))
+    start = torch.cumsum(used, 0) - used
+    rank_in_e = torch.arange(flat.numel(), device=idx.device) - start[sorted_e]
+    limit = torch.cat([own_kept, own_kept.new_zeros(1)])
+    keep = torch.empty_like(flat, dtype=torch.bool).scatter_(0, order, rank_in_e < limit[sorted_e])
+    return torch.where(keep, flat, -1).view(idx.shape)
+
+
+def kept_token_rows(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``[R] int64``: this rank's tokens with a kept slot on each rank (dedup's token rows, what
+    the count exchange's second all-gather carries)."""
+    hp = host_plan(plan)
+    R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
+    kept = kept_routing(topk_idx, plan)
+    T = kept.shape[0]
+    t = torch.arange(T, device=kept.device).unsqueeze(1).expand_as(kept)
+    at = torch.where(kept >= 0, t * R + kept // L, T * R)          # T * R: no row
+    hit = torch.zeros(T * R + 1, dtype=torch.int64, device=kept.device).index_add_(
+        0, at.reshape(-1), torch.ones_like(at).reshape(-1))
+    return (hit[:T * R].view(T, R) > 0).sum(0)
+
+
+def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, topk_idx, group, R: int,
+                      num_experts: int) -> torch.Tensor:
+    """The count exchange's second all-gather (dedup, when capacity dropped a slot anywhere):
+    every rank's kept token rows (R words) replace the words' tokens_per_rank, so the plan made
+    from the result has the token rows that really travel. Returns the new words ``[R, W]``.
+    A rank without its routing contributes -1 words, and every rank then raises."""
+    rows = (kept_token_rows(topk_idx, plan) if topk_idx is not None else
+            torch.full((R,), -1, dtype=torch.int64, device=gathered.device))
+    got = gathered.new_empty((R * R,))
+    all_gather(got, rows.to(gathered.device).contiguous(), group,
+               "epkit.dispatch (count exchange: token rows)")
+    if not got.is_cuda:  # (on CUDA a host read; there the plan kernel sees negative words)
+        if bool((got < 0).any()):
+            raise ValueError("epkit.count_exchange: capacity dropped slots and a rank gave no "
+                             "topk_idx, which the dedup transport's token rows need")
+    words = gathered.view(R, -1).clone()
+    words[:, WORD_HEADER + num_experts:] = got.view(R, R)
+    return words
+
+
+def _back_layout(hp, per: int):
+    """dedup's way back: ``(chunk rows, header rows)`` of a fixed-chunk variant (padded and equal:
+    ``min(max slots, per * max token rows)``; static: ``1 + min(slot cap, per * token cap)``),
+    ``(None, 0)`` for ragged. Caps from the plan alone, never above pairs' chunk."""
+    variant = VARIANT_NAMES[int(hp[VARIANT])]
+    if variant == "ragged":
+        return None, 0
+    tok, slot = int(hp[TOK_CAP]), int(hp[SLOT_CAP])
+    if variant == "static":  # the caps count the header row
+        return 1 + min(slot - 1, per * (tok - 1)), 1
+    return min(slot, per * tok), 0
+
+
+def _row_chunks(hp, n: int, recv: bool) -> torch.Tensor:
+    """``[n] int64``: the peer (chunk) of each row of the dispatch's row space (``recv``: the
+    received rows, else the sent ones): compact along the plan's counts, or static chunks."""
+    R = int(hp[RANKS])
+    if int(hp[STATIC_CAP]) >= 0:
+        return torch.arange(n) // (1 + int(hp[STATIC_CAP]))
+    counts = hp[plan_slices(R, int(hp[EXPERTS]))["recv_counts" if recv else "send_counts"]]
+    return torch.repeat_interleave(torch.arange(R), counts.cpu(), output_size=n)
+
+
+def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
+    """Where the way back puts each token row's rows. ``u [n]``: rows of each token row (row
+    space order, chunk-major), ``chunk_of [n]``: its peer. Returns ``(pos [n, per] int64``: the
+    way-back row of its i-th row, -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
+    per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
+    base = torch.cumsum(u, 0) - u                                    # compact: rows before it
+    if chunk is not None:                                            # fixed chunks
+        first = torch.cumsum(per_chunk, 0) - per_chunk
+        base = chunk_of * chunk + hdr + base - first[chunk_of]
+    i = torch.arange(per, device=u.device)
+    return torch.where(i < u.unsqueeze(1), base.unsqueeze(1) + i, -1), per_chunk
+
+
+def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Tensor,
+                     send_map: torch.Tensor, kept_idx: torch.Tensor, plan: torch.Tensor,
+                     group_name: str, async_op: bool, what: str):
+    """dedup's way back. ``rows [N, H]`` float32 from gather_rows (a token row's 4H bytes: its
+    n rows of ``dtype`` when n <= per, else its float32 partial); only the ``min(n, per)`` rows
+    of ``dtype`` each token row uses travel. Returns ``back [S, per * H]`` in ``dtype`` for
+    reduce_tokens (or, with ``async_op``, a callable that waits and returns it)."""
+    hp = host_plan(plan)
+    R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
+    per = 4 // dtype.itemsize
+    N, H = rows.shape
+    chunk, hdr = _back_layout(hp, per)
+    # expert side: its received token rows' rows, laid out for the variant
+    u = (recv_map >= 0).sum(1).clamp(max=per)
+    pos, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, per, chunk, hdr)
+    total = int(send.sum()) if chunk is None else R * chunk
+    buf = rows.new_zeros((total + 1, H), dtype=dtype)               # row `total`: discarded
+    buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
+                    rows.view(dtype).reshape(N * per, H))
+    # source side: the rows each of its token rows gets back
+    T, S = send_map.shape[0], int(hp[SEND_ROWS])
+    kept = kept_idx >= 0
+    n = torch.zeros((T, R), dtype=torch.int64, device=kept.device).scatter_add_(
+        1, torch.where(kept, kept_idx // L, 0), kept.to(torch.int64))
+    u_td = torch.where(send_map >= 0, n.clamp(max=per), 0)
+    u_row = torch.zeros(S + 1, dtype=torch.int64, device=kept.device).index_add_(
+        0, torch.where(send_map >= 0, send_map, S).reshape(-1), u_td.reshape(-1))[:S]
+    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, per, chunk,
+                               hdr)
+    group = group_from_name(group_name)
+    sizes = ([send.tolist(), recv.tolist()] if chunk is None else [[chunk] * R] * 2)
+    move = all_to_all(buf[:total], *sizes, group, "ragged" if chunk is None else "equal",
+                      chunk or 0, async_op=async_op, what=what)
+
+    def finish() -> torch.Tensor:
+        got = move() if async_op else move
+        back = got.new_zeros((S * per + 1, H))                       # row S * per: discarded
+        if got.shape[0]:
+            dst = torch.where(at >= 0, torch.arange(S * per, device=at.device).view(S, per),
+                              S * per)
+            back.index_copy_(0, dst.reshape(-1), got[at.clamp(min=0).reshape(-1)])
+        return back[:S * per].view(S, per * H)
+
+    return finish if async_op else finish()
+
+
+def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
+              send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
+              group_name: str, transport: int, weighted: bool, async_op: bool = False,
+              what: str = "epkit.combine"):
+    """The way back of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
+    gather_rows on the expert side and the exchange. Returns ``(back, idx)`` for
+    ``reduce_tokens(back, send_map, idx, ...)`` (``idx``: dedup's kept routing, pairs'
+    topk_idx), or with ``async_op`` a callable that waits and returns them."""
+    rows = C.gather_rows(expert_y, recv_map, row_weight, transport, weighted)
+    if transport == PAIRS:
+        moved = _move(rows, plan, group_name, reverse=True, async_op=async_op, what=what)
+        if async_op:
+            return lambda: (moved(), topk_idx)
+        return moved, topk_idx
+    kept_idx = kept_routing(topk_idx, plan)
+    moved = _dedup_move_back(rows, expert_y.dtype, recv_map, send_map, kept_idx, plan,
+                             group_name, async_op, what)
+    if async_op:
+        return lambda: (moved(), kept_idx)
+    return moved, kept_idx
+
+
 # ---- count exchange: the plan and the collective error --------------------------------------
 
 @torch.library.custom_op("epkit::count_exchange", mutates_args=())
 def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts: int, align: int,
                    capacity: int, transport: int, exchange: int,
                    max_tokens_per_rank: int, static_shape: Optional[list[int]] = None,
-                   capacity_factor: float = -1.0) -> torch.Tensor:
+                   capacity_factor: float = -1.0,
+                   topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
     raises the same :class:`epkit.InputError` on all of them, before any token moves.
+    dedup: when the plan shows that capacity dropped a slot anywhere (``DROPPED_ANY``, the same
+    on every rank), one more all-gather of every rank's kept token rows (R words, from
+    ``topk_idx`` [T, K], this rank's routing) and the plan again (:func:`token_rows_gather`);
+    without drops, none.
     On CUDA the plan stays on the device with its host mirror attached (``epkit/device.py``;
     ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
     ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
@@ -197,17 +380,19 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
             all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
             capacity = _factor_capacity(gathered.view(R, -1).cpu(), num_experts, capacity_factor)
         return device.count_exchange(words, group, rank, num_experts, align, capacity, transport,
-                                     exchange, max_tokens_per_rank, static_shape)
+                                     exchange, max_tokens_per_rank, static_shape, topk_idx)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
     if capacity_factor > 0:
         capacity = _factor_capacity(gathered.view(R, -1), num_experts, capacity_factor)
-    plan = C.plan(gathered.view(R, -1), rank, num_experts, align, capacity, transport, exchange,
-                  max_tokens_per_rank)
+    args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
+    plan = C.plan(gathered.view(R, -1), *args)
     code = int(plan[ERR_CODE])
     if code:
         raise error(int(plan[ERR_RANK]), code, int(plan[ERR_A]), int(plan[ERR_B]))
+    if transport == DEDUP and int(plan[DROPPED_ANY]):  # the token rows that really travel
+        plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
     return plan
 
 
@@ -223,7 +408,7 @@ def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) ->
 
 @count_exchange.register_fake
 def _(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-      max_tokens_per_rank, static_shape=None, capacity_factor=-1.0):
+      max_tokens_per_rank, static_shape=None, capacity_factor=-1.0, topk_idx=None):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -281,7 +466,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     words = C.prepare(x, topk_idx, topk_weights, num_experts,
                       _world(group_name), pre_error, payload)
     plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
-                          exchange, -1, None, capacity_factor)
+                          exchange, -1, None, capacity_factor, topk_idx)
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
     if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
@@ -345,9 +530,9 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
     R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
-    back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
-    back = _move(back_rows, plan, group_name, reverse=True, what="epkit.dispatch backward")
-    grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
+    back, idx = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
+                          transport, False, what="epkit.dispatch backward")
+    grad_x = C.reduce_tokens(back, send_map, idx, empty_w, E, R, transport, False, x_dtype)
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
     vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
@@ -393,9 +578,10 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
                    weighted: bool, out_dtype: torch.dtype, check: list[int]) -> torch.Tensor:
     """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
 
-    dedup: the expert side forms each float32 partial P_d(t) and sends one row per token and
-    rank; pairs: the expert side sends each slot's row and the source forms the same partials
-    (with its own copy of the weights, bit-identical to ``row_weight``).
+    dedup: per token row with n kept slots the expert side sends its n rows of expert_y when
+    ``n * itemsize <= 4``, else the float32 partial P_d(t) it forms; pairs: each slot's row. The
+    source forms the partials of the raw rows (with its own copy of the weights,
+    bit-identical to ``row_weight``) and adds them over d ascending.
 
     ``check`` is this rank's call header (epkit/agree.py) when the ranks agree inside the op
     (under torch.compile, so no data-dependent branch is traced); empty when the caller
@@ -404,9 +590,9 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     if check:
         agree(group_from_name(group_name), check, "epkit.combine (call header)")
     R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
-    rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
-    back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")
-    return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
+    back, idx = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
+                          group_name, transport, weighted)
+    return C.reduce_tokens(back, send_map, idx, topk_weights, E, R, transport, weighted,
                            out_dtype)
 
 

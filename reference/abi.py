@@ -40,6 +40,8 @@ PLAN_FIELDS = (
     "slot_cap",         # ... rows of the dedup slot section (-1 when ragged)
     "send_bytes", "recv_bytes",  # the dispatch exchange, in bytes
     "nonuniform_rank",  # lowest source rank with a count unlike rank 0's first (-1: uniform)
+    "dropped_any",      # 1: capacity dropped a slot somewhere in the group (dedup: the count
+                        # exchange gathers the token rows once more and plans again)
 )
 PLAN_HEADER = len(PLAN_FIELDS)
 def plan_sections(R: int, E: int) -> tuple:

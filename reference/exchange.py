@@ -6,8 +6,9 @@ ascending, of the rows ``s`` addressed to ``r``; ``s``'s rows for peer ``q`` are
 same bytes; they differ in what travels:
 
     ragged  one all-to-all with split sizes: chunk (s, d) is send_counts[s][d] rows
-    padded  every chunk padded with zero rows to P = max over all (s, d) of the counts, one
-            equal-length all-to-all of R * P rows each way, unpadded with the known counts
+    padded  every chunk padded with zero rows to P = max over all (s, d) of the counts (or to
+            a given ``cap >= P``, a bound both sides derive from the plan), one equal-length
+            all-to-all of R * P rows each way, unpadded with the known counts
     equal   the plan is uniform (every count the same, n): the split-free all-to-all of n rows
             per chunk; a non-uniform plan is an InputError (EQUAL_NONUNIFORM) naming the lowest
             rank with a count that differs from send_counts[0][0]
@@ -105,6 +106,16 @@ def _chunks(buf: np.ndarray, counts_row: np.ndarray) -> List[np.ndarray]:
     return [buf[starts[d]:starts[d + 1]] for d in range(len(counts_row))]
 
 
+def _pad_to(counts: np.ndarray, cap: Optional[int]) -> int:
+    """The padded exchange's chunk: the largest count, or ``cap`` when given (never below it)."""
+    P = int(counts.max(initial=0))
+    if cap is None:
+        return P
+    if P > cap:
+        raise ValueError(f"epkit.reference: a padded chunk of {P} rows exceeds its cap {cap}")
+    return int(cap)
+
+
 def _same(counts: np.ndarray, nbytes: int) -> np.ndarray:
     return np.full(counts.shape, nbytes, np.int64)
 
@@ -125,7 +136,7 @@ def _equal_move(bufs, counts, cap):
 
 
 def _padded_move(bufs, counts, cap):
-    R, B, P = len(bufs), bufs[0].shape[1], int(counts.max())
+    R, B, P = len(bufs), bufs[0].shape[1], _pad_to(counts, cap)
     sends = [np.concatenate([np.concatenate([c, np.zeros((P - len(c), B), np.uint8)])
                              for c in _chunks(bufs[s], counts[s])]) for s in range(R)]
     got = _all_to_all_equal(sends, P)
@@ -135,7 +146,7 @@ def _padded_move(bufs, counts, cap):
 
 
 def _padded_bytes(counts, row_bytes, cap):
-    return _same(counts, int(counts.max()) * row_bytes)
+    return _same(counts, _pad_to(counts, cap) * row_bytes)
 
 
 def _static_check(counts, cap):
@@ -203,7 +214,8 @@ def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragge
     Args:
         bufs: R arrays [S_r, B] uint8 (the same B everywhere).
         send_counts: [R, R] ints, row s = rows s sends to each peer (sums to S_s).
-        variant: a name of ``NAMES`` (see the module docstring); cap: the static chunk size.
+        variant: a name of ``NAMES`` (see the module docstring); cap: the static chunk size in
+            rows (padded: the chunk to pad to, default the largest count).
     Returns:
         (received: R arrays [N_d, B] uint8, moved: [R, R] int64 bytes s sent to d, padding and
         headers included).

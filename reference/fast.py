@@ -114,9 +114,6 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
                                  transport, exchange, payload, max_tokens_per_rank)
     R, E, L, K, H = (group.num_ranks, group.num_experts, group.num_local_experts, group.topk,
                      group.hidden)
-    bytes_sent = None
-    if group.transport is not None:
-        bytes_sent = dispatch_bytes_of(group, plan(group, count_words(idx, R, E)))
     T = np.array([i.shape[0] for i in idx], np.int64)
     base = np.concatenate([[0], np.cumsum(T)])
     src = np.repeat(np.arange(R), T)                      # source rank of each global token
@@ -128,19 +125,13 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     idx_all = _cat(idx, (K,)).ravel()
     w_all = _cat(ws, (K,)).ravel()
 
-    # Used slots sorted by expert (stable: canonical order within an expert), capacity by rank.
-    f_used = np.flatnonzero(idx_all >= 0)
-    order = np.argsort(idx_all[f_used], kind="stable")
-    f_sorted = f_used[order]
-    e_sorted = idx_all[f_sorted]
-    used = np.bincount(e_sorted, minlength=E).astype(np.int64)
-    start = np.concatenate([[0], np.cumsum(used)])
-    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
-    keep = np.ones(len(f_sorted), bool) if group.capacity is None else rank_in_e < group.capacity
-    kept_all = np.zeros(idx_all.shape, bool)
-    kept_all[f_sorted[keep]] = True
+    f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all = _sorted_slots(idx_all, E,
+                                                                               group.capacity)
     kept_cnt = used if group.capacity is None else np.minimum(used, group.capacity)
     kept = [kept_all[base[s] * K:base[s + 1] * K].reshape(int(T[s]), K) for s in range(R)]
+    bytes_sent = None
+    if group.transport is not None:
+        bytes_sent = dispatch_bytes_of(group, _wire_plan(group, idx, kept))
 
     results = []
     for d in range(R):
@@ -173,10 +164,49 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     return results
 
 
+def _sorted_slots(idx_all: np.ndarray, E: int, capacity: Optional[int]):
+    """The group's used slots (flat ``f = g * K + k``) sorted by expert, stable (canonical
+    order within an expert): ``(f_sorted, e_sorted, used [E], start [E + 1], rank_in_e, keep
+    (sorted order), kept_all [G * K] bool)``; capacity keeps a slot by its rank in its expert."""
+    f_used = np.flatnonzero(idx_all >= 0)
+    f_sorted = f_used[np.argsort(idx_all[f_used], kind="stable")]
+    e_sorted = idx_all[f_sorted]
+    used = np.bincount(e_sorted, minlength=E).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(used)])
+    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
+    keep = np.ones(len(f_sorted), bool) if capacity is None else rank_in_e < capacity
+    kept_all = np.zeros(idx_all.shape, bool)
+    kept_all[f_sorted[keep]] = True
+    return f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all
+
+
+def _kept(idx: List[np.ndarray], E: int, capacity: Optional[int]) -> List[np.ndarray]:
+    """capacity.kept_mask, vectorized: R arrays [T_s, K] bool."""
+    K = idx[0].shape[1]
+    base = np.concatenate([[0], np.cumsum([i.shape[0] for i in idx])]).astype(np.int64)
+    kept_all = _sorted_slots(_cat(idx, (K,)).ravel(), E, capacity)[-1]
+    return [kept_all[base[s] * K:base[s + 1] * K].reshape(idx[s].shape) for s in range(len(idx))]
+
+
+def _wire_plan(group: Group, idx: List[np.ndarray], kept: List[np.ndarray]):
+    """transport.wire_plan, vectorized: the count words, and for dedup every rank's token rows
+    (tokens with a kept slot on d) and single-slot token rows per destination."""
+    R, E, L = group.num_ranks, group.num_experts, group.num_local_experts
+    words = count_words(idx, R, E)
+    if group.transport != "dedup":
+        return plan(group, words)
+    rows, single = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
+    for s, (i, k) in enumerate(zip(idx, kept)):
+        t, slot = np.nonzero(k)
+        n = np.bincount(t * R + i[t, slot] // L, minlength=i.shape[0] * R).reshape(-1, R)
+        rows[s], single[s] = (n >= 1).sum(axis=0), (n == 1).sum(axis=0)
+    return plan(group, words, rows, single)
+
+
 def _rank_major(group: Group, d, idx_all, kept_all, w_all, rows_all, scales_all, src, base) -> dict:
     L = group.num_local_experts
     on_d = (idx_all >= 0) & (idx_all // L == d)              # [G, K] (floor division of -1 is -1)
-    g = np.flatnonzero(on_d.any(axis=1))
+    g = np.flatnonzero((on_d & kept_all).any(axis=1))      # tokens with a kept slot on d
     ids = np.where(on_d[g] & kept_all[g], idx_all[g] - d * L, -1)
     return dict(recv_x=rows_all[g], recv_scale=None if scales_all is None else scales_all[g],
                 recv_topk_idx=ids.astype(np.int64),
@@ -259,7 +289,7 @@ def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="d
     """transport.dispatch_bytes, vectorized."""
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return dispatch_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+    return dispatch_bytes_of(group, _wire_plan(group, idx, _kept(idx, group.num_experts, group.capacity)))
 
 
 def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
@@ -267,4 +297,4 @@ def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="de
     """transport.combine_bytes, vectorized."""
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return combine_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+    return combine_bytes_of(group, _wire_plan(group, idx, _kept(idx, group.num_experts, group.capacity)))

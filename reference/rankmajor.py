@@ -1,7 +1,8 @@
 """Rank-major output: the dedup transport's receive buffer, computed directly.
 
-On rank ``d`` the rows are the tokens (s, t) with ``is_token_in_rank_s[t, d]`` (pre-capacity:
-a token whose slots on d were all dropped still appears, with every id -1), ordered by s then t:
+On rank ``d`` the rows are the tokens (s, t) with a *kept* slot on d (``is_token_in_rank_s[t,
+d]`` without capacity; a token whose slots on d were all dropped does not appear: it never
+travels there), ordered by s then t:
 
     recv_x            [N, H] x dtype (E4M3 under MXFP8)   x_s[t]
     recv_scale        [N, H/32] uint8 or None             scale codes under MXFP8
@@ -28,9 +29,9 @@ def rank_major_fields(group: Group, d: int, rows, scales, idx, ws, kept) -> dict
     for s in range(group.num_ranks):
         for t in range(idx[s].shape[0]):
             on_d = [int(e) >= 0 and int(e) // L == d for e in idx[s][t]]
-            if not any(on_d):
-                continue
             local = [int(idx[s][t, k]) - d * L if on_d[k] and kept[s][t, k] else -1 for k in range(K)]
+            if max(local, default=-1) < 0:
+                continue                                  # no kept slot on d: no row
             src.append((s, t))
             ids.append(local)
             wts.append([ws[s][t, k] if local[k] >= 0 else 0.0 for k in range(K)])

@@ -8,42 +8,62 @@ is raw bytes (little-endian), as docs/design.md's wire format says. ``P`` is the
     pairs   one section: a row per kept slot (t, k) to rank d, ordered by local expert j, then t:
             payload | int32 t | int32 k | int32 j | float32 w                     (P + 16 bytes)
     dedup   two sections per (source, destination), each its own exchange:
-            token rows: one per token t with a used slot on d (pre-capacity), ordered by t:
+            token rows: one per token t with a *kept* slot on d, ordered by t:
             payload | int32 t | int32 n                                           (P + 8 bytes)
-            n = the number of t's *kept* slots on d (0 when capacity dropped them all: the token
-            still travels, as the rank-major layout says);
+            n >= 1 = the number of t's kept slots on d (a token whose slots on d were all
+            dropped by capacity does not travel there);
             slot rows: one per kept slot on d, in token order then k ascending:
             int32 (k << 24 | j) | float32 w                                      (8 bytes)
             The n of each token row says how many slot rows are its own, so the receiver
             rebuilds the rank-major rows (local id or -1, weight 0 where -1) and the
             expert-major result from the rows alone. Encodable: K <= 255, L < 2**24.
 
-Without capacity dedup's bytes ``s -> d`` (ragged) are ``rows * (P + 8) + slots * 8 <=
-slots * (P + 16)`` = pairs', with equality only when no two of a token's kept slots share d.
+Per (s, d), dedup's dispatch bytes (ragged) are ``rows * (P + 8) + slots * 8 <= slots * (P +
+16)`` = pairs', since every token row has ``n >= 1`` kept slots (``rows <= slots``), with
+equality only when no two of a token's kept slots share d; capacity included.
 
 The plan (``plan``) is what every rank derives from the count exchange, an all-gather of
 ``[tokens_per_expert (E) | tokens_per_rank (R)]`` per rank (after the validation header,
 validate.py): kept counts ``kept[s, e]`` (capacity.kept_counts), the rows ``s -> d`` of every
-section (pairs: ``sum over e on d of kept[s, e]``; dedup token rows: ``tokens_per_rank_s[d]``,
-dedup slot rows: ``sum over e on d of kept[s, e]``), the variant that runs (decided over all
-sections: equal only when every section is uniform) and the static chunks ``cap`` (pairs and
-dedup slot rows: ``max_tokens_per_rank * min(K, L)``; dedup token rows: ``max_tokens_per_rank``).
-Every section is moved by that variant on its own counts (padded: to the section's own
-group-wide max; static: one in-band header row plus the section's ``cap`` rows per chunk).
+section (pairs: ``sum over e on d of kept[s, e]``; dedup token rows: ``token_rows[s, d]``, the
+tokens of s with a kept slot on d; dedup slot rows: ``sum over e on d of kept[s, e]``), the
+variant that runs (decided over all sections: equal only when every section is uniform) and
+the static chunks ``cap`` (pairs and dedup slot rows: ``max_tokens_per_rank * min(K, L)``;
+dedup token rows: ``min(max_tokens_per_rank, that)``, so 0 when K = 0: a token row needs a
+kept slot). Every section is moved by that variant on its own
+counts (padded: to the section's own group-wide max; static: one in-band header row plus the
+section's ``cap`` rows per chunk).
+
+Dedup's token rows ``s -> d`` are ``tokens_per_rank_s[d]`` when capacity dropped nothing
+anywhere in the group. When it dropped something (every rank sees it in the gathered counts:
+``kept != counts``), they are not derivable from the count words, so the dedup count exchange
+runs one more all-gather: every rank contributes ``token_rows[s, :]`` (R int64 words: its
+tokens with a kept slot on each rank), identical under every variant (the static one too).
+Without drops there is no second collective (``Plan.dropped`` says which).
 
 The way back (combine, dispatch backward) is the exchange with the counts transposed:
 
     pairs  every kept slot's row in the order it came, in expert_y's dtype (combine) or the
            gradient's dtype (dispatch backward); the source sums two-level (arith.py)
-    dedup  one float32 row per token row: the partial sum P_d(t) (arith.partial_sum; +0.0 for a
-           token row with n = 0), which the source adds over d ascending (arith.total_sum);
-           bitwise equal to pairs
+    dedup  per token row (t, d) with n kept slots, in token-row order, rows of ``H`` values in
+           the rows' dtype (``iy`` bytes each, ``per = 4 / iy`` rows to a float32 row):
+           if ``n * iy <= 4``: the n expert rows themselves, k ascending (the source applies
+           the weights and forms P_d(t) with arith.partial_sum); else the float32 partial sum
+           P_d(t) (arith.partial_sum), its bits in ``per`` rows. Both sides know n, so nothing
+           says which. A token row is ``min(n, per)`` rows: ``min(n * iy, 4) * H <= n * iy * H``
+           bytes, never more than pairs'. The source adds the P_d(t) over d ascending
+           (arith.grouped_total_sum): bitwise equal to pairs.
+           Counts ``units[s, d]`` (rows d sends back to s) are known to both sides, not
+           exchanged. Variants: ragged moves them as they are; padded and equal pad every chunk
+           to ``min(max slots, per * max token rows)`` (group-wide maxima of the plan's two
+           sections), static to ``min(slot cap, per * token cap)`` plus the header row: caps
+           from the plan alone, never above pairs' chunk.
 
 Combine backward sends the gradient rows forward like a dispatch (pairs: one per kept slot;
 dedup: one per token row, no meta: the destination knows the layout), and when weighted the
 weight gradients back as float32 (pairs: 4 bytes per row; dedup: 4K bytes per token row). The
-way back moves one section (the pairs rows, the dedup token rows) with the dispatch's variant
-and that section's ``cap``.
+gradient rows forward and the weight gradients back move one section (the pairs rows, the dedup
+token rows) with the dispatch's variant and that section's ``cap``.
 """
 
 from __future__ import annotations
@@ -55,7 +75,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from .arith import grouped_total_sum, partial_sum, scaled, weight_grad_dot
-from .capacity import kept_counts
+from .capacity import kept_counts, kept_mask
 from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
                      DEDUP_TOKEN_META_BYTES, FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group,
                      dtype_code, resolve_options)
@@ -78,6 +98,13 @@ class Plan:
     backward) moves transposed; cap: its static chunk (rows); slots [R, R] int64 / slot_cap:
     dedup's slot-row section (kept slots s -> d) and its static chunk (None for pairs);
     variant: the exchange that runs, decided over all sections.
+    dropped: capacity dropped a slot somewhere in the group (dedup: the count exchange ran its
+    second all-gather, of the token rows). single [R, R] int64 or None: dedup token rows s -> d
+    with exactly one kept slot; not exchanged (each side counts its own), only the byte
+    accounting of the way back reads it. exact: False for a dedup plan made from the count
+    words alone (``epkit simulate``) where they do not fix the token rows or ``single``: the
+    accounting is then an upper bound (token rows ``min(tokens_per_rank, slots)``, way back
+    ``min(slots, per * rows)``), still never above pairs'.
     """
 
     counts: np.ndarray
@@ -88,6 +115,9 @@ class Plan:
     cap: Optional[int]
     slots: Optional[np.ndarray] = None
     slot_cap: Optional[int] = None
+    dropped: bool = False
+    single: Optional[np.ndarray] = None
+    exact: bool = True
 
 
 def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
@@ -96,21 +126,60 @@ def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.n
     return np.stack([np.concatenate(local_counts(i, num_ranks, num_experts)[:2]) for i in idx])
 
 
-def plan(group: Group, words: np.ndarray) -> Plan:
-    """Derive the plan from the gathered count words int64 [R, E + R] (``count_words``)."""
+def token_rows_of(group: Group, idx: np.ndarray, kept: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """One rank's dedup token rows per destination, from its routing ``idx`` [T, K] int64 and
+    kept mask [T, K] bool: ``(rows [R] int64: tokens with a kept slot on d, single [R] int64:
+    those with exactly one)``. ``rows`` is what the rank contributes to the count exchange's
+    second all-gather when capacity dropped something."""
+    R, L = group.num_ranks, group.num_local_experts
+    n = np.zeros((idx.shape[0], R), np.int64)          # kept slots of t on d
+    for t in range(idx.shape[0]):
+        for k in range(idx.shape[1]):
+            if kept[t, k]:
+                n[t, int(idx[t, k]) // L] += 1
+    return (n >= 1).sum(axis=0, dtype=np.int64), (n == 1).sum(axis=0, dtype=np.int64)
+
+
+def plan(group: Group, words: np.ndarray, token_rows: Optional[np.ndarray] = None,
+         single: Optional[np.ndarray] = None) -> Plan:
+    """Derive the plan from the gathered count words int64 [R, E + R] (``count_words``).
+
+    ``token_rows`` [R, R] int64: the second all-gather's result (``token_rows_of``, row s from
+    rank s), which a dedup transport run supplies when capacity dropped something; ``single``
+    [R, R] int64: each rank's single-slot token rows (accounting only). Without them a dedup
+    plan is ``exact=False`` where they matter (class docstring)."""
     R, E, L = group.num_ranks, group.num_experts, group.num_local_experts
     counts, tokens_per_rank = words[:, :E], words[:, E:]
     kept = kept_counts(counts, group.capacity)
+    dropped = bool((kept != counts).any())
     kept_to = kept.reshape(R, R, L).sum(axis=2)          # kept slots s -> d
     slot_cap = cap = None
     if group.exchange == "static":
         slot_cap = group.max_tokens_per_rank * min(group.topk, L)
-        cap = group.max_tokens_per_rank
+        cap = min(group.max_tokens_per_rank, slot_cap)   # a token row needs a kept slot
     if group.transport == "pairs":
         return Plan(counts, kept, tokens_per_rank, kept_to, resolve(group.exchange, kept_to),
-                    slot_cap)
-    return Plan(counts, kept, tokens_per_rank, tokens_per_rank,
-                resolve(group.exchange, tokens_per_rank, kept_to), cap, kept_to, slot_cap)
+                    slot_cap, dropped=dropped)
+    exact = single is not None
+    rows = tokens_per_rank
+    if dropped:                                          # the second all-gather's words
+        exact = exact and token_rows is not None
+        rows = token_rows if token_rows is not None else np.minimum(tokens_per_rank, kept_to)
+    rows = np.asarray(rows, np.int64)
+    return Plan(counts, kept, tokens_per_rank, rows,
+                resolve(group.exchange, rows, kept_to), cap, kept_to, slot_cap, dropped,
+                None if single is None else np.asarray(single, np.int64), exact)
+
+
+def wire_plan(group: Group, idx: List[np.ndarray], kept: List[np.ndarray]) -> Plan:
+    """The plan a transport run derives, from the whole group's routing and kept masks: the
+    count words, and for dedup the second all-gather when capacity dropped something (and the
+    single-slot counts for the accounting)."""
+    words = count_words(idx, group.num_ranks, group.num_experts)
+    if group.transport != "dedup":
+        return plan(group, words)
+    rows, single = zip(*[token_rows_of(group, i, k) for i, k in zip(idx, kept)])
+    return plan(group, words, np.stack(rows), np.stack(single))
 
 
 def sections(group: Group, p: Plan) -> List[Tuple[np.ndarray, int, Optional[int]]]:
@@ -120,6 +189,30 @@ def sections(group: Group, p: Plan) -> List[Tuple[np.ndarray, int, Optional[int]
     if group.transport == "pairs":
         return [(p.rows, P + PAIRS_META_BYTES, p.cap)]
     return [(p.rows, P + DEDUP_TOKEN_META_BYTES, p.cap), (p.slots, DEDUP_SLOT_ROW_BYTES, p.slot_cap)]
+
+
+def back_per(itemsize: int) -> int:
+    """Rows of the way back's dtype that one float32 partial occupies (``4 / itemsize``); a
+    dedup token row with n kept slots returns ``min(n, per)`` rows."""
+    return 4 // itemsize
+
+
+def back_units(p: Plan, per: int) -> np.ndarray:
+    """Dedup's way back: rows ``s <- d`` as [R, R] int64 ``[s, d]`` (``sum over token rows of
+    min(n, per)``; exact with ``p.single``, else the bound ``min(slots, per * rows)``)."""
+    if p.single is None:
+        return np.minimum(p.slots, per * p.rows)
+    return p.rows if per == 1 else per * p.rows - (per - 1) * p.single   # per in {1, 2}
+
+
+def back_exchange(p: Plan, per: int) -> Tuple[str, Optional[int]]:
+    """``(variant, cap)`` of dedup's way back: ragged as it is; padded and equal as padded to
+    ``min(max slots, per * max rows)``; static with ``min(slot_cap, per * cap)``."""
+    if p.variant == "ragged":
+        return "ragged", None
+    if p.variant == "static":
+        return "static", min(p.slot_cap, per * p.cap)
+    return "padded", min(int(p.slots.max(initial=0)), per * int(p.rows.max(initial=0)))
 
 
 @dataclass
@@ -179,13 +272,14 @@ def _dedup_send(group: Group, s, rows, scales, idx, ws, kept):
                          f"L < 2**24, got K={K}, L={L}")
     send, token_rows, slot_rows = [], [], []
     for d in range(R):
-        tokens = [t for t in range(idx.shape[0]) if any(e >= 0 and e // L == d for e in idx[t])]
+        mine = [[k for k in range(K) if kept[t, k] and int(idx[t, k]) // L == d]
+                for t in range(idx.shape[0])]
+        tokens = [t for t in range(idx.shape[0]) if mine[t]]      # a kept slot on d: n >= 1
         send.append(tokens)
         for t in tokens:
-            mine = [k for k in range(K) if kept[t, k] and int(idx[t, k]) // L == d]
-            token_rows.append(_payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine)))
+            token_rows.append(_payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine[t])))
             slot_rows += [struct.pack("<If", k << 24 | (int(idx[t, k]) - d * L), ws[t, k])
-                          for k in mine]
+                          for k in mine[t]]
     return send, [_as_rows(token_rows, group.payload_bytes + DEDUP_TOKEN_META_BYTES),
                   _as_rows(slot_rows, DEDUP_SLOT_ROW_BYTES)]
 
@@ -231,6 +325,7 @@ def _dedup_receive(group: Group, d: int, got: np.ndarray, got_slots: np.ndarray,
             recv_scale[n] = scale
         t, count = struct.unpack("<ii", got[n, P:P + DEDUP_TOKEN_META_BYTES].tobytes())
         recv_src[n] = (source[n], t)
+        assert count >= 1, "a token row travels only with a kept slot"
         for i in range(cursor, cursor + count):
             code, w = struct.unpack("<If", got_slots[i].tobytes())
             k, j = code >> 24, code & (DEDUP_MAX_LOCAL - 1)
@@ -263,7 +358,7 @@ def _dedup_receive(group: Group, d: int, got: np.ndarray, got_slots: np.ndarray,
 def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
     """Dispatch through ``group.transport`` and ``group.exchange`` (inputs validated)."""
     R, L = group.num_ranks, group.num_local_experts
-    p = plan(group, count_words(idx, R, group.num_experts))
+    p = wire_plan(group, idx, kept)
     rows, scales = wire_rows(xs, group.payload)
     send_fn = _pairs_send if group.transport == "pairs" else _dedup_send
     sends, bufs = zip(*[send_fn(group, s, rows[s], None if scales is None else scales[s],
@@ -305,6 +400,32 @@ def _group_of(res) -> Group:
                  r.payload, r.transport, r.exchange, r.max_tokens_per_rank)
 
 
+def _dedup_back_rows(res_d, y: np.ndarray, weighted: bool, per: int) -> List[np.ndarray]:
+    """Rank d's way back, per received token row (recv order): its ``min(n, per)`` rows in
+    y's dtype: the n rows themselves (k ascending) when ``n <= per``, else the float32 partial
+    P_d(t) (arith.partial_sum) as ``per`` rows of its bits."""
+    H = y.shape[1]
+    c = res_d.row_weight if weighted else np.ones_like(res_d.row_weight)
+    out = []
+    for slot_rows in res_d.wire.recv_rows:
+        ms = [m for m in slot_rows if m >= 0]           # k ascending
+        if len(ms) <= per:
+            out.append(y[ms].reshape(len(ms), H))
+        else:
+            part = partial_sum([(c[m], y[m]) for m in ms], H)
+            out.append(part.view(y.dtype).reshape(per, H))
+    return out
+
+
+def _dedup_partial(got: np.ndarray, ms_k: List[int], w, weighted: bool, per: int, H: int):
+    """The source's P_d(t) of a token row from the ``min(n, per)`` rows it got back (y's
+    dtype): the float32 partial's bits, or the n raw rows summed with its own weights of the
+    kept slots ``ms_k`` (k ascending)."""
+    if len(ms_k) > per:
+        return np.ascontiguousarray(got).reshape(-1).view(FLOAT32).reshape(H)
+    return partial_sum([(w[k] if weighted else 1, got[i]) for i, k in enumerate(ms_k)], H)
+
+
 def reduce_back(res, ys: List[np.ndarray], weighted: bool):
     """Combine (``ys`` = expert_y) or dispatch backward (``ys`` = gradients, unweighted)
     through the transport of ``res``.
@@ -314,41 +435,58 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
     group = _group_of(res)
     R, L, K, H = group.num_ranks, group.num_local_experts, group.topk, group.hidden
     p = res[0].wire.plan
-    bufs = []
-    for d in range(R):
-        wire, y = res[d].wire, ys[d]
-        if group.transport == "pairs":                  # each kept slot's row, as it came
-            bufs.append(_rows_of(y[wire.recv_rows]))
-        else:                                           # one partial sum per token row
-            c = res[d].row_weight if weighted else np.ones_like(res[d].row_weight)
-            part = np.zeros((wire.recv_rows.shape[0], H), FLOAT32)
-            for n, slot_rows in enumerate(wire.recv_rows):
-                part[n] = partial_sum([(c[m], y[m]) for m in slot_rows if m >= 0], H)
-            bufs.append(_rows_of(part))
-    received, moved = exchange_rows(bufs, p.rows.T, p.variant, p.cap)
+    dtype = ys[0].dtype
+    if group.transport == "pairs":                      # each kept slot's row, as it came
+        bufs = [_rows_of(ys[d][res[d].wire.recv_rows]) for d in range(R)]
+        received, moved = exchange_rows(bufs, p.rows.T, p.variant, p.cap)
+    else:                                               # min(n, per) rows per token row
+        per = back_per(dtype.itemsize)
+        back = [_dedup_back_rows(res[d], ys[d], weighted, per) for d in range(R)]
+        units = np.array([[sum(len(b) for b in back[d][start:stop]) for start, stop in
+                           _chunk_bounds(p.rows[:, d])] for d in range(R)], np.int64)  # [d, s]
+        bufs = [_rows_of(np.concatenate(b).reshape(-1, H) if b else np.zeros((0, H), dtype))
+                for b in back]
+        variant, cap = back_exchange(p, per)
+        received, moved = exchange_rows(bufs, units, variant, cap)
     G = res[0].ranks_per_node           # the summation order's nodes (arith.grouped_total_sum)
-    row_dtype = ys[0].dtype if group.transport == "pairs" else FLOAT32
     outs = []
     for s in range(R):
         send, T = res[s].wire.send, res[s].num_tokens
-        start = np.concatenate([[0], np.cumsum(p.rows.T[:, s])])
-        got = [received[s][start[d]:start[d + 1]].copy().view(row_dtype) for d in range(R)]
+        w, idx, kept = res[s].topk_weights, res[s].topk_idx, res[s].kept
+        counts = (p.rows.T[:, s] if group.transport == "pairs" else
+                  [sum(min(sum(1 for k in range(K) if kept[t, k] and idx[t, k] // L == d), per)
+                       for t in send[d]) for d in range(R)])
+        start = np.concatenate([[0], np.cumsum(counts)])
+        got = [received[s][start[d]:start[d + 1]].copy().view(dtype).reshape(-1, H)
+               for d in range(R)]
         out = np.zeros((T, H), FLOAT32)
         if group.transport == "pairs":
             where = {(d, t, k): got[d][i] for d in range(R) for i, (t, k) in enumerate(send[d])}
-            w = res[s].topk_weights
             for t in range(T):
                 out[t] = grouped_total_sum(
                     [(d, partial_sum([(w[t, k] if weighted else 1, where[d, t, k])
                                       for k in range(K) if (d, t, k) in where], H))
                      for d in range(R)], G, H)
         else:
-            where = {(d, t): got[d][i] for d in range(R) for i, t in enumerate(send[d])}
+            where = {}
+            for d in range(R):
+                at = 0
+                for t in send[d]:
+                    ks = [k for k in range(K) if kept[t, k] and idx[t, k] // L == d]
+                    n = min(len(ks), per)
+                    where[d, t] = _dedup_partial(got[d][at:at + n], ks, w[t], weighted, per, H)
+                    at += n
             for t in range(T):
                 out[t] = grouped_total_sum([(d, where[d, t]) for d in range(R) if (d, t) in where],
                                            G, H)
         outs.append(out)
     return outs, moved
+
+
+def _chunk_bounds(counts) -> List[Tuple[int, int]]:
+    """``(start, stop)`` of each source's rows in a concatenation with these counts."""
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    return [(int(start[i]), int(start[i + 1])) for i in range(len(counts))]
 
 
 def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], weighted: bool):
@@ -439,17 +577,22 @@ def dispatch_bytes_of(group: Group, p: Plan) -> np.ndarray:
 
 
 def combine_bytes_of(group: Group, p: Plan) -> np.ndarray:
-    """The combine's [R, R] byte matrix for a plan (``group.x_dtype`` = expert_y's dtype)."""
-    row_bytes = (group.hidden * group.x_dtype.itemsize if group.transport == "pairs"
-                 else 4 * group.hidden)
-    return exchange_bytes(p.rows.T, row_bytes, p.variant, p.cap)
+    """The combine's [R, R] byte matrix for a plan (``group.x_dtype`` = expert_y's dtype):
+    rows of ``H * itemsize(y)`` bytes; pairs one per kept slot, dedup ``back_units`` with
+    ``back_exchange``'s variant and cap (an upper bound for an ``exact=False`` plan)."""
+    row_bytes = group.hidden * group.x_dtype.itemsize
+    if group.transport == "pairs":
+        return exchange_bytes(p.rows.T, row_bytes, p.variant, p.cap)
+    per = back_per(group.x_dtype.itemsize)
+    variant, cap = back_exchange(p, per)
+    return exchange_bytes(back_units(p, per).T, row_bytes, variant, cap)
 
 
 def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
                    exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
     """Bytes rank s sends to rank d in a dispatch ([R, R] int64; diagonal = the local copy).
 
-    pairs: ``P + 16`` per kept slot; dedup: ``P + 8`` per token row (a token with a used slot on
+    pairs: ``P + 16`` per kept slot; dedup: ``P + 8`` per token row (a token with a kept slot on
     d) plus 8 per slot row (a kept slot on d); each section as its exchange variant moves it
     (padding and in-band header rows included).
 
@@ -460,17 +603,20 @@ def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="d
     """
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return dispatch_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+    return dispatch_bytes_of(group, wire_plan(group, idx, kept_mask(idx, group.num_experts,
+                                                                    group.capacity)))
 
 
 def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
                   exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
     """Bytes rank a sends to rank b in the combine ([R, R] int64), ``dtype`` = expert_y's dtype.
 
-    pairs: ``H * itemsize(dtype)`` per kept slot; dedup: ``4 H`` (a float32 partial sum) per
-    token row. The counts are the dispatch's, transposed. ``payload`` does not change the
+    pairs: ``H * itemsize(dtype)`` per kept slot; dedup: ``min(n * itemsize(dtype), 4) * H``
+    per token row with n kept slots (its raw rows, or a float32 partial sum), padded / equal /
+    static to the caps of ``back_exchange``. The counts are the dispatch's, transposed. ``payload`` does not change the
     combine (it travels unquantized); it is checked like in ``dispatch_bytes``.
     """
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return combine_bytes_of(group, plan(group, count_words(idx, group.num_ranks, group.num_experts)))
+    return combine_bytes_of(group, wire_plan(group, idx, kept_mask(idx, group.num_experts,
+                                                                   group.capacity)))

@@ -107,7 +107,7 @@ constexpr int64_t kWordHeader = 8;
 enum PreErrorField : int64_t { kPreErrorCode = 0, kPreErrorA = 1, kPreErrorB = 2, kPreErrorXDtype = 3, kPreErrorMaxTokens = 4 };
 
 // plan header words, then the sections (PlanOffsets in epkit.h)
-enum PlanHeader : int64_t { kErrCode = 0, kErrA = 1, kErrB = 2, kErrRank = 3, kSendRows = 4, kRecvRows = 5, kExpertRows = 6, kUniform = 7, kMaxChunk = 8, kRanks = 9, kLocalExperts = 10, kExperts = 11, kTransport = 12, kCapacity = 13, kAlign = 14, kTopK = 15, kStaticCap = 16, kVariant = 17, kPayloadBytes = 18, kTokCap = 19, kSlotCap = 20, kSendBytes = 21, kRecvBytes = 22, kNonUniformRank = 23, kPlanHeader = 24 };
+enum PlanHeader : int64_t { kErrCode = 0, kErrA = 1, kErrB = 2, kErrRank = 3, kSendRows = 4, kRecvRows = 5, kExpertRows = 6, kUniform = 7, kMaxChunk = 8, kRanks = 9, kLocalExperts = 10, kExperts = 11, kTransport = 12, kCapacity = 13, kAlign = 14, kTopK = 15, kStaticCap = 16, kVariant = 17, kPayloadBytes = 18, kTokCap = 19, kSlotCap = 20, kSendBytes = 21, kRecvBytes = 22, kNonUniformRank = 23, kDroppedAny = 24, kPlanHeader = 25 };
 
 // wire format: byte offsets of the metadata after a row's payload, row sizes
 constexpr int64_t kPairsMetaT = 0;

@@ -369,7 +369,11 @@ inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
   check_float_dtype(op, "back", back.scalar_type());
   check_float_dtype(op, "out_dtype", out_dtype);
   check_send_map_args(op, back, send_map, topk_idx, R, transport);
-  if (transport == kPairs && weighted) {
+  // dedup: rows of 4H bytes, per = 4 / itemsize(y) rows of y each (see cpu/combine.cpp)
+  TORCH_CHECK(transport == kPairs || back.size(1) % (4 / back.element_size()) == 0, op,
+              ": dedup's back must be [S, 4 H / itemsize] (a float32 row per token row), got ",
+              back.sizes(), " of ", back.scalar_type());
+  if (weighted) {  // the source's own weights (dedup: for the rows that come back raw)
     check_dim(op, "topk_weights", topk_weights, 2);
     check_dtype(op, "topk_weights", topk_weights, at::kFloat);
     check_device(op, "topk_weights", topk_weights, back.device());

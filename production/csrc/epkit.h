@@ -98,8 +98,10 @@ EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, 
   p[kVariant] = variant;
   int64_t tokcap = -1, slotcap = -1;
   if (variant == kStatic) {
-    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing.
-    const int64_t cap = transport == kPairs ? max_tokens * per : max_tokens;
+    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing. A dedup token
+    // row needs a kept slot: at most min(max_tokens, max_tokens * per) (0 when K = 0).
+    const int64_t slots_cap = max_tokens * per;
+    const int64_t cap = transport == kPairs || slots_cap < max_tokens ? slots_cap : max_tokens;
     p[kStaticCap] = cap;
     p[kSendRows] = p[kRecvRows] = R * (1 + cap);
     p[kMaxChunk] = 1 + cap;

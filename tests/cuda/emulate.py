@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from epkit import ops
+from epkit.reference import abi
 
 PACK_CHUNK, UNPACK_CHUNK, WARP = 32, 64, 32  # pack.cu kChunk, unpack.cu kChunk, kWarp
 
@@ -36,8 +37,9 @@ def _exclusive(a, axis=0):
 
 def local_experts_bound(n: int) -> int:
     """unpack.cu local_experts_bound: the host's bound on L from the plan's length n alone,
-    n - 16 = (2R + 3)(L + 3); the largest L of any R >= 1 (smallest odd divisor d >= 5)."""
-    m = n - 16
+    n - (PLAN_HEADER - 8) = (2R + 3)(L + 3); the largest L of any R >= 1 (smallest odd divisor
+    d >= 5)."""
+    m = n - (abi.PLAN_HEADER - 8)
     d = 5
     while d * 4 <= m:
         if m % d == 0:
@@ -92,8 +94,12 @@ def pack_send_map(idx: np.ndarray, plan: np.ndarray, R: int, E: int, pairs: bool
         tokc, stamp = np.zeros(R, np.int64), np.full(R, -1)
         for t in range(c * PACK_CHUNK, min(T, (c + 1) * PACK_CHUNK)):
             for kb in range(0, K, WARP):
-                es = [int(idx[t, kb + lane]) if kb + lane < K else -1 for lane in range(WARP)]
-                for d in sorted({e // L for e in es if 0 <= e < E}):  # one leader lane per d
+                ks = [kb + lane for lane in range(WARP) if kb + lane < K]
+                # one leader lane per d with a kept slot in this pass: t's first kept slot on d
+                # opens its token row
+                kept_ds = {int(idx[t, k]) // L for k in ks
+                           if 0 <= idx[t, k] < E and kept(t, k, int(idx[t, k]))}
+                for d in sorted(kept_ds):
                     if stamp[d] != t:
                         tok_local[t, d], stamp[d] = tokc[d], t
                         tokc[d] += 1

@@ -100,6 +100,13 @@ def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, mx
     words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, dtype_code(x.dtype), max_tokens],
                                    int(mxfp8)) for x, i, w in zip(xs, idxs, ws)])
     plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens) for r in range(R)]
+    if tr == ops.DEDUP and int(plans[0].cpu()[ops.DROPPED_ANY]):
+        # count_exchange's second all-gather: every rank's kept token rows, and the plans again
+        words = words.clone()
+        words[:, ops.WORD_HEADER + E:] = torch.stack(
+            [ops.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
+        plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
+                 for r in range(R)]
     hps = [p.cpu() for p in plans]
     out["words"], out["plans"] = words, plans
     packed = [C.pack(rows[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][ops.SEND_BYTES]))
@@ -145,18 +152,25 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     gouts = [torch.randn(x.shape, generator=g).to(x.dtype).to(dev) for x in xs]
     gws = [torch.randn(u[0].shape[0], generator=g).to(dev) for u in ups]
 
-    # combine
+    # combine. dedup: every token row's 4H bytes travel whole here (the op moves only the
+    # rows it uses, epkit.ops.move_back); reduce_tokens reads them in y's dtype with the kept
+    # routing.
+    def back_of(b, dtype):
+        return b if tr == ops.PAIRS else b.view(dtype)
+
+    kidx = [idxs[s] if tr == ops.PAIRS else ops.kept_routing(idxs[s], out["plans"][s])
+            for s in range(R)]
     rows = [C.gather_rows(ys[d], ups[d][3], ups[d][2], tr, weighted) for d in range(R)]
     backs = _move_rows(rows, hps, R, E, True)
     out["gather_rows"] = rows
-    out["combine"] = [C.reduce_tokens(backs[s], smaps[s], idxs[s], ws[s], E, R, tr, weighted,
-                                      xs[s].dtype) for s in range(R)]
+    out["combine"] = [C.reduce_tokens(back_of(backs[s], y_dtype), smaps[s], kidx[s], ws[s], E,
+                                      R, tr, weighted, xs[s].dtype) for s in range(R)]
     # dispatch backward: gradient rows, then the weight gradient per slot
     empty = torch.zeros(0, device=dev)
     grows = [C.gather_rows(gexs[d], ups[d][3], empty, tr, False) for d in range(R)]
     gbacks = _move_rows(grows, hps, R, E, True)
-    out["grad_x"] = [C.reduce_tokens(gbacks[s], smaps[s], idxs[s], empty, E, R, tr, False,
-                                     xs[s].dtype) for s in range(R)]
+    out["grad_x"] = [C.reduce_tokens(back_of(gbacks[s], gexs[s].dtype), smaps[s], kidx[s],
+                                     empty, E, R, tr, False, xs[s].dtype) for s in range(R)]
     vals = [C.gather_slot_values(gws[d], ups[d][3]) for d in range(R)]
     out["slot_values"] = vals
     vbacks = _move_rows(vals, hps, R, E, True)

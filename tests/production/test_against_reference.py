@@ -32,7 +32,22 @@ def check_case(group_pool, case):
             assert_bitwise(name, got[r][name], want[r][name], r)
         want_w = want[r]["grad_w"] if opts["weighted"] else np.zeros_like(want[r]["grad_w"])
         assert_weight_grad(got[r]["grad_w"], want_w, bounds[r] if opts["weighted"] else {}, r)
+    # the wire plan (dedup: the token rows that really travel, capacity included) is the
+    # reference's, byte for byte
+    sent = ref_dispatch_bytes(xs, idxs, opts)
+    for r in range(R):
+        assert np.array_equal(got[r]["bytes_sent"], sent[r]), (r, got[r]["bytes_sent"], sent[r])
     return got
+
+
+def ref_dispatch_bytes(xs, idxs, opts):
+    from epkit import reference as ref
+
+    exchange = "auto" if opts["exchange"] == "lazy" else opts["exchange"]  # lazy plans as auto
+    return ref.dispatch_bytes(idxs, num_experts=opts["E"], hidden=xs[0].shape[1],
+                              dtype=xs[0].dtype, transport=opts["transport"], exchange=exchange,
+                              capacity=opts["capacity"],
+                              max_tokens_per_rank=opts.get("max_tokens_per_rank"))
 
 
 def check_static_tail(got, want, opts, R, H, K):

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import traceback
 
+from epkit.reference import abi
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ERRORS = ("RuntimeError", "ValueError", "IndexError")
 
@@ -33,7 +35,7 @@ SEND_BYTES = 21
 
 
 def offsets(R: int, E: int) -> dict[str, int]:
-    L, at, out = E // R, 24, {}
+    L, at, out = E // R, abi.PLAN_HEADER, {}
     for name, n in (("send_counts", R), ("recv_counts", R), ("tokens_per_expert", L),
                     ("dropped", L), ("offsets", L + 1), ("recv_kept", R * L), ("own_kept", E),
                     ("send_bytes", R), ("recv_bytes", R), ("send_slots", R), ("recv_slots", R)):
@@ -238,7 +240,7 @@ o1 = offsets(1, Ctx.E)
 for name, bad in [
     ("plan_from_a_smaller_call", pack_small_plan),
     ("plan_truncated", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"][:-1])),
-    ("plan_header_only", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"][:24])),
+    ("plan_header_only", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"][:abi.PLAN_HEADER])),
     ("plan_too_short", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"][:5])),
     ("plan_float", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"].double())),
     ("plan_2d", lambda c, tr: pack(c, tr, plan=c.chain(tr)["plan"].view(1, -1))),

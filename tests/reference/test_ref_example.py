@@ -63,14 +63,15 @@ def test_worked_example(tier):
     assert [r.num_rows for r in capped] == [4, 4]
     out = tier.combine(experts(capped), capped)
     assert [o.tolist() for o in out] == [[[2, 4], [12, 16], [6.25, 7.5]], [[10.5, 12], [9, 10]]]
-    assert [r.recv_src.tolist() for r in capped] == [r.recv_src.tolist() for r in res]
-    assert capped[0].recv_topk_idx.tolist() == [[0, -1], [1, 0], [-1, -1]]
+    # rank 1's token 0 lost its only slot on rank 0: it has no rank-major row there any more
+    assert [r.recv_src.tolist() for r in capped] == [[[0, 0], [0, 2]], res[1].recv_src.tolist()]
+    assert capped[0].recv_topk_idx.tolist() == [[0, -1], [1, 0]]
 
     kw = dict(num_experts=4, hidden=2, dtype="float32", exchange="ragged")
     assert tier.dispatch_bytes(IDX, transport="pairs", **kw).tolist() == [[72, 48], [24, 72]]
     assert tier.combine_bytes(IDX, transport="pairs", **kw).tolist() == [[24, 8], [16, 24]]
     assert tier.dispatch_bytes(IDX, transport="dedup", **kw).tolist() == [[56, 48], [24, 56]]
     assert tier.combine_bytes(IDX, transport="dedup", **kw).tolist() == [[16, 8], [16, 16]]
-    # capacity 2: rank 1's token 0 still travels to rank 0 (a token row with n = 0)
+    # capacity 2: rank 1's token 0 lost its only slot on rank 0 and no longer travels there
     assert tier.dispatch_bytes(IDX, transport="pairs", capacity=2, **kw).tolist() == [[72, 48], [0, 48]]
-    assert tier.dispatch_bytes(IDX, transport="dedup", capacity=2, **kw).tolist() == [[56, 48], [16, 48]]
+    assert tier.dispatch_bytes(IDX, transport="dedup", capacity=2, **kw).tolist() == [[56, 48], [0, 48]]

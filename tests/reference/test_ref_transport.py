@@ -18,21 +18,30 @@ EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 
 def wire_counts(case, kept=None):
     """Worked out from the routing alone (not from the reference's plan), per (s, d): token rows
-    (tokens with a used slot on d), kept slots on d, and whether two kept slots of one token
+    (tokens with a kept slot on d), kept slots on d, and whether two kept slots of one token
     share d. ``kept``: R bool arrays [T, K] (None: every used slot)."""
+    tok, slots, shared, _ = kept_per_token_row(case, kept)
+    return tok, slots, shared
+
+
+def kept_per_token_row(case, kept=None):
+    """``(tok, slots, shared, ns)``: as wire_counts, and ``ns[s][d]`` the list of n (kept slots
+    of the token on d) over s's token rows to d."""
     tok = np.zeros((case.R, case.R), np.int64)
     slots = np.zeros((case.R, case.R), np.int64)
     shared = np.zeros((case.R, case.R), bool)
+    ns = [[[] for _ in range(case.R)] for _ in range(case.R)]
     for s in range(case.R):
         keep = case.idx[s] >= 0 if kept is None else kept[s]
         for row, krow in zip(case.idx[s], keep):
-            for d in {int(e) // case.L for e in row if e >= 0}:
-                tok[s, d] += 1
             on = [int(e) // case.L for e, k in zip(row, krow) if k]
+            for d in set(on):
+                tok[s, d] += 1
+                ns[s][d].append(on.count(d))
             for d in on:
                 slots[s, d] += 1
                 shared[s, d] |= on.count(d) >= 2
-    return tok, slots, shared
+    return tok, slots, shared, ns
 
 
 def uniform(c):
@@ -44,8 +53,9 @@ def expected_dispatch_bytes(tr, variant, tok, slots, payload_bytes, max_t, K, L)
     ``P + 8`` per token row plus 8 per slot row; padded: each section's group-wide max rows;
     static: a header row plus ``cap`` rows per chunk and section."""
     slot_cap = None if max_t is None else max_t * min(K, L)
+    tok_cap = None if max_t is None else min(max_t, slot_cap)   # a token row needs a kept slot
     sections = ([(slots, payload_bytes + 16, slot_cap)] if tr == "pairs" else
-                [(tok, payload_bytes + 8, max_t), (slots, 8, slot_cap)])
+                [(tok, payload_bytes + 8, tok_cap), (slots, 8, slot_cap)])
     total = np.zeros(tok.shape, np.int64)
     for c, row, cap in sections:
         if variant in ("ragged", "equal"):
@@ -130,18 +140,19 @@ def test_equal_on_nonuniform_plan_raises():
 
 
 @settings(max_examples=150, deadline=None)
-@given(cases(capacity=False, payloads=(None, None, "mxfp8")), st.sampled_from(EXCHANGES))
-def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
-    """Without capacity, per (s, d): dedup moves ``rows * (P + 8) + slots * 8`` against pairs'
-    ``slots * (P + 16)``, and ``rows <= slots``; strictly fewer bytes whenever two of a token's
-    kept slots share d (ragged / equal: on that (s, d); static: everywhere, since then
-    ``min(K, L) >= 2``; padded: exactly when the token section's max is below the slot
-    section's). The one exception is the degenerate static plan with K = 0 (no slot can travel):
-    dedup's token chunk is still ``max_tokens_per_rank`` rows (docs/design.md), pairs' is 0."""
+@given(cases(payloads=(None, None, "mxfp8")), st.sampled_from(EXCHANGES))
+def test_dedup_never_sends_more_bytes_than_pairs(case, ex):
+    """Capacity or not, per (s, d): dedup's dispatch moves ``rows * (P + 8) + slots * 8``
+    against pairs' ``slots * (P + 16)``, and every token row has a kept slot (``rows <= slots``);
+    strictly fewer whenever two of a token's kept slots share d (ragged / equal: on that (s, d);
+    padded: exactly when the token section's max is below the slot section's). Its combine moves
+    ``min(n, per)`` rows of y's dtype per token row with n kept slots (``per = 4 / itemsize``)
+    against pairs' n: strictly fewer where a token row has ``n > per``; float32 and bfloat16."""
     max_t = max(x.shape[0] for x in case.xs) + case.seed % 2
     kw = dict(num_experts=case.E, hidden=case.H, dtype=case.dtype, payload=case.payload,
-              exchange=ex, max_tokens_per_rank=max_t)
-    tok, slots, shared = wire_counts(case)
+              exchange=ex, max_tokens_per_rank=max_t, capacity=case.capacity)
+    kept = ref.capacity.kept_mask(case.idx, case.E, case.capacity)
+    tok, slots, shared, ns = kept_per_token_row(case, kept)
     try:
         dedup = ref.dispatch_bytes(case.idx, transport="dedup", **kw)
     except ref.InputError as err:           # equal needs both of dedup's sections uniform
@@ -150,10 +161,8 @@ def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
         return
     pairs = ref.dispatch_bytes(case.idx, transport="pairs", **kw)   # uniform slots: pairs too
     assert (tok <= slots).all()
+    assert np.array_equal(dedup, ref.fast.dispatch_bytes(case.idx, transport="dedup", **kw))
     P = case.H * case.dtype.itemsize if case.payload is None else case.H + case.H // 32
-    if ex == "static" and case.K == 0:
-        assert (dedup - pairs == max_t * (P + 8)).all()
-        return
     assert (dedup <= pairs).all(), (dedup, pairs)
     variant = ex if ex != "auto" else "equal" if uniform(tok) and uniform(slots) else "ragged"
     if variant in ("ragged", "equal"):
@@ -163,13 +172,22 @@ def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
         assert (dedup < pairs).all() == (tok.max() < slots.max())
     elif shared.any():
         assert (dedup < pairs).all()
-    # combine direction: one float32 partial sum (4 H bytes) per token row; pairs: a y row per slot
-    ckw = dict(kw, payload=None, dtype=case.dtype)
-    cd = ref.combine_bytes(case.idx, transport="dedup", **ckw)
-    cp = ref.combine_bytes(case.idx, transport="pairs", **ckw)
-    if variant in ("ragged", "equal"):
-        assert np.array_equal(cd, tok.T * 4 * case.H)
-        assert np.array_equal(cp, slots.T * case.H * case.dtype.itemsize)
+    for ydt in (F32, ref.common.BFLOAT16):   # combine: expert_y float32 or bfloat16
+        per = 4 // ydt.itemsize
+        ckw = dict(kw, payload=None, dtype=ydt)
+        cd = ref.combine_bytes(case.idx, transport="dedup", **ckw)
+        cp = ref.combine_bytes(case.idx, transport="pairs", **ckw)
+        assert np.array_equal(cd, ref.fast.combine_bytes(case.idx, transport="dedup", **ckw))
+        assert (cd <= cp).all(), (ydt, cd, cp)
+        units = np.array([[sum(min(n, per) for n in ns[s][d]) for d in range(case.R)]
+                          for s in range(case.R)], np.int64)
+        more = np.array([[any(n > per for n in ns[s][d]) for d in range(case.R)]
+                         for s in range(case.R)])
+        if variant == "ragged":
+            assert np.array_equal(cd, units.T * case.H * ydt.itemsize)
+            assert np.array_equal(cd < cp, more.T)
+        if variant in ("ragged", "equal"):
+            assert np.array_equal(cp, slots.T * case.H * ydt.itemsize)
 
 
 def test_dedup_fewer_bytes_when_experts_share_a_rank():
@@ -206,25 +224,31 @@ def _decode_dedup(group, s, xs, idx, ws, kept):
 
 def test_dedup_wire_rows_of_the_worked_example():
     """The rows themselves (docs/semantics.md's worked example, capacity 2): rank 1's token 0
-    lost its only slot on rank 0 and still travels there, with n = 0 and no slot row."""
+    lost its only slot on rank 0 and no longer travels there; the count exchange ran its second
+    all-gather (token rows), which without the drop it does not."""
     xs = [np.array([[1, 2], [3, 4], [5, 6]], F32), np.array([[7, 8], [9, 10]], F32)]
     idx = [np.array([[0, 2], [3, -1], [1, 0]]), np.array([[2, 0], [2, 3]])]
     ws = [np.array([[0.5, 0.5], [1, 0], [0.25, 0.75]], F32), np.array([[0.5, 0.5], [0.75, 0.25]], F32)]
     group = Group(2, 4, 2, 2, F32, 2, 2, None, "dedup", "ragged")
     kept = kept_mask(idx, 4, 2)
     send, toks, slots = _decode_dedup(group, 1, xs, idx, ws, kept)
-    assert send == [[0], [0, 1]]
-    assert toks == [([7, 8], 0, 0), ([7, 8], 0, 1), ([9, 10], 1, 1)]   # to rank 0, then rank 1
+    assert send == [[], [0, 1]]
+    assert toks == [([7, 8], 0, 1), ([9, 10], 1, 1)]                   # all to rank 1
     assert slots == [(0, 0, 0.5), (1, 1, 0.25)]                        # all to rank 1
     send, toks, slots = _decode_dedup(group, 0, xs, idx, ws, kept)
     assert toks == [([1, 2], 0, 1), ([5, 6], 2, 2), ([1, 2], 0, 1), ([3, 4], 1, 1)]
     assert slots == [(0, 0, 0.5), (0, 1, 0.25), (1, 0, 0.75), (1, 0, 0.5), (0, 1, 1.0)]
     res = ref.dispatch(xs, idx, ws, num_experts=4, align=2, capacity=2, transport="dedup",
                        exchange="ragged", rank_major=True)
-    assert res[0].recv_topk_idx.tolist() == [[0, -1], [1, 0], [-1, -1]]
-    assert res[0].recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75], [0, 0]]
+    assert res[0].recv_topk_idx.tolist() == [[0, -1], [1, 0]]
+    assert res[0].recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75]]
     assert [r.bytes_sent.tolist() for r in res] == [[2 * 16 + 3 * 8, 2 * 16 + 2 * 8],
-                                                    [16, 2 * 16 + 2 * 8]]
+                                                    [0, 2 * 16 + 2 * 8]]
+    p = res[0].wire.plan
+    assert p.dropped and p.rows.tolist() == [[2, 2], [0, 2]]
+    assert p.tokens_per_rank.tolist() == [[2, 2], [1, 2]]              # pre-capacity: 1 -> 0
+    whole = ref.dispatch(xs, idx, ws, num_experts=4, align=2, transport="dedup", exchange="ragged")
+    assert not whole[0].wire.plan.dropped                             # no drop: one gather
 
 
 def test_dedup_slot_codes_with_large_k():
@@ -291,3 +315,29 @@ def test_exchange_variants(R, seed, tail, dtype):
         with pytest.raises(ref.InputError) as err:
             ref.exchange(xs, counts, variant="static", cap=int(counts.max()) - 1)
         assert err.value.code == ref.Reason.STATIC_OVERFLOW
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.sampled_from(("ragged", "padded", "static")))
+def test_plan_from_count_words_alone_bounds_the_bytes(case, ex):
+    """``epkit simulate`` plans from the count words alone: where they do not fix dedup's token
+    rows (capacity dropped something) or its way back (which needs every token row's n), the
+    plan says ``exact=False`` and its bytes bound the exact ones from above, never above pairs'."""
+    max_t = max(x.shape[0] for x in case.xs)
+    for ydt in (F32, ref.common.BFLOAT16):
+        group = Group(case.R, case.E, case.H, case.K, ydt, 1, case.capacity, None, "dedup", ex,
+                      max_t)
+        words = transport.count_words(case.idx, case.R, case.E)
+        loose = transport.plan(group, words)
+        kept = kept_mask(case.idx, case.E, case.capacity)
+        exact = transport.wire_plan(group, case.idx, kept)
+        assert exact.exact and not loose.exact
+        assert loose.dropped == exact.dropped
+        pg = Group(**dict(group.__dict__, transport="pairs"))
+        pairs = transport.plan(pg, words)
+        for of in (transport.dispatch_bytes_of, transport.combine_bytes_of):
+            e, b, p = of(group, exact), of(group, loose), of(pg, pairs)
+            assert (e <= b).all() and (b <= p).all(), (of.__name__, e, b, p)
+        if not exact.dropped:
+            assert np.array_equal(transport.dispatch_bytes_of(group, loose),
+                                  transport.dispatch_bytes_of(group, exact))

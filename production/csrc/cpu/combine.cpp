@@ -3,6 +3,12 @@
 // The order is fixed by docs/semantics.md: out[t] = sum over d ascending of P_d(t),
 // P_d(t) = sum over k ascending of c_k * y(t, k) for the kept slots living on d; every
 // product and every sum is a single float32 operation, both sums start from +0.0.
+//
+// dedup's way back (docs/design.md): a token row with n kept slots returns its n rows of y
+// themselves when n * itemsize(y) <= 4 (n <= per = 4 / itemsize), else its float32 partial
+// P_d(t). Both kernels hold a token row in 4H bytes (one float32 row): gather_rows' output
+// [N, H] float32, reduce_tokens' input [S, per * H] in y's dtype (the same bytes); the ops
+// in Python move only the min(n, per) rows of y each token row uses.
 #include "../checks.h"
 
 #include <algorithm>
@@ -11,8 +17,10 @@
 
 namespace epkit {
 
-// Expert side. dedup: one float32 partial P_d(t) per received row (its K slots summed);
-// pairs: each received slot's row of expert_y, copied as is (the source multiplies).
+// Expert side. dedup: per received row with n kept slots, its 4H bytes: the n rows of
+// expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
+// partial P_d(t) (its K slots summed); pairs: each received slot's row of expert_y, copied as
+// is (the source multiplies).
 Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
                        int64_t transport, bool weighted) {
   check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
@@ -42,12 +50,29 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
   Tensor out = at::empty({N, H}, at::kFloat);
   float* op = out.data_ptr<float>();
   const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
+  const int64_t per = 4 / y.element_size(), rb = H * y.element_size();
   dispatch_float_types(y.scalar_type(), "epkit.gather_rows", [&](auto tag) {
     using T = decltype(tag);
     const T* yp = y.data_ptr<T>();
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         float* acc = op + n * H;
+        int64_t kept = 0;
+        for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
+        if (kept <= per) {  // the rows themselves, k ascending; the unused bytes zero
+          uint8_t* raw = reinterpret_cast<uint8_t*>(acc);
+          int64_t i = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t m = mp[n * C + c];
+            if (m < 0 || m >= M) {
+              if (m != -1) bad.store(true, std::memory_order_relaxed);
+              continue;
+            }
+            copy_row(raw + i++ * rb, reinterpret_cast<const uint8_t*>(yp + m * H), rb);
+          }
+          std::memset(raw + i * rb, 0, (per - i) * rb);
+          continue;
+        }
         std::fill(acc, acc + H, 0.0f);
         for (int64_t c = 0; c < C; ++c) {
           const int64_t m = mp[n * C + c];
@@ -70,9 +95,31 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
   return out;
 }
 
-// Source side. dedup: back [S, H] float32 partials, added over d ascending.
+// Source side, a partial per destination rank added over d ascending. dedup: back
+// [S, per * H] in y's dtype, row r = token row (t, d) of send_map: its n rows of y when
+// n <= per (the partial formed here with the weights, k ascending), else the float32 partial's
+// bits; topk_idx is the *kept* routing (dropped slots -1), so n = t's slots on d.
 // pairs: back [S, H] rows of expert_y per slot; slots visited in (rank, k) order, a partial
-// per rank, as the dedup transport forms it on the expert side: the same bits.
+// per rank, as the expert side forms it for dedup: the same bits.
+namespace {
+
+// part = +0.0 + c_0 * y_0 + c_1 * y_1 + ... over the rows `rows[i]` (k ascending), c the slot's
+// weight when weighted (else the row itself: 1 * y is exact, the spec's sum either way).
+template <typename Bt>
+inline void partial_of(float* part, int64_t H, const Bt* const* rows, const float* w, int64_t n,
+                       bool weighted) {
+  std::fill(part, part + H, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const Bt* br = rows[i];
+    if (weighted)
+      for (int64_t h = 0; h < H; ++h) part[h] = part[h] + w[i] * widen(br[h]);
+    else
+      for (int64_t h = 0; h < H; ++h) part[h] = part[h] + widen(br[h]);
+  }
+}
+
+}  // namespace
+
 Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                          const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
                          bool weighted, at::ScalarType out_dtype) {
@@ -80,15 +127,17 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
                            out_dtype);
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
-  const bool pairs_weighted = transport == kPairs && weighted;  // the only reader of the weights
-  const Tensor wt = pairs_weighted ? topk_weights.contiguous() : topk_weights;
-  const int64_t T = send_map.size(0), C = send_map.size(1), H = back.size(1), L = E / R;
+  const Tensor wt = weighted ? topk_weights.contiguous() : topk_weights;  // the source's weights
+  const bool dedup = transport == kDedup;
+  const int64_t T = send_map.size(0), C = send_map.size(1), L = E / R;
+  const int64_t per = dedup ? 4 / back.element_size() : 1;   // y rows in one float32 row
+  const int64_t H = back.size(1) / per, BW = back.size(1);   // BW: back's row width
   const int64_t K = idx.size(1), S = back.size(0);
   const int64_t* mp = send_map.data_ptr<int64_t>();
   const int64_t* ip = idx.data_ptr<int64_t>();
-  const float* wp = pairs_weighted ? wt.data_ptr<float>() : nullptr;
-  // A send_map entry outside [-1, S), or (pairs) a used slot whose expert is outside [0, E):
-  // raised after the loop.
+  const float* wp = weighted ? wt.data_ptr<float>() : nullptr;
+  // A send_map entry outside [-1, S), a used slot whose expert is outside [0, E), or (dedup) a
+  // token row without a kept slot: raised after the loop.
   std::atomic<bool> bad{false};
   Tensor out = at::empty({T, H}, at::TensorOptions().dtype(out_dtype));
   dispatch_float_types(out_dtype, "epkit.reduce_tokens", [&](auto otag) {
@@ -98,50 +147,42 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
       using Bt = decltype(btag);
       const Bt* bp = back.data_ptr<Bt>();
       at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        std::vector<float> total(H), part(H);
+        std::vector<float> total(H), part(H), w(K);
         std::vector<int64_t> order(K);
+        std::vector<const Bt*> rows(K);
         for (int64_t t = t0; t < t1; ++t) {
           std::fill(total.begin(), total.end(), 0.0f);
-          if (transport == kDedup) {
-            for (int64_t d = 0; d < C; ++d) {
-              const int64_t r = mp[t * C + d];
-              if (r < 0 || r >= S) {
-                if (r != -1) bad.store(true, std::memory_order_relaxed);
-                continue;
-              }
-              const Bt* br = bp + r * H;
-              for (int64_t h = 0; h < H; ++h) total[h] = total[h] + widen(br[h]);
+          // The used slots of t with a row (pairs: the slot's; dedup: its token row's), in
+          // (destination rank, k) order.
+          int64_t n = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t e = ip[t * K + k];
+            if (e < 0) {  // pairs: an unused slot has no row
+              if (!dedup && mp[t * C + k] != -1) bad.store(true, std::memory_order_relaxed);
+              continue;
             }
-          } else {
-            // Slots of t in (destination rank, k) order.
-            int64_t n = 0;
-            for (int64_t k = 0; k < K; ++k) {
-              const int64_t r = mp[t * K + k], e = ip[t * K + k];
-              if (r >= 0 && r < S && e >= 0 && e < E) order[n++] = k;
-              else if (r != -1) bad.store(true, std::memory_order_relaxed);
+            const int64_t r = e < E ? mp[t * C + (dedup ? e / L : k)] : -2;
+            if (r >= 0 && r < S) order[n++] = k;
+            else if (r != -1 || dedup) bad.store(true, std::memory_order_relaxed);
+          }
+          std::stable_sort(order.begin(), order.begin() + n, [&](int64_t a, int64_t b) {
+            return ip[t * K + a] / L < ip[t * K + b] / L;
+          });
+          for (int64_t i = 0; i < n;) {  // one destination rank d at a time
+            const int64_t d = ip[t * K + order[i]] / L;
+            int64_t j = i, cnt = 0;
+            for (; j < n && ip[t * K + order[j]] / L == d; ++j, ++cnt) {
+              const int64_t k = order[j];
+              const int64_t r = mp[t * C + (dedup ? d : k)];
+              rows[cnt] = dedup ? bp + r * BW + cnt * H : bp + r * BW;
+              w[cnt] = weighted ? wp[t * K + k] : 1.0f;
             }
-            std::stable_sort(order.begin(), order.begin() + n, [&](int64_t a, int64_t b) {
-              return ip[t * K + a] / L < ip[t * K + b] / L;
-            });
-            int64_t cur = -1;
-            for (int64_t i = 0; i < n; ++i) {
-              const int64_t k = order[i], d = ip[t * K + k] / L;
-              if (d != cur) {
-                if (cur >= 0)
-                  for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
-                std::fill(part.begin(), part.end(), 0.0f);
-                cur = d;
-              }
-              const Bt* br = bp + mp[t * K + k] * H;
-              if (weighted) {
-                const float w = wp[t * K + k];
-                for (int64_t h = 0; h < H; ++h) part[h] = part[h] + w * widen(br[h]);
-              } else {
-                for (int64_t h = 0; h < H; ++h) part[h] = part[h] + widen(br[h]);
-              }
-            }
-            if (cur >= 0)
-              for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
+            if (dedup && cnt > per)  // the float32 partial P_d(t), formed on the expert side
+              std::memcpy(part.data(), bp + mp[t * C + d] * BW, H * sizeof(float));
+            else
+              partial_of(part.data(), H, rows.data(), w.data(), cnt, weighted);
+            for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
+            i = j;
           }
           O* orow = op + t * H;
           for (int64_t h = 0; h < H; ++h) orow[h] = narrow<O>(total[h]);
@@ -153,7 +194,8 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
     constexpr const char* op = "epkit.reduce_tokens";
     check_map_range(op, "send_map", mp, T * C, S, "rows of back");
     check_expert_range(op, ip, T * K, E);
-    TORCH_CHECK(false, op, ": send_map sends a slot whose topk_idx is -1");
+    TORCH_CHECK(false, op, dedup ? ": a kept slot whose token row send_map does not name"
+                                 : ": send_map sends a slot whose topk_idx is -1");
   }
   return out;
 }

@@ -2,9 +2,9 @@
 //
 // pairs: one row per kept slot, ordered by destination rank, local expert, token
 //        (= global expert, token); send_map [T, K] = send row of slot (t, k) or -1.
-// dedup: one row per (token, destination rank with a used slot), ordered by rank, token;
-//        send_map [T, R] = send row of (t, d) or -1. Its meta carries the K local ids
-//        (-1 where the slot is unused, dropped, or on another rank) and weights.
+// dedup: one token row per (token, destination rank with a *kept* slot), ordered by rank,
+//        token, followed in the chunk by its n >= 1 slot rows (k << 24 | j, w); send_map
+//        [T, R] = send row of (t, d) or -1 (no kept slot of t on d: t does not travel there).
 #include "../checks.h"
 
 #include <vector>
@@ -103,7 +103,7 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
         const int64_t d = rank_of[e];
         const bool keep = cursor[e]++ < own_kept[e];
         kept[t * K + k] = keep;
-        if (mp[t * R + d] < 0) {
+        if (keep && mp[t * R + d] < 0) {  // the first kept slot of t on d opens its token row
           if (local[d] >= counts[d]) overrun(d, local[d]);
           mp[t * R + d] = local[d]++;
           slot_at[t * R + d] = nslot[d];

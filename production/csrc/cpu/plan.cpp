@@ -1,6 +1,8 @@
 // The plan: everything a rank must know to allocate and move tokens, derived from the
 // all-gathered count words [R, 8 + E + R]. Identical arithmetic on every rank, so every rank
-// agrees on the error to raise and on every count, with no further collective.
+// agrees on the error to raise and on every count. dedup's token rows s -> d are the words'
+// tokens_per_rank; when capacity dropped a slot (kDroppedAny) epkit.count_exchange gathers the
+// kept token rows once more, writes them there and plans again (docs/design.md).
 #include "../checks.h"
 
 #include <algorithm>
@@ -56,6 +58,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   auto cnt = [&](int64_t s, int64_t e) { return row(s)[kWordHeader + e]; };
   auto tpr = [&](int64_t s, int64_t d) { return row(s)[kWordHeader + E + d]; };
   std::vector<int64_t> kept(R * E), prefix(E, 0);
+  int64_t dropped_any = 0;
   for (int64_t s = 0; s < R; ++s)
     for (int64_t e = 0; e < E; ++e) {
       const int64_t c = cnt(s, e);
@@ -63,8 +66,10 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
                   " slots for expert ", e);
       const int64_t k = capacity < 0 ? c : std::clamp<int64_t>(capacity - prefix[e], 0, c);
       kept[s * E + e] = k;
+      dropped_any |= k != c;
       prefix[e] += c;
     }
+  p[kDroppedAny] = dropped_any;
 
   // 3. Rows (and dedup slot rows) from s to d, for every pair: uniformity and the padded
   //    chunks need all of them.

@@ -5,6 +5,8 @@
 // element; threads split the hidden dimension only, never a sum.
 #include "vec.cuh"
 
+#include <algorithm>
+
 namespace epkit {
 namespace cuda {
 
@@ -28,11 +30,30 @@ __global__ void gather_pairs_kernel(const uint8_t* yp, const int64_t* mp, uint8_
   copy_to_all(dst, 1, src, nbytes, vec_width(bits), threadIdx.x, blockDim.x);
 }
 
-// dedup, expert side: one float32 partial per received row, its slots in c order.
+// dedup, expert side, per received row with n kept slots (its 4H bytes, cpu/combine.cpp): the n
+// rows of y as bytes (c order, the rest zero) when n <= per = 4 / sizeof(T), else one float32
+// partial, its slots in c order.
 template <typename T, int V>
 __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float* wp, float* op,
                                     int64_t C, int64_t H, int64_t M, bool weighted) {
   const int64_t n = blockIdx.x;
+  constexpr int64_t per = 4 / static_cast<int64_t>(sizeof(T));
+  int64_t kept = 0;
+  for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
+  if (kept <= per) {  // the rows themselves: the source multiplies
+    const int64_t rb = H * static_cast<int64_t>(sizeof(T));
+    uint8_t* raw = reinterpret_cast<uint8_t*>(op + n * H);
+    int64_t i = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t m = mp[n * C + c];
+      if (m < 0 || m >= M) continue;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(yp + m * H);
+      for (int64_t b = threadIdx.x; b < rb; b += blockDim.x) raw[i * rb + b] = src[b];
+      ++i;
+    }
+    zero_range(raw, i * rb, per * rb, threadIdx.x, blockDim.x);
+    return;
+  }
   const int64_t step = static_cast<int64_t>(blockDim.x) * V;
   for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += step) {
     float acc[V];
@@ -56,22 +77,29 @@ __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float*
   }
 }
 
-// Source side, one block per token.
+// Source side, one block per token: its slots with a row in (destination rank, k) order, a
+// partial per rank (pairs: from each slot's row; dedup: the token row's n raw rows when
+// n <= per, else its float32 partial's bits), the partials added over d ascending. dedup: back
+// rows of BW = per * H elements of Bt, ip the kept routing.
 template <typename O, typename Bt, int V>
 __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip, const float* wp,
                               O* op, int64_t C, int64_t K, int64_t H, int64_t L, int64_t S,
-                              bool dedup, bool weighted) {
-  extern __shared__ int64_t sh[];  // pairs: ord [K] | rank [K]
+                              int64_t E, bool dedup, bool weighted) {
+  extern __shared__ int64_t sh[];  // ord [K] | rank [K]
   __shared__ int64_t nslots;
-  const int64_t t = blockIdx.x;
+  constexpr int64_t per = 4 / static_cast<int64_t>(sizeof(Bt));
+  const int64_t t = blockIdx.x, BW = dedup ? per * H : H;
   int64_t* ord = sh;
   int64_t* rk = sh + K;
-  if (!dedup && threadIdx.x == 0) {
-    // Slots of t in (destination rank, k) order: a stable insertion sort of the used ks.
+  if (threadIdx.x == 0) {
+    // A stable insertion sort of the ks by destination rank.
     int64_t n = 0;
     for (int64_t k = 0; k < K; ++k) {
-      if (mp[t * K + k] < 0 || mp[t * K + k] >= S) continue;  // rows of back: [0, S)
-      const int64_t d = ip[t * K + k] / L;
+      const int64_t e = ip[t * K + k];
+      if (e < 0 || e >= E) continue;
+      const int64_t r = mp[t * C + (dedup ? e / L : k)];
+      if (r < 0 || r >= S) continue;  // rows of back: [0, S)
+      const int64_t d = e / L;
       int64_t at = n++;
       while (at > 0 && rk[at - 1] > d) { ord[at] = ord[at - 1]; rk[at] = rk[at - 1]; --at; }
       ord[at] = k;
@@ -85,44 +113,34 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
     float total[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) total[i] = 0.0f;
-    if (dedup) {
-      for (int64_t d = 0; d < C; ++d) {
-        const int64_t r = mp[t * C + d];
-        if (r < 0 || r >= S) continue;
-        float b[V];
-        load_widen<Bt, V>(bp + r * H + h, b);
-#pragma unroll
-        for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], b[i]);
-      }
-    } else {
+    for (int64_t s = 0; s < nslots;) {  // one destination rank d at a time
+      const int64_t d = rk[s];
+      int64_t cnt = 0;
+      while (s + cnt < nslots && rk[s + cnt] == d) ++cnt;
       float part[V];
-      int64_t cur = -1;
-      for (int64_t s = 0; s < nslots; ++s) {
-        const int64_t k = ord[s], d = rk[s];
-        if (d != cur) {
-          if (cur >= 0) {
 #pragma unroll
-            for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+      for (int i = 0; i < V; ++i) part[i] = 0.0f;
+      if (dedup && cnt > per) {  // the float32 partial P_d(t), formed on the expert side
+        load_widen<float, V>(reinterpret_cast<const float*>(bp + mp[t * C + d] * BW) + h, part);
+      } else {
+        for (int64_t q = 0; q < cnt; ++q) {
+          const int64_t k = ord[s + q];
+          const Bt* row = dedup ? bp + mp[t * C + d] * BW + q * H : bp + mp[t * K + k] * H;
+          float b[V];
+          load_widen<Bt, V>(row + h, b);
+          if (weighted) {
+            const float w = wp[t * K + k];
+#pragma unroll
+            for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], __fmul_rn(w, b[i]));
+          } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], b[i]);
           }
-#pragma unroll
-          for (int i = 0; i < V; ++i) part[i] = 0.0f;
-          cur = d;
-        }
-        float b[V];
-        load_widen<Bt, V>(bp + mp[t * K + k] * H + h, b);
-        if (weighted) {
-          const float w = wp[t * K + k];
-#pragma unroll
-          for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], __fmul_rn(w, b[i]));
-        } else {
-#pragma unroll
-          for (int i = 0; i < V; ++i) part[i] = __fadd_rn(part[i], b[i]);
         }
       }
-      if (cur >= 0) {
 #pragma unroll
-        for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
-      }
+      for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+      s += cnt;
     }
     narrow_store<O, V>(op + t * H + h, total);
   }
@@ -176,8 +194,9 @@ Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, cons
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const bool dedup = transport == kDedup;
-  const Tensor wt = (!dedup && weighted) ? topk_weights.contiguous() : topk_weights;
-  const int64_t T = send_map.size(0), C = send_map.size(1), H = back.size(1), L = E / R;
+  const Tensor wt = weighted ? topk_weights.contiguous() : topk_weights;
+  const int64_t per = dedup ? 4 / back.element_size() : 1;  // y rows in one float32 row
+  const int64_t T = send_map.size(0), C = send_map.size(1), H = back.size(1) / per, L = E / R;
   const int64_t K = idx.size(1), S = back.size(0);
   Tensor out = at::empty({T, H}, back.options().dtype(out_dtype));
   if (T == 0 || H == 0) return out;
@@ -185,19 +204,21 @@ Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, cons
     using O = decltype(otag);
     dispatch_float(back.scalar_type(), "epkit.reduce_tokens", [&](auto btag) {
       using Bt = decltype(btag);
-      const size_t wider = std::max(sizeof(O), sizeof(Bt));
+      // dedup also loads float32 partials from its rows
+      const size_t wider = std::max({sizeof(O), sizeof(Bt), dedup ? sizeof(float) : size_t(1)});
       const bool al = aligned16(back.data_ptr(), H * sizeof(Bt)) &&
-                      aligned16(out.data_ptr(), H * sizeof(O));
+                      aligned16(out.data_ptr(), H * sizeof(O)) &&
+                      (!dedup || aligned16(back.data_ptr(), H * sizeof(float)));
       const int V = vec_elems(H, wider, al);
-      const float* wp = (!dedup && weighted) ? wt.data_ptr<float>() : nullptr;
-      const size_t smem = dedup ? 0 : 2 * K * sizeof(int64_t);
+      const float* wp = weighted ? wt.data_ptr<float>() : nullptr;
+      const size_t smem = 2 * K * sizeof(int64_t);
       auto launch = [&](auto kernel) {
         if (smem > 48 * 1024)
           C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               static_cast<int>(smem)));
         kernel<<<T, kThreads, smem, stream()>>>(
             reinterpret_cast<const Bt*>(back.data_ptr()), send_map.data_ptr<int64_t>(),
-            idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, S,
+            idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, S, E,
             dedup, weighted);
       };
       if (V == 8) launch(reduce_kernel<O, Bt, 8>);

@@ -104,7 +104,8 @@ __device__ __forceinline__ bool slot_kept(const Pack& a, const int64_t* own_kept
   return a.ebase[c * a.E + e] + a.lrank[t * a.K + k] < own_kept[e];
 }
 
-// Dedup, one warp per chunk: the token row and first slot row of every (t, d) within the chunk.
+// Dedup, one warp per chunk: the token row and first slot row of every (t, d) with a kept slot
+// within the chunk.
 __global__ void dedup_index_kernel(Pack a, int32_t* tok_local, int32_t* slot_local,
                                    int32_t* ctok, int32_t* cslot) {
   extern __shared__ int64_t index_smem[];  // staged routing [kChunk * K] | tokc | slotc | stamp
@@ -129,7 +130,8 @@ __global__ void dedup_index_kernel(Pack a, int32_t* tok_local, int32_t* slot_loc
       const unsigned peers = __match_any_sync(kFull, d);
       const int nk = __popc(__ballot_sync(kFull, kept) & peers);
       if (valid && lane == __ffs(peers) - 1) {
-        if (stamp[d] != static_cast<int32_t>(t)) {
+        // a token row opens at t's first kept slot on d (cpu/pack.cpp): n >= 1
+        if (nk > 0 && stamp[d] != static_cast<int32_t>(t)) {
           tok_local[t * R + d] = tokc[d];
           slot_local[t * R + d] = slotc[d];
           ++tokc[d];
@@ -213,12 +215,12 @@ __global__ void dedup_kernel(Pack a) {
   for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
     const int64_t d = dk[k];
     if (d < 0) continue;
-    bool first = true;
+    bool first = keptk[k];  // t's first kept slot on d writes its token row (n >= 1)
     int32_t pos = 0, n = 0;
     for (int64_t k2 = 0; k2 < K; ++k2) {
-      if (dk[k2] != d) continue;
-      if (k2 < k) first = false;
-      if (keptk[k2]) { n += 1; if (k2 < k) pos += 1; }
+      if (dk[k2] != d || !keptk[k2]) continue;
+      n += 1;
+      if (k2 < k) { pos += 1; first = false; }
     }
     if (keptk[k]) {
       const int64_t sa = a.slot_base[c * R + d] + a.slot_local[t * R + d] + pos;

@@ -123,7 +123,7 @@ __global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank
   auto tpr = [&](int64_t s, int64_t d) { return row(s)[kWordHeader + E + d]; };
   __shared__ int failed;
   __shared__ long long maxrows, maxslots, S, N;
-  __shared__ int uniform;
+  __shared__ int uniform, dropped_any;
   __shared__ unsigned long long first_unlike;  // lowest s * R + d whose count differs from (0, 0)
   __shared__ int64_t rows00, slots00;
 
@@ -147,7 +147,7 @@ __global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank
     if (fs >= 0) { p[kErrCode] = code; p[kErrA] = a; p[kErrB] = b; p[kErrRank] = fs; }
     else p[kTopK] = r0[kWordTopK];
     failed = fs >= 0;
-    maxrows = 0; maxslots = 0; S = 0; N = 0; uniform = 1; first_unlike = kNone;
+    maxrows = 0; maxslots = 0; S = 0; N = 0; uniform = 1; dropped_any = 0; first_unlike = kNone;
   }
   __syncthreads();
   if (failed) return;
@@ -159,10 +159,12 @@ __global__ void plan_kernel(const int64_t* g, int64_t R, int64_t E, int64_t rank
       const int64_t c = cnt(s, e);
       const int64_t k = capacity < 0 ? c : min(max(capacity - prefix, int64_t(0)), c);
       kept[s * E + e] = k;
+      if (k != c) atomicOr(&dropped_any, 1);  // cpu/plan.cpp's kDroppedAny
       prefix += c;
     }
   }
   __syncthreads();
+  if (tid == 0) p[kDroppedAny] = dropped_any;
   auto slots = [&](int64_t s, int64_t d) {
     int64_t n = 0;
     for (int64_t j = 0; j < L; ++j) n += kept[s * E + d * L + j];

@@ -369,11 +369,12 @@ __global__ void settle_kernel(Unpack a, int64_t C) {
 }
 
 // The host's bound on L from the plan's length alone (a device plan is never read on the host):
-// n = 25 + 6R + 2E + 3L with E = R L, i.e. n - 16 = (2R + 3)(L + 3); the largest L of any
-// R >= 1 comes with the smallest odd divisor d >= 5 of n - 16 (exact for R = 1, and whenever
-// 2R + 3 is that divisor). tests/cuda/emulate.py local_experts_bound is this function.
+// n = kPlanHeader + 1 + 6R + 2E + 3L with E = R L, i.e. n - (kPlanHeader - 8) = (2R + 3)(L + 3);
+// the largest L of any R >= 1 comes with the smallest odd divisor d >= 5 of that (exact for
+// R = 1, and whenever 2R + 3 is that divisor). tests/cuda/emulate.py local_experts_bound is this
+// function.
 int64_t local_experts_bound(int64_t n) {
-  const int64_t m = n - 16;
+  const int64_t m = n - (kPlanHeader - 8);
   for (int64_t d = 5; d * 4 <= m; d += 2)
     if (m % d == 0) return m / d - 3;
   return 1;
