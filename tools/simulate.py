@@ -288,7 +288,12 @@ def traffic_stages(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16",
         p = hier.plan(group, node_counts)
         return {"dispatch": hier.dispatch_bytes_of(group, p),
                 "combine": hier.combine_bytes_of(group, p)}
-    p = plan(group, words)
+    if transport == "dedup" and node_counts is not None:
+        # the exact dedup plan: the kept token rows (what the count exchange's second
+        # all-gather carries under capacity) and the single-slot ones (the way back's raw rows)
+        p = plan(group, words, node_counts.tokens, node_counts.tokens - node_counts.multi)
+    else:  # from the count words alone: for dedup an upper bound (Plan.exact False)
+        p = plan(group, words)
     return {"dispatch": [dispatch_bytes_of(group, p)], "combine": [combine_bytes_of(group, p)]}
 
 

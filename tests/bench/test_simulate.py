@@ -276,3 +276,51 @@ def test_hier_target_at_64_ranks(dtype):
         assert ratio["combine"] <= 0.6
     else:
         assert 0.6 < ratio["combine"] <= 1
+
+
+def _dedup_exactness(idx, R, E, K, cap, dtype, ex, H=8):
+    """(simulated bytes with NodeCounts, from the count words alone, what the run moved), per
+    pass."""
+    from epkit.reference import hier
+    from epkit.reference.capacity import kept_mask
+
+    nodes = hier.node_counts(idx, kept_mask(idx, E, cap), R, E, 1)
+    words = sim.count_words(idx, R, E)
+    exact = sim.traffic_stages(words, E, K, H, dtype, "dedup", ex, cap, 1, nodes)
+    bound = sim.traffic_stages(words, E, K, H, dtype, "dedup", ex, cap, 1, None)
+    xs = [np.ones((len(i), H), sim._dtype(dtype)) for i in idx]
+    ws = [np.ones(i.shape, np.float32) for i in idx]
+    res = ref.dispatch(xs, idx, ws, num_experts=E, capacity=cap, transport="dedup", exchange=ex)
+    _, moved = transport.reduce_back(res, [r.expert_x for r in res], True)
+    return ({p: exact[p][0] for p in exact}, {p: bound[p][0] for p in bound},
+            {"dispatch": np.stack([r.bytes_sent for r in res]), "combine": moved})
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dedup_bytes_with_node_counts_are_what_the_transport_moves(seed):
+    """With the drawn NodeCounts (the kept token rows under capacity), the simulator's dedup
+    plan is exact: its bytes are the bytes a dedup transport run moves, both passes; from the
+    count words alone they are an upper bound."""
+    rng = np.random.default_rng(500 + seed)
+    R = int(rng.choice([2, 3, 4]))
+    E = R * int(rng.integers(2, 5))
+    K = int(rng.integers(2, min(E, 5) + 1))
+    idx = [np.argsort(rng.random((int(rng.integers(0, 20)), E)), axis=1)[:, :K].astype(np.int64)
+           for _ in range(R)]
+    cap = [None, 0, 1, 3][seed % 4]
+    exact, bound, moved = _dedup_exactness(idx, R, E, K, cap, str(rng.choice(["bfloat16",
+                                                                          "float32"])),
+                                           str(rng.choice(["ragged", "padded"])))
+    for p in ("dispatch", "combine"):
+        np.testing.assert_array_equal(exact[p], moved[p])
+        assert (bound[p] >= exact[p]).all()
+
+
+def test_dedup_count_words_alone_overcount_where_capacity_splits_a_token():
+    """The case that makes the NodeCounts matter: on rank 1, token 0 keeps both its slots and
+    token 1 loses its only one to capacity 1, so one token row travels where the count words
+    allow two."""
+    idx = [np.array([[2, 3], [2, -1]], np.int64), np.zeros((0, 2), np.int64)]
+    exact, bound, moved = _dedup_exactness(idx, 2, 4, 2, 1, "bfloat16", "ragged")
+    np.testing.assert_array_equal(exact["dispatch"], moved["dispatch"])
+    assert bound["dispatch"][0, 1] > exact["dispatch"][0, 1]
