@@ -11,7 +11,7 @@ from epkit import reference as ref
 from epkit.reference import transport
 from epkit.reference.capacity import kept_mask
 from epkit.reference.common import Group
-from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases
+from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases, payload_row_bytes
 
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 
@@ -58,7 +58,7 @@ def expected_dispatch_bytes(tr, variant, tok, slots, payload_bytes, max_t, K, L)
 
 
 @settings(max_examples=40, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.sampled_from(("pairs", "dedup")), st.booleans())
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.sampled_from(("pairs", "dedup")), st.booleans())
 def test_transports_equal_canonical(case, tr, weighted):
     kw = case.kw(rank_major=True)
     base = ref.dispatch(case.xs, case.idx, case.ws, **kw)
@@ -97,8 +97,7 @@ def test_transports_equal_canonical(case, tr, weighted):
         variant = res[0].wire.plan.variant
         assert variant == (ex if ex != "auto" else
                            "equal" if all(uniform(c) for c in sections) else "ragged")
-        payload_bytes = res[0].expert_x.shape[1] * res[0].expert_x.itemsize + (
-            0 if case.payload is None else case.H // 32)
+        payload_bytes = payload_row_bytes(case.payload, case.H, case.dtype.itemsize)
         assert np.array_equal(moved, expected_dispatch_bytes(
             tr, variant, tok, slots, payload_bytes, args["max_tokens_per_rank"], case.K, case.L))
     # equal refuses exactly the plans with a section that is not uniform
@@ -130,7 +129,7 @@ def test_equal_on_nonuniform_plan_raises():
 
 
 @settings(max_examples=150, deadline=None)
-@given(cases(capacity=False, payloads=(None, None, "mxfp8")), st.sampled_from(EXCHANGES))
+@given(cases(capacity=False, payloads=(None, None, "mxfp8", "fp8_block128")), st.sampled_from(EXCHANGES))
 def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
     """Without capacity, per (s, d): dedup moves ``rows * (P + 8) + slots * 8`` against pairs'
     ``slots * (P + 16)``, and ``rows <= slots``; strictly fewer bytes whenever two of a token's
@@ -150,7 +149,7 @@ def test_dedup_never_sends_more_dispatch_bytes_than_pairs(case, ex):
         return
     pairs = ref.dispatch_bytes(case.idx, transport="pairs", **kw)   # uniform slots: pairs too
     assert (tok <= slots).all()
-    P = case.H * case.dtype.itemsize if case.payload is None else case.H + case.H // 32
+    P = payload_row_bytes(case.payload, case.H, case.dtype.itemsize)
     if ex == "static" and case.K == 0:
         assert (dedup - pairs == max_t * (P + 8)).all()
         return
