@@ -89,8 +89,9 @@ class _QuantizedDispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx, plan, group_name, transport, exchange, sizes,
-                payload):
+                name):
         S, N, M = sizes
+        payload = TABLE[name]
         rows, row_src, row_weight, send_map, recv_map = ops.dispatch_tokens(
             payload.to_rows(x), topk_idx, topk_weights.detach(), plan, group_name, transport,
             exchange, S, N, M)
@@ -115,8 +116,9 @@ def dispatch_quantized(payload: Payload, x, topk_idx, topk_weights, plan, group_
                        exchange, sizes):
     """The eager dispatch of a quantized payload: ``(expert_x_hp, row_weight, expert_x,
     expert_scale, row_src, send_map, recv_map)``, the gradient straight through expert_x_hp."""
+    # The payload travels by name: a string is a constant to torch.compile, a dataclass is not.
     return _QuantizedDispatch.apply(x, topk_weights, topk_idx, plan, group_name, transport,
-                                    exchange, sizes, payload)
+                                    exchange, sizes, payload.name)
 
 
 class _RoundTrip(torch.autograd.Function):
@@ -124,8 +126,9 @@ class _RoundTrip(torch.autograd.Function):
     x's dtype (what a quantized dispatch's backward does)."""
 
     @staticmethod
-    def forward(ctx, x, payload):
+    def forward(ctx, x, name):
         ctx.dtype = x.dtype
+        payload = TABLE[name]
         return payload.dequantize(*payload.quantize(x))
 
     @staticmethod
@@ -135,4 +138,4 @@ class _RoundTrip(torch.autograd.Function):
 
 def round_trip(payload: Payload, x: torch.Tensor) -> torch.Tensor:
     """x [T, H] -> [T, H] float32 rounded through ``payload`` (DenseMoE's expert inputs)."""
-    return _RoundTrip.apply(x, payload)
+    return _RoundTrip.apply(x, payload.name)
