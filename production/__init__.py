@@ -14,8 +14,10 @@ _LAZY = {
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
     "layout": "epkit.api",
-    "quantize_mxfp8": "epkit.mxfp8",
-    "dequantize_mxfp8": "epkit.mxfp8",
+    "quantize_mxfp8": "epkit.payloads.mxfp8",
+    "dequantize_mxfp8": "epkit.payloads.mxfp8",
+    "quantize_fp8_block128": "epkit.payloads.fp8_block128",
+    "dequantize_fp8_block128": "epkit.payloads.fp8_block128",
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
     "exchange": "epkit.collectives",
@@ -23,6 +25,7 @@ _LAZY = {
     "topk_from_routing_map": "epkit.routing",
     "routing_map_from_topk": "epkit.routing",
     "nn": "epkit.nn",  # a subpackage: the module itself (MoE layers)
+    "payloads": "epkit.payloads",  # a subpackage: the payload table
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]
@@ -33,7 +36,7 @@ def __getattr__(name):
         import importlib
 
         module = importlib.import_module(_LAZY[name])
-        value = module if name == "nn" else getattr(module, name)
+        value = module if name in ("nn", "payloads") else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'epkit' has no attribute {name!r}")

@@ -19,7 +19,9 @@ import torch.distributed as dist
 import math
 import operator
 
-from epkit import lazy, mxfp8, ops
+from epkit import lazy, ops, payloads
+from epkit.payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
+from epkit.payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from epkit.agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, header,
                          serial, tensor_error)
 from epkit.collectives import CODES as EXCHANGE_CODES
@@ -30,7 +32,7 @@ from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TO
                                    Reason, error, factor_bits)
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
-           "dequantize_mxfp8"]
+           "dequantize_mxfp8", "quantize_fp8_block128", "dequantize_fp8_block128"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -88,8 +90,10 @@ class Dispatch:
             Differentiable (its gradient flows to ``topk_weights``).
         dropped_per_expert: ``[L]`` int64, slots each local expert dropped under ``capacity``.
         bytes_sent: ``[R]`` int64, bytes this rank sent to each peer in the token exchange.
-        expert_scale: ``[M, H // 32]`` uint8 E8M0 codes under the MXFP8 payload, else None.
-        expert_x_hp: ``[M, H]`` float32 under the MXFP8 payload: ``expert_x`` dequantized,
+        expert_scale: ``[M, H // block]`` under a quantized payload, in its scale dtype
+            (``"mxfp8"``: uint8 E8M0 codes, block 32; ``"fp8_block128"``: float32, block 128);
+            else None. ``expert_x`` is then float8_e4m3fn.
+        expert_x_hp: ``[M, H]`` float32 under a quantized payload: ``expert_x`` dequantized,
             differentiable (the gradient flows back unquantized, straight-through); else None.
     """
 
@@ -149,10 +153,12 @@ class Dispatcher:
             in-band: no host reads a count; ``expert_x`` then has
             ``R * max_tokens_per_rank * min(K, L) + L * (align - 1)`` rows, the canonical rows
             first, zero rows after ``expert_offsets[-1]``).
-        payload: ``None`` (tokens travel in x's dtype) or ``"mxfp8"``: tokens travel as E4M3
-            elements with one E8M0 scale per 32 (``H % 32 == 0``); the Dispatch then holds
-            ``expert_x`` (E4M3), ``expert_scale`` and ``expert_x_hp`` (dequantized float32,
-            differentiable: the gradient returns unquantized); the combine is unchanged.
+        payload: ``None`` (tokens travel in x's dtype), ``"mxfp8"`` (E4M3 elements with one
+            E8M0 scale per 32, ``H % 32 == 0``) or ``"fp8_block128"`` (E4M3 with one float32
+            scale per 128, ``H % 128 == 0``; DeepEP's format); quantized at the source, the
+            Dispatch then holds ``expert_x`` (E4M3), ``expert_scale`` and ``expert_x_hp``
+            (dequantized float32, differentiable: the gradient returns unquantized); the
+            combine is unchanged.
         max_tokens_per_rank: the static exchange's bound on any rank's ``T`` (required there).
     """
 
@@ -278,9 +284,9 @@ class Dispatcher:
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         static = self.exchange == "static"  # every rank takes the same path, bad input or not
-        mx = self.payload == "mxfp8"
+        pl = payloads.of(self.payload)  # the None entry for a bad name (its error travels)
         pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None))]
-        if (not static and not mx and self.exchange != "lazy"
+        if (not static and not pl.quantized and self.exchange != "lazy"
                 and not torch.compiler.is_compiling()):
             # The eager path: one fused op, no host read here at all.
             *outs, plan = ops.prepare_dispatch(
@@ -289,9 +295,9 @@ class Dispatcher:
             return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
         max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
-                              pre_error + [max_tokens], int(mx))
+                              pre_error + [max_tokens], pl.code)
         # CUDA static: the shape that sizes the plan's host mirror without a host wait.
-        shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), int(mx)]
+        shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
                  if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
                                   EXCHANGE_CODES[self.exchange], max_tokens, shape, factor,
@@ -302,7 +308,7 @@ class Dispatcher:
             # Sizes from the configuration alone: no host read of any count (and, under
             # torch.compile, no data-dependent shape). docs/design.md, wire format.
             L, K, H = E // R, topk_idx.shape[1], x.shape[1]
-            P = abi.payload_bytes(H, x.element_size(), mx)
+            P = pl.row_bytes(H, x.element_size())
             per = min(K, L)
             # data rows per chunk (a dedup token row needs a kept slot: 0 when K = 0)
             rows = max_tokens * per if transport == ops.PAIRS else min(max_tokens, max_tokens * per)
@@ -315,10 +321,10 @@ class Dispatcher:
         build = functools.partial(self._result, seq, x, topk_idx, topk_weights, plan)
         if self.exchange == "lazy":
             return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
-                                       transport, M, build, mx)
-        if mx:
-            hp, row_weight, q, scale, row_src, send_map, recv_map = mxfp8.dispatch_mxfp8(
-                x, topk_idx, topk_weights, plan, group_name(self.group), transport,
+                                       transport, M, build, pl)
+        if pl.quantized:
+            hp, row_weight, q, scale, row_src, send_map, recv_map = payloads.dispatch_quantized(
+                pl, x, topk_idx, topk_weights, plan, group_name(self.group), transport,
                 EXCHANGE_CODES[self.exchange], (SB, N, M))
             return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
         return build(*ops.dispatch_tokens(
@@ -482,10 +488,6 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
     if not isinstance(config, Dispatcher):  # not a Dispatch: refused over the default group
         config = Dispatcher()
     return config.combine(expert_y, dispatch, weighted)
-
-
-quantize_mxfp8 = mxfp8.quantize_mxfp8
-dequantize_mxfp8 = mxfp8.dequantize_mxfp8
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

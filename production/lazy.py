@@ -3,7 +3,7 @@
 ``epkit.dispatch(..., exchange="lazy")`` returns a :class:`PendingDispatch`; independent work
 placed between the call and ``wait()`` overlaps the transfer (``async_op=True`` work on gloo).
 A pending object holds no tensor of the result, so nothing can be read before ``wait()``.
-``wait()`` unpacks and returns the ordinary :class:`epkit.Dispatch` (with the MXFP8 payload
+``wait()`` unpacks and returns the ordinary :class:`epkit.Dispatch` (with a quantized payload
 too: quantized at issue time, dequantized straight-through at wait); ``epkit.combine`` on it
 returns a :class:`PendingCombine` in the same way. Autograd flows through waited results: the
 backward passes are the same ops as the eager path's (synchronous).
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from epkit import mxfp8, device, ops
-from epkit.reference.abi import EXCHANGE_CODES, payload_bytes
+from epkit import device, ops
+from epkit.reference.abi import EXCHANGE_CODES
 
 C = ops.C
 
@@ -25,16 +25,15 @@ class _DispatchWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, state):
         recv, state["finish"] = state["finish"](), None  # the work is done: let it go
-        H, mx = x.shape[1], state["mx"]
+        H, pl = x.shape[1], state["payload"]
         expert_x, row_src, row_weight, recv_map = C.unpack(
-            recv, state["plan"], state["transport"], payload_bytes(H, 1, mx) if mx else H,
-            torch.uint8 if mx else x.dtype, state["topk_idx"].shape[1],
+            recv, state["plan"], state["transport"], pl.row_bytes(H, 1) if pl.quantized else H,
+            torch.uint8 if pl.quantized else x.dtype, state["topk_idx"].shape[1],
             int(ops.host_plan(state["plan"])[ops.RECV_ROWS]), state["expert_rows"])
         q = scale = expert_x.new_empty((0,))
-        if mx:  # E4M3 bytes | scale codes; the differentiable output is the dequantized rows
-            q = expert_x[:, :H].contiguous().view(torch.float8_e4m3fn)
-            scale = expert_x[:, H:].contiguous()
-            expert_x = mxfp8.dequantize_mxfp8(q, scale)
+        if pl.quantized:  # E4M3 bytes | scales; the differentiable output: the dequantized rows
+            q, scale = pl.from_rows(expert_x, H)
+            expert_x = pl.dequantize(q, scale)
         ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
         ctx.mark_non_differentiable(row_src, recv_map, q, scale)
@@ -62,7 +61,7 @@ class PendingDispatch:
         if self._done is None:
             x, w, state = self._args
             expert_x, row_weight, row_src, recv_map, q, scale = _DispatchWait.apply(x, w, state)
-            if state["mx"]:
+            if state["payload"].quantized:
                 self._done = self._build(q, row_src, row_weight, state["send_map"], recv_map,
                                          scale, expert_x)
             else:
@@ -73,19 +72,18 @@ class PendingDispatch:
 
 
 def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build,
-                   mx=False):
+                   payload):
+    """Issue the token exchange; ``payload``: the call's ``epkit.payloads`` entry."""
     hp = ops.host_plan(plan)
     with device.Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
-        rows = x
-        if mx:  # quantize at the source: rows of E4M3 bytes then scale codes
-            q, codes = C.quantize_mxfp8(x)
-            rows = torch.cat([q.view(torch.uint8), codes], dim=1)
+        # quantized payloads: at the source, rows of E4M3 bytes then the scales' bytes
+        rows = payload.to_rows(x) if payload.quantized else x
         send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
                                 int(hp[ops.RANKS]), int(hp[ops.SEND_BYTES]))
         finish = ops._move_dispatch(send, plan, group_name, async_op=True)
     state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
                  topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
-                 group_name=group_name, mx=mx)
+                 group_name=group_name, payload=payload)
     return PendingDispatch(x, topk_weights, state, build)
 
 

@@ -125,6 +125,13 @@ def _(x):
             x.new_empty((T, H // abi.MXFP8_BLOCK), dtype=torch.uint8))
 
 
+@torch.library.register_fake("epkit::quantize_fp8_block128")
+def _(x):
+    T, H = x.shape
+    return (x.new_empty((T, H), dtype=torch.float8_e4m3fn),
+            x.new_empty((T, H // abi.FP8_BLOCK128_BLOCK), dtype=torch.float32))
+
+
 @torch.library.register_fake("epkit::gather_slot_values")
 def _(values, recv_map):
     return values.new_empty(recv_map.shape, dtype=torch.float32)

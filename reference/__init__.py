@@ -13,7 +13,10 @@ spec in prose; each module's docstring states its part exactly:
     exchange.py    exchange                  the all-to-all variants on raw row bytes
     transport.py   dispatch_bytes, combine_bytes; pairs / dedup carried out for real
     hier.py        the node-aware transport (two stages), carried out for real
+    payloads.py    the payload table: how a row travels under payload=None / "mxfp8" /
+                   "fp8_block128" (one module per quantized payload:)
     mxfp8.py       quantize_mxfp8, dequantize_mxfp8
+    fp8_block128.py  quantize_fp8_block128, dequantize_fp8_block128
     validate.py    the checks, and which rank an InputError names
     fast.py        the same operations vectorized for scale (``epkit.reference.fast``)
 
@@ -27,6 +30,7 @@ from .common import DispatchResult, Layout
 from .dispatch import dispatch
 from .errors import InputError, Reason
 from .exchange import exchange
+from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .layout import layout
 from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .transport import combine_bytes, dispatch_bytes
@@ -34,5 +38,5 @@ from .transport import combine_bytes, dispatch_bytes
 __all__ = [
     "InputError", "Reason", "Layout", "DispatchResult", "layout", "dispatch", "combine",
     "dispatch_backward", "combine_backward", "exchange", "quantize_mxfp8", "dequantize_mxfp8",
-    "dispatch_bytes", "combine_bytes", "fast",
+    "quantize_fp8_block128", "dequantize_fp8_block128", "dispatch_bytes", "combine_bytes", "fast",
 ]

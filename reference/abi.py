@@ -17,7 +17,7 @@ TRANSPORT_CODES = {"pairs": 0, "dedup": 1}
 # The exchange a caller asks for, and the variant that runs (the plan's VARIANT word).
 EXCHANGE_CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
 VARIANT_CODES = {"ragged": 0, "padded": 1, "equal": 2, "static": 3}
-PAYLOAD_CODES = {None: 0, "mxfp8": 1}
+PAYLOAD_CODES = {None: 0, "mxfp8": 1, "fp8_block128": 2}
 
 # ---- the count words: one row per rank after the all-gather -----------------------------------
 # [WORD_HEADER fields | tokens_per_expert (E) | tokens_per_rank (R)]
@@ -78,13 +78,23 @@ HIER_TOKEN_META_BYTES = 4 * len(HIER_TOKEN_META)
 SLOT_K_SHIFT = 24                  # k: the top 8 bits (decoded unsigned), j: the low 24
 DEDUP_MAX_TOPK = 255               # k < 2**8 (the spec's limit: K <= 255)
 DEDUP_MAX_LOCAL = 1 << SLOT_K_SHIFT  # j < 2**24
-MXFP8_BLOCK = 32                   # elements per E8M0 scale
+
+# ---- payloads (reference/payloads.py is the table; these are its numbers) ---------------------
+# A quantized payload's row on the wire: H E4M3 bytes, then H / block scales of
+# PAYLOAD_SCALE_BYTES bytes each (little-endian). None: H * itemsize(x) bytes of x itself.
+PAYLOAD_BLOCKS = {None: 0, "mxfp8": 32, "fp8_block128": 128}     # elements per scale along H
+PAYLOAD_SCALE_BYTES = {None: 0, "mxfp8": 1, "fp8_block128": 4}   # E8M0 code, float32
+MXFP8_BLOCK = PAYLOAD_BLOCKS["mxfp8"]
+FP8_BLOCK128_BLOCK = PAYLOAD_BLOCKS["fp8_block128"]
 
 
-def payload_bytes(hidden: int, itemsize: int, mxfp8: bool) -> int:
-    """Bytes of one token's payload on the wire: ``H * itemsize(x)``, or under MXFP8 ``H``
-    E4M3 bytes followed by ``H / 32`` E8M0 scale codes."""
-    return hidden + hidden // MXFP8_BLOCK if mxfp8 else hidden * itemsize
+def payload_bytes(hidden: int, itemsize: int, payload=None) -> int:
+    """Bytes of one token's payload on the wire: ``H * itemsize(x)`` for ``payload=None``, else
+    ``H`` E4M3 bytes followed by ``H / block`` scales (``H + scale_bytes * H / block``)."""
+    block = PAYLOAD_BLOCKS[payload]
+    if not block:
+        return hidden * itemsize
+    return hidden + PAYLOAD_SCALE_BYTES[payload] * (hidden // block)
 
 
 # C++ spellings that are not the plain CamelCase of the Python name (kept from the kernels).
@@ -118,6 +128,7 @@ def render_header() -> str:
     out += _enum("Variant", "", VARIANT_CODES.items())        # the exchange that runs
     out += [f"constexpr int64_t kPayload{_camel(str(k) if k else 'none')} = {v};"
             for k, v in PAYLOAD_CODES.items()]
+    out += [f"constexpr int64_t kPayloadCount = {len(PAYLOAD_CODES)};"]
     out += ["", "// count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]"]
     out += _enum("WordField", "Word", ((f, i) for i, f in enumerate(WORD_FIELDS)))
     out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "",
@@ -137,6 +148,10 @@ def render_header() -> str:
             f"constexpr int64_t kSlotKShift = {SLOT_K_SHIFT};",
             f"constexpr int64_t kDedupMaxTopK = {DEDUP_MAX_TOPK};",
             f"constexpr int64_t kDedupMaxLocal = {DEDUP_MAX_LOCAL};",
-            f"constexpr int64_t kMxfp8Block = {MXFP8_BLOCK};",
-            "", "}  // namespace epkit", ""]
+            "", "// payloads: elements per scale along H, bytes per scale (0: no scale)"]
+    for name in PAYLOAD_CODES:
+        if PAYLOAD_BLOCKS[name]:
+            out += [f"constexpr int64_t k{_camel(name)}Block = {PAYLOAD_BLOCKS[name]};",
+                    f"constexpr int64_t k{_camel(name)}ScaleBytes = {PAYLOAD_SCALE_BYTES[name]};"]
+    out += ["", "}  // namespace epkit", ""]
     return "\n".join(out)

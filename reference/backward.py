@@ -3,7 +3,7 @@
 dispatch_backward
     ``grad_x_r[t]`` is combine's two-level sum (arith.py), unweighted, over the gradient rows of
     t's kept slots; padding-row gradients are ignored; cast to x's dtype. Gradient rows are
-    float32 or bfloat16 (under MXFP8 the backward stays in the unquantized dtype).
+    float32 or bfloat16 (under a quantized payload the backward stays in the unquantized dtype).
 
 combine_backward
     The gradient of row ``(s, t, k)`` of ``expert_y`` is ``cast(c_k * grad_out_s[t])`` (one

@@ -3,9 +3,9 @@
 Nothing here computes an operation; every module of the reference imports its names from here.
 
 dtypes
-    ``x`` is float32 or bfloat16 (``ml_dtypes.bfloat16``); the MXFP8 element is
-    ``ml_dtypes.float8_e4m3fn`` and its block scale a ``uint8`` E8M0 code. Casting float32 to
-    bfloat16 or E4M3 with ``ndarray.astype`` rounds to nearest, ties to even (ml_dtypes).
+    ``x`` is float32 or bfloat16 (``ml_dtypes.bfloat16``); the element of a quantized payload
+    (payloads.py) is ``ml_dtypes.float8_e4m3fn``. Casting float32 to bfloat16 or E4M3 with
+    ``ndarray.astype`` rounds to nearest, ties to even (ml_dtypes).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import numpy as np
 # int32 n`` (n: the token's kept slots on the destination), slot rows ``int32 (k << 24 | j),
 # float32 w``.
 from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES, PAIRS_META_BYTES
-from .abi import MXFP8_BLOCK as BLOCK  # MXFP8 block length along H
 from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
-from .abi import payload_bytes
 from .errors import DTYPE_CODES
 
 FLOAT32 = np.dtype(np.float32)
@@ -34,7 +32,7 @@ FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
 # Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
 TRANSPORTS = ("pairs", "dedup", "hier")   # hier: reference only (hier.py)
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
-PAYLOADS = ("mxfp8",)
+# Payload names: payloads.NAMES (the payload table).
 
 
 def dtype_code(dt) -> int:
@@ -43,12 +41,6 @@ def dtype_code(dt) -> int:
         return DTYPE_CODES.get(np.dtype(dt).name, 0)
     except TypeError:
         return 0
-
-
-def payload_row_bytes(hidden: int, x_dtype, payload: Optional[str]) -> int:
-    """Bytes of one token's payload on the wire: ``H * itemsize(x)``, or under MXFP8 ``H``
-    E4M3 bytes followed by ``H / 32`` scale codes."""
-    return payload_bytes(hidden, np.dtype(x_dtype).itemsize, payload == "mxfp8")
 
 
 def padded(n: int, align: int) -> int:
@@ -81,15 +73,17 @@ class DispatchResult:
     """One rank's dispatch result (rank ``rank`` as destination *and* as source).
 
     As destination (expert-major, ``M`` rows):
-        expert_x            [M, H] x dtype (E4M3 under MXFP8)   segments of experts 0..L-1, padded
-        expert_scale        [M, H/32] uint8 or None              MXFP8 scale codes (0 on padding)
+        expert_x            [M, H] x dtype (E4M3 under a          segments of experts 0..L-1, padded
+                            quantized payload)
+        expert_scale        [M, H/block] or None                 the payload's scales, in its
+                                                                 scale dtype (0 on padding)
         tokens_per_expert   [L] int64                            kept rows per local expert
         expert_offsets      [L+1] int64                          padded segment starts; last is M
         row_src             [M, 3] int64                         (s, t, k); (-1, -1, -1) on padding
         row_weight          [M] float32                          topk_weights_s[t, k]; 0 on padding
         dropped_per_expert  [L] int64                            slots each local expert dropped
     Rank-major (only with ``rank_major=True``, ``N`` rows):
-        recv_x [N, H], recv_scale [N, H/32] uint8 (MXFP8 only), recv_topk_idx [N, K] int64,
+        recv_x [N, H], recv_scale [N, H/block] (quantized payloads), recv_topk_idx [N, K] int64,
         recv_topk_weights [N, K] float32, recv_src [N, 2] int64
     As source (this rank's own tokens, ``T = num_tokens``):
         topk_idx [T, K] int64, topk_weights [T, K] float32, kept [T, K] bool
@@ -164,13 +158,22 @@ class Group:
         return self.num_experts // self.num_ranks
 
     @property
+    def payload_of(self):
+        """This call's entry of the payload table (payloads.py; imported here, not at the top:
+        the payload modules import this one)."""
+        from .payloads import get
+
+        return get(self.payload)
+
+    @property
     def row_dtype(self) -> np.dtype:
-        """dtype of dispatched rows: x's, or E4M3 under MXFP8."""
-        return E4M3 if self.payload == "mxfp8" else self.x_dtype
+        """dtype of dispatched rows: x's, or E4M3 under a quantized payload."""
+        return self.payload_of.row_dtype(self.x_dtype)
 
     @property
     def payload_bytes(self) -> int:
-        return payload_row_bytes(self.hidden, self.x_dtype, self.payload)
+        """``P``: bytes of one token's payload on the wire."""
+        return self.payload_of.row_bytes(self.hidden, self.x_dtype)
 
     def result(self, rank: int, *, topk_idx, topk_weights, kept, **arrays) -> DispatchResult:
         """A rank's ``DispatchResult`` from its arrays (names as the record's fields)."""

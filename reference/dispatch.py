@@ -1,11 +1,12 @@
-"""Dispatch: the expert-major output (canonical), optional rank-major output, capacity, MXFP8.
+"""Dispatch: the expert-major output (canonical), optional rank-major output, capacity, payloads.
 
 Rank ``d`` holds local experts ``j = 0..L-1`` (global ``e = d * L + j``). Its output:
 
     rows of expert j   the kept slots (s, t, k) with topk_idx_s[t, k] == e, ordered by s
                        ascending, then t ascending (a row of topk_idx names e at most once)
-    row value          x_s[t], copied bit for bit in x's dtype; under MXFP8 the source's
-                       quantized row q_s[t] (E4M3) with its scale codes in expert_scale
+    row value          x_s[t], copied bit for bit in x's dtype; under a quantized payload
+                       (payloads.py) the source's quantized row q_s[t] (E4M3) with its scales
+                       in expert_scale
     padding            each expert's segment is followed by zero rows up to a multiple of
                        ``align`` (an expert with no rows gets none): expert_x 0 (all bits
                        zero), expert_scale 0, row_src (-1, -1, -1), row_weight 0.0
@@ -32,7 +33,7 @@ from . import transport as transport_mod
 from .capacity import kept_mask
 from .common import DispatchResult, Group, resolve_options
 from .expertmajor import assemble
-from .mxfp8 import wire_rows
+from .payloads import wire_rows
 from .rankmajor import rank_major_fields
 from .validate import check_dispatch
 
@@ -74,7 +75,7 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
             node-aware one (hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
             uniform, else ragged).
-        payload: None or "mxfp8".
+        payload: None, "mxfp8" or "fp8_block128" (payloads.py).
         rank_major: also return the rank-major fields.
         max_tokens_per_rank: the static exchange's bound on T_r.
         ranks_per_node: G, a divisor of R: ranks ``nG .. nG + G - 1`` are node n. It fixes the

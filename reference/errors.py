@@ -66,8 +66,8 @@ class Reason(enum.IntEnum):
     ALIGN = 11                 # a: align
     CAPACITY = 12              # a: capacity
     NONFINITE_WEIGHT = 13      # a: row
-    NONFINITE_PAYLOAD = 14     # a: row
-    HIDDEN_NOT_MULT32 = 15     # a: H
+    NONFINITE_PAYLOAD = 14     # a: row, b: payload code (OPTION_NAMES)
+    HIDDEN_NOT_MULT32 = 15     # a: H, b: payload code (the name is historical: H % block)
     EXPERT_Y_ROWS = 16         # a: expert_y rows, b: dispatch rows
     EXPERT_Y_HIDDEN = 17       # a: expert_y H, b: dispatch H
     X_DTYPE = 18               # a: dtype code
@@ -125,7 +125,7 @@ OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
 OPTION_NAMES = {
     "transport": {0: "pairs", 1: "dedup"},
     "exchange": {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "lazy", 5: "static"},
-    "payload": {0: "None", 1: "mxfp8"},
+    "payload": {0: "None", 1: "mxfp8", 2: "fp8_block128"},
 }
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
@@ -160,6 +160,22 @@ def _flags(bits: int, other: int) -> str:
     return ", ".join(CALL_FLAGS[f][0 if bits & f else 1] for f in sorted(CALL_FLAGS) if diff & f)
 
 
+def _payload(code: int) -> tuple:
+    """A payload code's name and block (0: unknown) for the payload checks' texts."""
+    from .abi import PAYLOAD_BLOCKS  # abi imports this module: read it when formatting
+
+    name = OPTION_NAMES["payload"].get(int(code), "")
+    block = PAYLOAD_BLOCKS.get(name, 0)
+    return (name, block) if block else ("", 0)
+
+
+def _hidden_text(hidden: int, code: int) -> str:
+    name, block = _payload(code)
+    if not block:
+        return f"hidden size {hidden} is not a multiple of the payload's block"
+    return f"payload {name} needs hidden % {block} == 0: hidden size {hidden} is not a multiple of {block}"
+
+
 def _opt(kind: str, code: int) -> str:
     return repr(OPTION_NAMES[kind].get(int(code), "an unknown name"))
 
@@ -182,8 +198,9 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.ALIGN: f"align must be in [1, {MAX_ALIGN}], got {a}",
         Reason.CAPACITY: f"capacity must be in [0, 2**62], got {a}",
         Reason.NONFINITE_WEIGHT: f"topk_weights row {a} holds a non-finite value",
-        Reason.NONFINITE_PAYLOAD: f"x row {a} holds a non-finite value (MXFP8 payload)",
-        Reason.HIDDEN_NOT_MULT32: f"hidden size {a} is not a multiple of 32 (MXFP8 payload)",
+        Reason.NONFINITE_PAYLOAD: f"x row {a} holds a non-finite value (payload "
+                                  f"{_payload(b)[0] or 'quantized'} needs finite x)",
+        Reason.HIDDEN_NOT_MULT32: _hidden_text(a, b),
         Reason.EXPERT_Y_ROWS: f"expert_y has {a} rows but the dispatch produced {b}",
         Reason.EXPERT_Y_HIDDEN: f"expert_y has hidden size {a} but the dispatch has {b}",
         Reason.X_DTYPE: f"x must be float32 or bfloat16, got {dtype_name(a)}",

@@ -12,7 +12,7 @@ import numpy as np
 
 from .common import Group, padded
 
-# One row of an expert's segment: (payload row [H], scale codes [H/32] or None, s, t, k, weight).
+# One row of an expert's segment: (payload row [H], its scales [H/block] or None, s, t, k, weight).
 Row = Tuple[np.ndarray, Optional[np.ndarray], int, int, int, np.float32]
 
 
@@ -32,7 +32,7 @@ def assemble(group: Group, segments: Sequence[List[Row]]) -> Tuple[dict, List[Li
         expert_offsets[j + 1] = expert_offsets[j] + padded(int(tokens_per_expert[j]), group.align)
     M = int(expert_offsets[L])
     expert_x = np.zeros((M, H), group.row_dtype)
-    expert_scale = np.zeros((M, H // 32), np.uint8) if group.payload == "mxfp8" else None
+    expert_scale = group.payload_of.zero_scales(M, H)
     row_src = np.full((M, 3), -1, np.int64)
     row_weight = np.zeros(M, np.float32)
     positions = []

@@ -30,13 +30,16 @@ from .arith import weight_grad_dot
 from .common import DispatchResult, Group, Layout
 from .dispatch import prepare
 from .exchange import exchange
-from .mxfp8 import dequantize_mxfp8, quantize_mxfp8, wire_rows
+from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
+from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from .payloads import wire_rows
 from .transport import bytes_group, combine_bytes_of, dispatch_bytes_of, plan
 from .validate import check_layout, check_results, check_rows
 
-# exchange, quantize_mxfp8 and dequantize_mxfp8 are vectorized already: the same functions.
+# exchange and the payloads' quantize / dequantize are vectorized already: the same functions.
 __all__ = ["layout", "dispatch", "combine", "dispatch_backward", "combine_backward",
-           "dispatch_bytes", "combine_bytes", "exchange", "quantize_mxfp8", "dequantize_mxfp8"]
+           "dispatch_bytes", "combine_bytes", "exchange", "quantize_mxfp8", "dequantize_mxfp8",
+           "quantize_fp8_block128", "dequantize_fp8_block128"]
 
 F32 = np.float32
 
@@ -120,8 +123,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     rows, scales = wire_rows(xs, group.payload)
     G = int(base[-1])
     rows_all = _cat(rows + [np.zeros((1, H), group.row_dtype)], (H,))      # row G: zeros
-    scales_all = None if scales is None else _cat(scales + [np.zeros((1, H // 32), np.uint8)],
-                                                  (H // 32,))
+    zero_scale = group.payload_of.zero_scales(1, H)                          # row G's scales
+    scales_all = None if scales is None else _cat(scales + [zero_scale], zero_scale.shape[1:])
     idx_all = _cat(idx, (K,)).ravel()
     w_all = _cat(ws, (K,)).ravel()
 

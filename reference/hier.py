@@ -71,7 +71,7 @@ from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
 from .errors import Reason, error
 from .exchange import exchange_bytes, exchange_rows, is_uniform
 from .expertmajor import assemble
-from .mxfp8 import wire_rows
+from .payloads import wire_rows
 from .rankmajor import rank_major_fields
 from .transport import _as_rows, _payload, _rows_of, _unpayload, count_words
 

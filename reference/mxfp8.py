@@ -30,7 +30,8 @@ from typing import Tuple
 
 import numpy as np
 
-from .common import BLOCK, E4M3, FLOAT32
+from .abi import MXFP8_BLOCK as BLOCK
+from .common import E4M3, FLOAT32
 
 E4M3_MAX = np.float32(448.0)
 E4M3_EMAX = 8          # floor(log2(448))
@@ -87,11 +88,3 @@ def dequantize_mxfp8(q: np.ndarray, codes: np.ndarray) -> np.ndarray:
     scale = np.ldexp(np.ones(codes.shape, FLOAT32), codes.astype(np.int32) - SCALE_BIAS)
     return (q.astype(FLOAT32).reshape(T, H // BLOCK, BLOCK) * scale[:, :, None]).reshape(T, H)
 
-
-def wire_rows(xs, payload):
-    """The rows each source puts on the wire: x itself, or ``quantize_mxfp8(x)`` (quantized at
-    the source). Returns ``(rows, scales)``: R arrays [T_s, H]; R uint8 arrays [T_s, H/32] or None."""
-    if payload == "mxfp8":
-        pairs = [quantize_mxfp8(x) for x in xs]
-        return [q for q, _ in pairs], [c for _, c in pairs]
-    return list(xs), None

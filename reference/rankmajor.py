@@ -4,8 +4,8 @@ On rank ``d`` the rows are the tokens (s, t) with a *kept* slot on d (``is_token
 d]`` without capacity; a token whose slots on d were all dropped does not appear: it never
 travels there), ordered by s then t:
 
-    recv_x            [N, H] x dtype (E4M3 under MXFP8)   x_s[t]
-    recv_scale        [N, H/32] uint8 or None             scale codes under MXFP8
+    recv_x            [N, H] x dtype (E4M3 under a quantized payload)   x_s[t]
+    recv_scale        [N, H/block] or None                the payload's scales of x_s[t]
     recv_topk_idx     [N, K] int64     local expert id of slot k if used, kept and on d; else -1
     recv_topk_weights [N, K] float32   topk_weights_s[t, k] where the id is >= 0; else 0.0
     recv_src          [N, 2] int64     (s, t)
@@ -23,7 +23,7 @@ from .common import Group
 
 def rank_major_fields(group: Group, d: int, rows, scales, idx, ws, kept) -> dict:
     """Rank-major fields of rank d: a dict recv_x, recv_scale, recv_topk_idx, recv_topk_weights,
-    recv_src (module docstring). ``rows``/``scales`` as mxfp8.wire_rows returns them."""
+    recv_src (module docstring). ``rows``/``scales`` as payloads.wire_rows returns them."""
     L, K = group.num_local_experts, group.topk
     src, ids, wts = [], [], []
     for s in range(group.num_ranks):
@@ -37,7 +37,7 @@ def rank_major_fields(group: Group, d: int, rows, scales, idx, ws, kept) -> dict
             wts.append([ws[s][t, k] if local[k] >= 0 else 0.0 for k in range(K)])
     N = len(src)
     recv_x = np.zeros((N, group.hidden), group.row_dtype)
-    recv_scale = None if scales is None else np.zeros((N, group.hidden // 32), np.uint8)
+    recv_scale = group.payload_of.zero_scales(N, group.hidden)
     for n, (s, t) in enumerate(src):
         recv_x[n] = rows[s][t]
         if scales is not None:

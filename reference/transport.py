@@ -2,8 +2,8 @@
 
 A transport decides what rows travel; an exchange variant (exchange.py) moves them. Every row
 is raw bytes (little-endian), as docs/design.md's wire format says. ``P`` is the payload,
-``H * itemsize(x)``, or under MXFP8 ``H`` E4M3 bytes followed by ``H / 32`` scale codes
-(quantized at the source).
+``H * itemsize(x)``, or under a quantized payload ``H`` E4M3 bytes followed by the row's
+``H / block`` scales (quantized at the source; payloads.py).
 
     pairs   one section: a row per kept slot (t, k) to rank d, ordered by local expert j, then t:
             payload | int32 t | int32 k | int32 j | float32 w                     (P + 16 bytes)
@@ -83,7 +83,7 @@ from .errors import Reason, error
 from .exchange import exchange_bytes, exchange_rows, resolve
 from .expertmajor import assemble
 from .layout import local_counts
-from .mxfp8 import wire_rows
+from .payloads import get as get_payload, wire_rows
 from .rankmajor import rank_major_fields
 from .validate import check_layout, check_options
 
@@ -236,15 +236,12 @@ def _as_rows(rows: List[bytes], row_bytes: int) -> np.ndarray:
 
 
 def _payload(group: Group, rows, scales, t: int) -> bytes:
-    return rows[t].tobytes() + (b"" if scales is None else scales[t].tobytes())
+    return group.payload_of.to_bytes(rows[t], None if scales is None else scales[t])
 
 
 def _unpayload(group: Group, row: np.ndarray):
-    """payload bytes -> (x row [H], scale codes [H/32] or None)."""
-    n = group.hidden * group.row_dtype.itemsize
-    x = np.frombuffer(row[:n].tobytes(), group.row_dtype)
-    scale = np.frombuffer(row[n:group.payload_bytes].tobytes(), np.uint8) if group.payload else None
-    return x, scale
+    """payload bytes -> (x row [H], its scales [H/block] or None)."""
+    return group.payload_of.from_bytes(row[:group.payload_bytes], group.hidden, group.x_dtype)
 
 
 # --- dispatch ------------------------------------------------------------------------------
@@ -313,7 +310,7 @@ def _dedup_receive(group: Group, d: int, got: np.ndarray, got_slots: np.ndarray,
     N, P = got.shape[0], group.payload_bytes
     source = np.repeat(np.arange(R), p.rows[:, d])
     recv_x = np.zeros((N, H), group.row_dtype)
-    recv_scale = np.zeros((N, H // 32), np.uint8) if group.payload else None
+    recv_scale = group.payload_of.zero_scales(N, H)
     recv_src = np.zeros((N, 2), np.int64)
     recv_topk_idx = np.full((N, K), -1, np.int64)
     recv_topk_weights = np.zeros((N, K), np.float32)
@@ -557,8 +554,9 @@ def bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capac
     for r in range(1, R):
         if idx[r].shape[1] != idx[0].shape[1]:
             raise error(r, Reason.TOPK_MISMATCH, idx[r].shape[1], idx[0].shape[1])
-    if payload == "mxfp8" and hidden % 32:
-        raise error(0, Reason.HIDDEN_NOT_MULT32, hidden)
+    code, a, b = get_payload(payload).hidden_triple(int(hidden))
+    if code != Reason.OK:
+        raise error(0, code, a, b)
     if exchange == "static":
         for r in range(R):
             if idx[r].shape[0] > max_tokens_per_rank:
@@ -598,7 +596,7 @@ def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="d
 
     Args: topk_idx: R arrays [T_r, K] integer; hidden: H; dtype: x's dtype; the rest as
     ``dispatch``. Checks (raising ``InputError``): options, dtype, routing per rank, K agreement,
-    ``H % 32`` under MXFP8, ``T_r <= max_tokens_per_rank`` under the static exchange, and a
+    ``H % block`` under a quantized payload, ``T_r <= max_tokens_per_rank`` under the static exchange, and a
     uniform plan for ``exchange="equal"``.
     """
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,

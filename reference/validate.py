@@ -21,7 +21,8 @@ Order of the checks on one rank (the first failing one is reported):
 5. duplicates: the first row naming an expert twice (``b`` = the smallest such expert);
 6. routing weights finite: the first row holding a NaN or an infinity (every entry is checked,
    unused slots included, and also when the combine will be unweighted);
-7. MXFP8 only: ``H % 32 == 0``, then the first row of x holding a non-finite value (every row);
+7. a quantized payload only (payloads.py): ``H % block == 0``, then the first row of x holding a
+   non-finite value (every row); both report the payload's code as ``b``;
 8. static exchange only: ``T <= max_tokens_per_rank`` (``STATIC_OVERFLOW``, ``a = T``).
 
 Combine and the backward passes check, per rank in ascending order, the arrays they are given
@@ -38,7 +39,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .common import EXCHANGES, FLOAT32, FLOAT_DTYPES, PAYLOADS, TRANSPORTS, dtype_code
+from . import payloads
+from .common import EXCHANGES, FLOAT32, FLOAT_DTYPES, TRANSPORTS, dtype_code
 from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 
 Triple = Tuple[int, int, int]
@@ -60,7 +62,7 @@ def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exch
         return (Reason.OPTION, 1, -1)
     if exchange is not None and exchange not in EXCHANGES:
         return (Reason.OPTION, 2, -1)
-    if payload is not None and payload not in PAYLOADS:
+    if payload is not None and payload not in payloads.NAMES:
         return (Reason.OPTION, 3, -1)
     if exchange == "static" and (max_tokens_per_rank is None
                                  or not 0 <= int(max_tokens_per_rank) <= MAX_TOKENS):
@@ -134,12 +136,9 @@ def local_triple(x: np.ndarray, idx: np.ndarray, w: np.ndarray, num_experts: int
     rows = np.flatnonzero(~np.isfinite(w).all(axis=1))
     if rows.size:
         return (Reason.NONFINITE_WEIGHT, int(rows[0]), 0)
-    if payload == "mxfp8":
-        if x.shape[1] % 32 != 0:
-            return (Reason.HIDDEN_NOT_MULT32, x.shape[1], 0)
-        rows = np.flatnonzero(~np.isfinite(x.astype(np.float32)).all(axis=1))
-        if rows.size:
-            return (Reason.NONFINITE_PAYLOAD, int(rows[0]), 0)
+    triple = payloads.get(payload).check(x)
+    if triple[0] != Reason.OK:
+        return triple
     if max_tokens_per_rank is not None and x.shape[0] > max_tokens_per_rank:
         return (Reason.STATIC_OVERFLOW, x.shape[0], int(max_tokens_per_rank))
     return OK

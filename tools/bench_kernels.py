@@ -67,7 +67,8 @@ class KernelRecorder:
 
                 return call
 
-        names = ("epkit.ops", "epkit.lazy", "epkit.api", "epkit.mxfp8")
+        # modules holding ``C`` as a global; epkit.payloads reads ``ops.C`` at call time
+        names = ("epkit.ops", "epkit.lazy", "epkit.api")
         mods = [m for m in (sys.modules.get(n) for n in names)
                 if m is not None and getattr(m, "C", None) is real]
         proxy = _Proxy()

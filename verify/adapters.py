@@ -29,6 +29,7 @@ import itertools
 import os
 import sys
 
+from epkit.reference import payloads
 from epkit.verify.cases import ModeSpec
 
 __all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_factory",
@@ -36,7 +37,7 @@ __all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_
 
 TRANSPORTS = ("dedup", "pairs")
 EXCHANGES = ("auto", "ragged", "padded", "equal", "lazy", "static")
-PAYLOADS = (None, "mxfp8")
+PAYLOADS = (None, *payloads.NAMES)  # the payload table's: None, mxfp8, fp8_block128
 
 
 def epkit_modes() -> list[ModeSpec]:

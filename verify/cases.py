@@ -38,8 +38,9 @@ class ModeSpec:
     ``kwargs`` are passed to the adapter factory (``factory(group, **kwargs)``). The flags tell
     the harness what the mode needs and allows:
 
-    - ``payload``: ``"mxfp8"`` makes cases with ``H % 32 == 0`` and compares ``expert_x`` as
-      E4M3 plus ``expert_scale``.
+    - ``payload``: a quantized payload (``"mxfp8"``, ``"fp8_block128"``; the reference's payload
+      table) makes cases with ``H`` a multiple of its block and compares ``expert_x`` as E4M3
+      plus ``expert_scale`` (and ``expert_x_hp`` against the dequantized rows, if offered).
     - ``uniform``: the mode needs uniform plans (``exchange="equal"``); cases are drawn uniform.
     - ``static``: the factory also gets ``max_tokens_per_rank=case.max_tokens``, and dispatch may
       return extra all-padding rows after ``expert_offsets[-1]``.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epkit.reference import payloads
 from epkit.verify.capabilities import Capabilities
 from epkit.verify.cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
 
@@ -439,9 +440,8 @@ def _reordered_dispatch(got: dict, want, case: Case, padding: str):
     if case.payload is not None:
         checks.append(("expert_scale", want.expert_scale))
         if got.get("expert_x_hp") is not None:
-            import epkit.reference as ref
-
-            checks.append(("expert_x_hp", ref.dequantize_mxfp8(want.expert_x, want.expert_scale)))
+            checks.append(("expert_x_hp", payloads.decode(case.payload, want.expert_x,
+                                                          want.expert_scale)))
     for name, w in checks:
         msg = compare_bitwise(got.get(name), in_layout(name, w))
         if msg:
@@ -472,8 +472,8 @@ def _exact_dispatch(got: dict, want, case: Case, static: bool, ref):
     if case.payload is not None:
         checks.append(("expert_scale", want.expert_scale, 0))
         if got.get("expert_x_hp") is not None:  # dequantized rows, when offered
-            checks.append(("expert_x_hp",
-                           ref.dequantize_mxfp8(want.expert_x, want.expert_scale), 0))
+            checks.append(("expert_x_hp", payloads.decode(case.payload, want.expert_x,
+                                                          want.expert_scale), 0))
     if got.get("dropped_per_expert") is not None:
         checks.append(("dropped_per_expert", want.dropped_per_expert, None))
     msgs = []
@@ -669,8 +669,8 @@ class _Check:
         case, results, R = self.case, self.results, self.R
         if any(isinstance(results[r].get("grad_x"), str) for r in range(R)):
             self.v.status["dispatch_backward"] = REFUSED
-            self.v.refusal = self.v.refusal or ("dispatch_backward: MXFP8 dispatch without "
-                                                "expert_x_hp")
+            self.v.refusal = self.v.refusal or ("dispatch_backward: quantized dispatch "
+                                                "without expert_x_hp")
             return
         # a quantized payload's gradient flows through expert_x_hp, float32
         hp = case.payload is not None and results and \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from epkit.reference import payloads
 from epkit.verify.capabilities import WIDE_TOPK, Capabilities
 from epkit.verify.cases import FLOAT_DTYPES, Case, ModeSpec
 
@@ -32,7 +33,8 @@ def cases(
     """Draw a :class:`Case` for a group of up to ``world_size`` ranks, valid for ``mode`` and
     inside ``capabilities`` (:class:`~epkit.verify.capabilities.Capabilities`; default: all).
 
-    ``mode`` (a :class:`ModeSpec`) constrains the draw: ``payload="mxfp8"`` gives ``H % 32 == 0``;
+    ``mode`` (a :class:`ModeSpec`) constrains the draw: a quantized payload (``"mxfp8"``,
+    ``"fp8_block128"``) gives ``H`` a multiple of its block (32, 128);
     ``uniform`` gives uniform plans without capacity; ``static`` keeps every rank's tokens
     within ``max_tokens``. Without a mode, payload and plan shape are drawn too.
 
@@ -45,7 +47,8 @@ def cases(
     cap_k = caps.max_topk or 255
     wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
             and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
-    payload = mode.payload if mode is not None else draw(st.sampled_from([None, "mxfp8"]))
+    payload = (mode.payload if mode is not None
+               else draw(st.sampled_from([None, *payloads.NAMES]), label="payload"))
     uniform_only = mode is not None and mode.uniform
     no_unused = not caps.allows("unused_slots")
     if wide:
@@ -59,8 +62,9 @@ def cases(
         E = R * L
         K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
         max_tokens_drawn, max_h = max_tokens, max_hidden
-    if payload == "mxfp8":
-        H = 32 * (1 if wide else draw(st.integers(1, 3), label="hidden/32"))
+    block = payloads.get(payload).block
+    if block:  # 1..3 blocks of 32, 1..2 of 128
+        H = block * (1 if wide else draw(st.integers(1, max(2, 96 // block)), label="hidden/block"))
     else:
         H = draw(st.integers(1, max_h), label="hidden")
     routings = ["random", "grouped", "hot", "uniform"]

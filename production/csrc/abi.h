@@ -98,6 +98,8 @@ enum Requested : int64_t { kReqRagged = 0, kReqPadded = 1, kReqEqual = 2, kReqAu
 enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };
 constexpr int64_t kPayloadNone = 0;
 constexpr int64_t kPayloadMxfp8 = 1;
+constexpr int64_t kPayloadFp8Block128 = 2;
+constexpr int64_t kPayloadCount = 3;
 
 // count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]
 enum WordField : int64_t { kWordErrorCode = 0, kWordErrorA = 1, kWordErrorB = 2, kWordTokens = 3, kWordHidden = 4, kWordTopK = 5, kWordXDtype = 6, kWordPayload = 7 };
@@ -122,6 +124,11 @@ constexpr int64_t kSlotRowBytes = 8;
 constexpr int64_t kSlotKShift = 24;
 constexpr int64_t kDedupMaxTopK = 255;
 constexpr int64_t kDedupMaxLocal = 16777216;
+
+// payloads: elements per scale along H, bytes per scale (0: no scale)
 constexpr int64_t kMxfp8Block = 32;
+constexpr int64_t kMxfp8ScaleBytes = 1;
+constexpr int64_t kFp8Block128Block = 128;
+constexpr int64_t kFp8Block128ScaleBytes = 4;
 
 }  // namespace epkit

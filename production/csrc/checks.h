@@ -195,8 +195,8 @@ inline void check_prepare_args(const Tensor& x, const Tensor& topk_idx, const Te
               ": pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got ",
               pre_error.size(), " values");
   check_num_ranks(op, R);
-  TORCH_CHECK(payload == kPayloadNone || payload == kPayloadMxfp8, op,
-              ": payload must be 0 or 1 (mxfp8), got ", payload);
+  TORCH_CHECK(payload_known(payload), op,
+              ": payload must be 0 (none), 1 (mxfp8) or 2 (fp8_block128), got ", payload);
   if (pre_error[kPreErrorCode] != 0) {
     TORCH_CHECK(E >= -R && E <= kMaxExperts, op, ": num_experts ", E,
                 " leaves no room for the count words' header (num_ranks ", R, ")");
@@ -411,12 +411,20 @@ inline void check_combine_backward_dest_args(const Tensor& recv, const Tensor& r
   }
 }
 
-inline void check_quantize_mxfp8_args(const Tensor& x) {
-  constexpr const char* op = "epkit.quantize_mxfp8";
+// x of a payload's quantize kernel: [T, H] float32 or bfloat16 with H % block == 0.
+inline void check_quantize_args(const char* op, const Tensor& x, int64_t block) {
   check_dim(op, "x", x, 2);
   check_float_dtype(op, "x", x.scalar_type());
-  TORCH_CHECK(x.size(1) % 32 == 0, op, ": x must be [T, H] with H % 32 == 0, got H = ",
-              x.size(1));
+  TORCH_CHECK(x.size(1) % block == 0, op, ": x must be [T, H] with H % ", block,
+              " == 0, got H = ", x.size(1));
+}
+
+inline void check_quantize_mxfp8_args(const Tensor& x) {
+  check_quantize_args("epkit.quantize_mxfp8", x, kMxfp8Block);
+}
+
+inline void check_quantize_fp8_block128_args(const Tensor& x) {
+  check_quantize_args("epkit.quantize_fp8_block128", x, kFp8Block128Block);
 }
 
 inline void check_gather_slot_values_args(const Tensor& values, const Tensor& recv_map) {

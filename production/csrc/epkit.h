@@ -32,6 +32,24 @@ using at::Tensor;
 // kDedup, enum Requested / Variant / WordField / PlanHeader, reason::k*, dtype_code::k*, the
 // row layouts (kPairsMeta*, kDedupMeta*, kSlotRowBytes, ...) and the limits.
 
+// The payload table by code (reference/payloads.py; numbers from abi.h): elements per scale
+// along H (0: rows of x itself), bytes per scale, and P, the bytes of one token's payload on the
+// wire: H * itemsize(x), or H E4M3 bytes then H / block scales (abi.payload_bytes).
+EPKIT_HD inline bool payload_known(int64_t payload) {
+  return payload >= kPayloadNone && payload < kPayloadCount;
+}
+EPKIT_HD inline int64_t payload_block(int64_t payload) {
+  return payload == kPayloadMxfp8 ? kMxfp8Block : payload == kPayloadFp8Block128 ? kFp8Block128Block : 0;
+}
+EPKIT_HD inline int64_t payload_scale_bytes(int64_t payload) {
+  return payload == kPayloadMxfp8 ? kMxfp8ScaleBytes
+                                  : payload == kPayloadFp8Block128 ? kFp8Block128ScaleBytes : 0;
+}
+EPKIT_HD inline int64_t payload_row_bytes(int64_t payload, int64_t H, int64_t itemsize) {
+  const int64_t block = payload_block(payload);
+  return block ? H + payload_scale_bytes(payload) * (H / block) : H * itemsize;
+}
+
 // The slot word's fields. k occupies the top 8 bits, so for k >= 128 the int32 is negative:
 // decode through uint32 (an arithmetic shift would give k - 256 and index out of bounds).
 EPKIT_HD inline int64_t slot_word_k(int32_t packed) {
@@ -86,8 +104,7 @@ EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, 
                                    int64_t maxrows, int64_t maxslots) {
   const int64_t H = words0[kWordHidden], K = p[kTopK], per = K < L ? K : L;
   const int64_t itemsize = words0[kWordXDtype] == dtype_code::kBfloat16 ? 2 : 4;
-  const int64_t P = words0[kWordPayload] == kPayloadMxfp8 ? H + H / kMxfp8Block  // E4M3 + codes
-                                                          : H * itemsize;
+  const int64_t P = payload_row_bytes(words0[kWordPayload], H, itemsize);
   const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
   p[kPayloadBytes] = P;
   int64_t variant = kRagged;
@@ -156,6 +173,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const T
                                                      const Tensor& row_weight,
                                                      const Tensor& expert_y, bool weighted);
 std::tuple<Tensor, Tensor> quantize_mxfp8_cpu(const Tensor& x);
+std::tuple<Tensor, Tensor> quantize_fp8_block128_cpu(const Tensor& x);
 Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map);
 Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
                                int64_t num_experts, int64_t num_ranks, int64_t transport);

@@ -24,6 +24,7 @@ TORCH_LIBRARY(epkit, m) {
         "bool weighted) -> (Tensor, Tensor)");
   m.def("gather_slot_values(Tensor values, Tensor recv_map) -> Tensor");
   m.def("quantize_mxfp8(Tensor x) -> (Tensor, Tensor)");
+  m.def("quantize_fp8_block128(Tensor x) -> (Tensor, Tensor)");
   m.def("scatter_slot_values(Tensor back, Tensor send_map, Tensor topk_idx, int num_experts, "
         "int num_ranks, int transport) -> Tensor");
 }
@@ -40,5 +41,6 @@ TORCH_LIBRARY_IMPL(epkit, CPU, m) {
   m.impl("combine_backward_dest", &epkit::combine_backward_dest_cpu);
   m.impl("gather_slot_values", &epkit::gather_slot_values_cpu);
   m.impl("quantize_mxfp8", &epkit::quantize_mxfp8_cpu);
+  m.impl("quantize_fp8_block128", &epkit::quantize_fp8_block128_cpu);
   m.impl("scatter_slot_values", &epkit::scatter_slot_values_cpu);
 }

@@ -201,22 +201,6 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype)
     return out.to(out_dtype)
 
 
-class _MXFP8RoundTrip(torch.autograd.Function):
-    """``dequantize(quantize(x))`` float32 rows (epkit's MXFP8); the gradient passes straight
-    through, cast to x's dtype (what the MXFP8 dispatch's backward does)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        import epkit
-
-        ctx.dtype = x.dtype
-        return epkit.dequantize_mxfp8(*epkit.quantize_mxfp8(x))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype)
-
-
 ROUTER_DEFAULTS = dict(score="softmax", n_groups=1, topk_groups=None, expert_bias=False,
                        route_scale=1.0)
 
@@ -225,10 +209,15 @@ class _MoEBase(nn.Module):
     def __init__(self, hidden, ffn_hidden, num_experts, top_k, shared_expert, local_experts,
                  impl, payload, device, dtype, router_options, aux_loss_coef):
         super().__init__()
-        if payload not in (None, "mxfp8"):
-            raise ValueError(f"epkit.nn: payload must be None or 'mxfp8', got {payload!r}")
-        if payload == "mxfp8" and hidden % 32:
-            raise ValueError(f"epkit.nn: the MXFP8 payload needs hidden % 32 == 0, got {hidden}")
+        from epkit import payloads
+
+        if payload is not None and payload not in payloads.NAMES:
+            raise ValueError(f"epkit.nn: payload must be None or one of {payloads.NAMES}, got "
+                             f"{payload!r}")
+        block = payloads.TABLE[payload].block
+        if block and hidden % block:
+            raise ValueError(f"epkit.nn: payload {payload} needs hidden % {block} == 0, got "
+                             f"{hidden}")
         self.payload = payload
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         self.num_experts, self.top_k = num_experts, top_k
@@ -278,9 +267,10 @@ class DenseMoE(_MoEBase):
         num_experts: ``E``. top_k: ``K`` experts per token.
         shared_expert: add one SwiGLU every token goes through (``shared_expert.w1/w3/w2``).
         impl: grouped matmul, ``"auto"`` / ``"torch"`` (``torch._grouped_mm``) / ``"loop"``.
-        payload: ``"mxfp8"``: the experts see their input rounded through MXFP8 (quantized and
-            dequantized, ``epkit.quantize_mxfp8``), the gradient passing straight through, as
-            the expert-parallel layer's MXFP8 dispatch delivers it; ``H % 32 == 0``.
+        payload: ``"mxfp8"`` or ``"fp8_block128"``: the experts see their input rounded through
+            the payload (quantized and dequantized, e.g. ``epkit.quantize_mxfp8``), the
+            gradient passing straight through, as the expert-parallel layer's dispatch with
+            that payload delivers it; ``H`` a multiple of its block (32, 128).
         router options (keyword only; :class:`Router` has the formulas): ``score``
             (``"softmax"`` or ``"sigmoid"``), ``n_groups`` / ``topk_groups`` (group-limited
             top-k), ``expert_bias`` (a buffer added to the scores for selection only; the layer
@@ -307,13 +297,19 @@ class DenseMoE(_MoEBase):
         super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts,
                          impl, payload, device, dtype, router, aux_loss_coef)
 
+    def _round_trip(self, x2: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H] float32 rounded through the payload, gradient straight through."""
+        from epkit import payloads
+
+        return payloads.round_trip(payloads.TABLE[self.payload], x2)
+
     def _moe(self, x2: torch.Tensor, topk_idx, topk_weights) -> torch.Tensor:
         T, K = x2.shape[0], self.top_k
         flat = topk_idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # slot t*K+k; by expert, then token
         counts = torch.bincount(flat, minlength=self.num_experts)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        xe = x2 if self.payload is None else _MXFP8RoundTrip.apply(x2).to(self.experts.w1.dtype)
+        xe = x2 if self.payload is None else self._round_trip(x2).to(self.experts.w1.dtype)
         y_sorted = self.experts(xe[order // K], offsets)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted).view(T, K, self.hidden)
         out = weighted_sum(y, topk_weights, x2.dtype)
@@ -422,7 +418,8 @@ class ExpertParallelMoE(_MoEBase):
                 f"local_experts={self.local_experts}")
 
     def _experts(self, d) -> torch.Tensor:
-        # MXFP8: expert_x is E4M3; expert_x_hp its dequantized float32 rows, differentiable
+        # A quantized payload: expert_x is E4M3; expert_x_hp its dequantized float32 rows,
+        # differentiable
         x = d.expert_x if d.expert_x_hp is None else d.expert_x_hp.to(self.experts.w1.dtype)
         return self.experts(x, d.expert_offsets)
 

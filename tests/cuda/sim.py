@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from epkit import ops
+from epkit import ops, payloads
 from epkit.collectives import dtype_code
 from epkit.collectives import CODES
 
@@ -76,7 +76,7 @@ def _move_rows(bufs, hps, R, E, reverse):
     return out
 
 
-def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, mxfp8=False):
+def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, payload=None):
     """The dispatch half on `device`: words, plans, pack, the byte exchange, unpack. Returns
     (out, inputs, hps): out holds the intermediates, inputs (xs, idxs, ws) on the device."""
     E, xs, idxs, ws = case
@@ -92,13 +92,14 @@ def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, mx
         max_tokens = max(x.shape[0] for x in xs)
     out = {}
     rows, dtype, width = xs, xs[0].dtype, H
-    if mxfp8:  # rows travel as bytes: H E4M3 elements, then H / 32 scale codes
-        q = [C.quantize_mxfp8(x) for x in xs]
+    pl = payloads.TABLE[payload]
+    if pl.quantized:  # rows travel as bytes: H E4M3 elements, then the H / block scales
+        q = [pl.quantize(x) for x in xs]
         out["q"], out["codes"] = [a for a, _ in q], [b for _, b in q]
-        rows = [torch.cat([a.view(torch.uint8), b], dim=1) for a, b in q]
-        dtype, width = torch.uint8, H + H // 32
+        rows = [pl.to_rows(x) for x in xs]
+        dtype, width = torch.uint8, pl.row_bytes(H, 1)
     words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, dtype_code(x.dtype), max_tokens],
-                                   int(mxfp8)) for x, i, w in zip(xs, idxs, ws)])
+                                   pl.code) for x, i, w in zip(xs, idxs, ws)])
     plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens) for r in range(R)]
     if tr == ops.DEDUP and int(plans[0].cpu()[ops.DROPPED_ANY]):
         # count_exchange's second all-gather: every rank's kept token rows, and the plans again
@@ -221,9 +222,10 @@ def assert_weight_grad_close(got: dict):
         assert bool((err <= bound).all()), (d, float((err - bound).max()))
 
 
-def run_mxfp8(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
-              max_tokens=-1, device="cpu"):
-    """MXFP8 payload: quantize, pack the (E4M3 | E8M0) byte rows, unpack; as CPU tensors."""
+def run_payload(case, payload, *, align=1, capacity=None, transport="dedup", exchange="ragged",
+                max_tokens=-1, device="cpu"):
+    """A quantized payload: quantize, pack the (E4M3 | scales) byte rows, unpack; as CPU
+    tensors."""
     out, _, _ = _dispatch(case, align, capacity, transport, exchange, max_tokens, device,
-                          mxfp8=True)
+                          payload=payload)
     return _to_cpu(out)

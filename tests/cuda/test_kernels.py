@@ -2,7 +2,7 @@
 
 Group sizes 1..5 on one GPU, both transports, every exchange layout, capacity and align, odd
 hidden sizes (unaligned rows: narrower vectors), more tokens than one index chunk (64) and more
-slots per row than a warp (K > 32); the MXFP8 payload; the plan and the count words; layout.
+slots per row than a warp (K > 32); the quantized payloads; the plan and the count words; layout.
 """
 
 import itertools
@@ -53,12 +53,14 @@ def test_group_round_trip_bitwise(cuda_ext, shape, opts):
             assert all(not bool(g.any()) for g in gpu["grad_w_combine"])
 
 
+@pytest.mark.parametrize("payload", ["mxfp8", "fp8_block128"])
 @pytest.mark.parametrize("transport,exchange", [("dedup", "ragged"), ("pairs", "static"),
                                                 ("dedup", "static"), ("pairs", "padded")])
-def test_mxfp8_payload_bitwise(cuda_ext, transport, exchange):
-    case = sim.make_case(3, 2, 3, 64, [9, 0, 70], BF16, seed=7)
-    cpu = sim.run_mxfp8(case, transport=transport, exchange=exchange, align=2, device="cpu")
-    gpu = sim.run_mxfp8(case, transport=transport, exchange=exchange, align=2, device="cuda")
+def test_quantized_payload_bitwise(cuda_ext, payload, transport, exchange):
+    case = sim.make_case(3, 2, 3, 256, [9, 0, 70], BF16, seed=7)
+    kw = dict(transport=transport, exchange=exchange, align=2)
+    cpu = sim.run_payload(case, payload, device="cpu", **kw)
+    gpu = sim.run_payload(case, payload, device="cuda", **kw)
     sim.assert_same(cpu, gpu)
 
 
@@ -77,6 +79,25 @@ def test_quantize_mxfp8_edges(cuda_ext, dtype):
     q_gpu, c_gpu = cuda_ext.quantize_mxfp8(x.cuda())
     assert torch.equal(sim.bits(q_cpu), sim.bits(q_gpu.cpu()))
     assert torch.equal(c_cpu, c_gpu.cpu())
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_quantize_fp8_block128_edges(cuda_ext, dtype):
+    """Zero and -0 blocks, amax below the 1e-4 clamp, subnormals, saturation, the extremes,
+    non-finite elements (the raw op takes them: E4M3 NaN with the element's sign)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-40, 30, 64).unsqueeze(1)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, :128] = 1e-45
+    x[3, :128] = torch.tensor([8.294966, -8.294966, 3.997119, -2**-9] * 32)  # v / s > 448
+    x[4] = torch.finfo(torch.float32).max
+    x[5, :4] = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf")])
+    x = x.to(dtype)
+    q_cpu, s_cpu = cuda_ext.quantize_fp8_block128(x)
+    q_gpu, s_gpu = cuda_ext.quantize_fp8_block128(x.cuda())
+    assert torch.equal(sim.bits(q_cpu), sim.bits(q_gpu.cpu()))
+    assert torch.equal(sim.bits(s_cpu), sim.bits(s_gpu.cpu()))
 
 
 @pytest.mark.parametrize("R,L,capacity,align,transport,exchange,static", list(itertools.product(
@@ -126,6 +147,9 @@ def test_prepare_errors_equal_cpu(cuda_ext):
     w2 = w.clone(); w2[5, 0] = float("inf"); cases.append((x, idx.clone().fill_(-1), w2, 0))
     x2 = x.clone(); x2[4, 3] = float("nan"); cases.append((x2, idx.clone().fill_(-1), w, 1))
     cases.append((torch.randn(6, 48), idx.clone().fill_(-1), w, 1))  # H % 32 != 0
+    cases.append((x2, idx.clone().fill_(-1), w, 2))                  # fp8_block128: H % 128
+    x3 = torch.randn(6, 128); x3[2, 7] = float("inf")
+    cases.append((x3, idx.clone().fill_(-1), w, 2))                  # fp8_block128: non-finite
     for x_, i_, w_, payload in cases:
         for static in (-1, 3):
             pre = [0, 0, 0, 1, static]

@@ -29,6 +29,7 @@ CASES = {
     "r2-bf16": (2, dict(dtype="bfloat16")),
     "r2-mxfp8-shared": (2, dict(H=32, payload="mxfp8", shared=True)),
     "r3-mxfp8-bf16": (3, dict(H=32, payload="mxfp8", dtype="bfloat16")),
+    "r2-fp8_block128-bf16": (2, dict(H=128, payload="fp8_block128", dtype="bfloat16")),
     "r2-lazy": (2, dict(opts=dict(exchange="lazy"))),             # asked for, no shared expert
     "r3-lazy-shared": (3, dict(shared=True, opts=dict(exchange="lazy", overlap=False))),
     "r3-capacity-factor": (3, dict(opts=dict(capacity_factor=12.0))),  # C >= every load: no drop

@@ -108,6 +108,8 @@ def opcheck_all(group, rank):
             (C.gather_slot_values, (rw, recv_map)),
             (C.quantize_mxfp8, (torch.randn(3, 64),)),
             (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
+            (C.quantize_fp8_block128, (torch.randn(3, 256),)),
+            (C.quantize_fp8_block128, (torch.randn(2, 128).to(torch.bfloat16),)),
             (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
             (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
@@ -167,20 +169,25 @@ def compile_step(group, rank, backend, exchange, capture_scalars):
     return torch.equal(out_e, out_c), all(torch.equal(a, b) for a, b in zip(grads_e, grads_c))
 
 
-def mxfp8_forward_backward(group, rank, x, idx, w, grad_out, opts):
-    """MXFP8 dispatch -> y = expert_x_hp * 2 (float32) -> combine -> backward."""
+def quantized_forward_backward(group, rank, x, idx, w, grad_out, opts):
+    """Dispatch under ``opts["payload"]`` (mxfp8, fp8_block128) -> y = expert_x_hp * 2 (float32)
+    -> combine -> backward."""
     xt = to_torch(x).requires_grad_(True)
     wt = to_torch(w).requires_grad_(True)
     d = epkit.dispatch(xt, to_torch(idx), wt, num_experts=opts["E"], group=group,
-                       align=opts["align"], capacity=opts["capacity"], payload="mxfp8",
+                       align=opts["align"], capacity=opts["capacity"], payload=opts["payload"],
                        transport=opts["transport"], exchange=opts["exchange"],
                        max_tokens_per_rank=opts.get("max_tokens_per_rank"))
-    assert d.expert_x.dtype == torch.float8_e4m3fn and d.expert_scale.dtype == torch.uint8
+    lazy = opts["exchange"] == "lazy"
+    d = d.wait() if lazy else d
+    assert d.expert_x.dtype == torch.float8_e4m3fn and d.expert_x_hp.dtype == torch.float32
     out = epkit.combine(d.expert_x_hp * 2.0, d, weighted=opts["weighted"])
+    out = out.wait() if lazy else out
     out.backward(to_torch(grad_out).to(out.dtype))
     M = int(d.expert_offsets[-1])
     return {"q": d.expert_x.view(torch.uint8)[:M].numpy().copy(),
             "scale": d.expert_scale[:M].numpy().copy(), "row_src": to_numpy(d.row_src)[:M],
+            "hp": to_numpy(d.expert_x_hp.detach())[:M],
             "out": to_numpy(out), "grad_x": to_numpy(xt.grad), "grad_w": to_numpy(wt.grad)}
 
 

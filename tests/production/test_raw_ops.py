@@ -162,7 +162,7 @@ for name, bad in [
     ("weights_shape", lambda c: c.C.prepare(c.x, c.idx, c.w[:, :1], c.E, 1, [0, 0, 0, 1], 0)),
     ("weights_empty", lambda c: c.C.prepare(c.x, c.idx, c.w.new_zeros(0), c.E, 1, [0, 0, 0, 1], 0)),
     ("weights_double", lambda c: c.C.prepare(c.x, c.idx, c.w.double(), c.E, 1, [0, 0, 0, 1], 0)),
-    ("payload_code", lambda c: c.C.prepare(c.x, c.idx, c.w, c.E, 1, [0, 0, 0, 1], 2)),
+    ("payload_code", lambda c: c.C.prepare(c.x, c.idx, c.w, c.E, 1, [0, 0, 0, 1], 3)),  # valid: 0..2
     ("max_tokens", lambda c: c.C.prepare(c.x, c.idx, c.w, c.E, 1, [0, 0, 0, 1, -7], 0)),
 ]:
     simple("prepare", name, P_OK, bad)
@@ -487,6 +487,16 @@ for name, bad in [
 ]:
     simple("quantize_mxfp8", name, Q_OK, bad)
 
+# quantize_fp8_block128(x)
+QB_OK = lambda c: c.C.quantize_fp8_block128(c.torch.randn(3, 256))  # noqa: E731
+for name, bad in [
+    ("hidden_not_multiple_of_128", lambda c: c.C.quantize_fp8_block128(c.torch.randn(3, 96))),
+    ("x_1d", lambda c: c.C.quantize_fp8_block128(c.torch.randn(128))),
+    ("x_int", lambda c: c.C.quantize_fp8_block128(c.torch.ones(3, 128, dtype=c.torch.int32))),
+    ("x_double", lambda c: c.C.quantize_fp8_block128(c.torch.randn(3, 128, dtype=c.torch.float64))),
+]:
+    simple("quantize_fp8_block128", name, QB_OK, bad)
+
 
 # gather_slot_values(values, recv_map)
 def gsv(c, tr, vals=None, rmap=None):
@@ -534,8 +544,8 @@ for name, bad in [
     simple("scatter_slot_values", name, lambda c, tr: ssv(c, tr), bad, BOTH)
 
 OPS = ("layout", "prepare", "plan", "pack", "unpack", "gather_rows", "reduce_tokens",
-       "scatter_rows", "combine_backward_dest", "quantize_mxfp8", "gather_slot_values",
-       "scatter_slot_values")
+       "scatter_rows", "combine_backward_dest", "quantize_mxfp8", "quantize_fp8_block128",
+       "gather_slot_values", "scatter_slot_values")
 
 
 # ---- running the cases in children ----------------------------------------------------------

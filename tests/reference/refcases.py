@@ -12,6 +12,15 @@ from epkit.reference.common import BFLOAT16
 
 F32 = np.dtype(np.float32)
 DTYPES = (F32, BFLOAT16)
+# Elements per scale of each quantized payload, and a payload row's bytes (docs/design.md),
+# typed here independently of epkit.reference.abi.
+BLOCKS = {"mxfp8": 32, "fp8_block128": 128}
+
+
+def payload_row_bytes(payload, H, itemsize):
+    return {None: H * itemsize, "mxfp8": H + H // 32, "fp8_block128": H + 4 * (H // 128)}[payload]
+
+
 RESULT_FIELDS = ("expert_x", "expert_scale", "tokens_per_expert", "expert_offsets", "row_src",
                  "row_weight", "dropped_per_expert", "recv_x", "recv_scale", "recv_topk_idx",
                  "recv_topk_weights", "recv_src", "topk_idx", "topk_weights", "kept")
@@ -93,7 +102,7 @@ def cases(draw, max_ranks=6, dtypes=DTYPES, payloads=(None,), values=("random", 
     E = R * L
     payload = draw(st.sampled_from(payloads))
     is_uniform = draw(st.sampled_from([False, False, True])) if uniform is None else uniform
-    H = 32 if payload == "mxfp8" else draw(st.sampled_from([1, 2, 3, 8]))
+    H = BLOCKS[payload] if payload else draw(st.sampled_from([1, 2, 3, 8]))
     dtype = np.dtype(draw(st.sampled_from(dtypes)))
     vals = draw(st.sampled_from(values))
     align = draw(st.sampled_from([1, 1, 2, 3]))

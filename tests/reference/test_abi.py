@@ -64,3 +64,15 @@ def test_python_takes_the_plan_layout_from_abi():
     assert ops.TRANSPORTS == abi.TRANSPORT_CODES
     assert [ops.ERR_CODE, ops.RANKS, ops.NONUNIFORM_RANK] == [
         abi.PLAN_FIELDS.index(n) for n in ("err_code", "ranks", "nonuniform_rank")]
+
+
+def test_error_texts_name_options_by_the_abi_codes():
+    """errors.OPTION_NAMES (the texts' code -> name tables; errors.py cannot import abi.py,
+    which imports it) agree with abi.py's codes, the payload table's included."""
+    from epkit.reference import payloads
+    from epkit.reference.errors import OPTION_NAMES
+
+    for kind, codes in (("transport", abi.TRANSPORT_CODES), ("exchange", abi.EXCHANGE_CODES),
+                        ("payload", abi.PAYLOAD_CODES)):
+        assert OPTION_NAMES[kind] == {v: str(k) for k, v in codes.items()}, kind
+    assert set(abi.PAYLOAD_CODES) == set(payloads.TABLE) == set(abi.PAYLOAD_BLOCKS)

@@ -36,7 +36,7 @@ def expected_combine(case, res, ys, weighted):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(payloads=(None, "mxfp8")))
+@given(cases(payloads=(None, "mxfp8", "fp8_block128")))
 def test_combine_arithmetic_and_padding(case):
     res = ref.dispatch(case.xs, case.idx, case.ws, **case.kw())
     ydt = BF16 if case.seed % 2 else F32

@@ -6,6 +6,9 @@ from hypothesis import given, settings
 from epkit import reference as ref
 from refcases import assert_results_bitwise, bits, cases
 
+QUANTIZE = {"mxfp8": ref.quantize_mxfp8, "fp8_block128": ref.quantize_fp8_block128}
+SCALE_DTYPE = {"mxfp8": np.uint8, "fp8_block128": np.float32}
+
 
 def used_slots(case):
     """(s, t, k, e) of every used slot, canonical order."""
@@ -14,7 +17,7 @@ def used_slots(case):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(payloads=(None, "mxfp8")))
+@given(cases(payloads=(None, "mxfp8", "fp8_block128")))
 def test_expert_major_format(case):
     res = ref.dispatch(case.xs, case.idx, case.ws, **case.kw())
     L = case.L
@@ -33,8 +36,8 @@ def test_expert_major_format(case):
             for m, (s, t, k) in zip(range(lo, lo + n), rows):
                 assert case.idx[s][t, k] == d * L + j
                 assert bits(r.row_weight[m]).tolist() == bits(case.ws[s][t, k]).tolist()
-                if case.payload == "mxfp8":
-                    q, c = ref.quantize_mxfp8(case.xs[s][t:t + 1])
+                if case.payload is not None:
+                    q, c = QUANTIZE[case.payload](case.xs[s][t:t + 1])
                     assert np.array_equal(bits(r.expert_x[m]), bits(q[0]))
                     assert np.array_equal(r.expert_scale[m], c[0])
                 else:
@@ -43,8 +46,9 @@ def test_expert_major_format(case):
             # zero padding rows
             assert not bits(r.expert_x[lo + n:hi]).any()
             assert (r.row_src[lo + n:hi] == -1).all() and not bits(r.row_weight[lo + n:hi]).any()
-            if case.payload == "mxfp8":
-                assert not r.expert_scale[lo + n:hi].any()
+            if case.payload is not None:
+                assert r.expert_scale.dtype == SCALE_DTYPE[case.payload]
+                assert not bits(r.expert_scale[lo + n:hi]).any()
     assert len(seen) == len(set(seen))                    # every kept slot exactly once
     assert set(seen) == {(s, t, k) for s, t, k, _ in used_slots(case) if res[s].kept[t, k]}
 

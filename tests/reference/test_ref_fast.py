@@ -9,7 +9,7 @@ from refcases import assert_lists_bitwise, assert_results_bitwise, cases
 
 
 @settings(max_examples=80, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.booleans(), st.booleans())
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.booleans(), st.booleans())
 def test_fast_equals_clear(case, weighted, rank_major):
     kw = case.kw(rank_major=rank_major)
     a = ref.dispatch(case.xs, case.idx, case.ws, **kw)

@@ -34,7 +34,7 @@ def assert_passes_bitwise(got, want, what):
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.data())
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.data())
 def test_hier_equals_pairs_and_dedup_bit_for_bit(case, data):
     """Same ranks_per_node: canonical, pairs, dedup and hier give the same expert-major and
     rank-major arrays, combine, dispatch backward and combine backward, bit for bit; hier's
@@ -112,7 +112,7 @@ def inter_node(B, G):
 
 
 @settings(max_examples=80, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.data())
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.data())
 def test_hier_never_moves_more_inter_node_bytes_than_pairs(case, data):
     """Ragged exchange, with capacity: per source and remote node, hier's stage 1 moves
     ``rows * (P + 8) + slots * 8`` against pairs' ``slots * (P + 16)`` to that node's ranks, and
@@ -139,7 +139,7 @@ def test_hier_never_moves_more_inter_node_bytes_than_pairs(case, data):
 
 def decode_stage1(group, case, s, kept):
     """Source s's stage-1 rows, decoded: per node, token rows (t, n) and slot rows (k, j, w)."""
-    rows, _ = ref.mxfp8.wire_rows(case.xs, None)
+    rows, _ = ref.payloads.wire_rows(case.xs, None)
     sent, tok, slot = hier._stage1_send(group, rows[s], None, case.idx[s], case.ws[s], kept[s])
     P = group.payload_bytes
     toks = [struct.unpack("<ii", r[P:].tobytes()) for r in tok]

@@ -11,7 +11,7 @@ from epkit import reference as ref
 from epkit.reference import transport
 from epkit.reference.capacity import kept_mask
 from epkit.reference.common import Group
-from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases
+from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases, payload_row_bytes
 
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
 
@@ -68,7 +68,7 @@ def expected_dispatch_bytes(tr, variant, tok, slots, payload_bytes, max_t, K, L)
 
 
 @settings(max_examples=40, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.sampled_from(("pairs", "dedup")), st.booleans())
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.sampled_from(("pairs", "dedup")), st.booleans())
 def test_transports_equal_canonical(case, tr, weighted):
     kw = case.kw(rank_major=True)
     base = ref.dispatch(case.xs, case.idx, case.ws, **kw)
@@ -107,8 +107,7 @@ def test_transports_equal_canonical(case, tr, weighted):
         variant = res[0].wire.plan.variant
         assert variant == (ex if ex != "auto" else
                            "equal" if all(uniform(c) for c in sections) else "ragged")
-        payload_bytes = res[0].expert_x.shape[1] * res[0].expert_x.itemsize + (
-            0 if case.payload is None else case.H // 32)
+        payload_bytes = payload_row_bytes(case.payload, case.H, case.dtype.itemsize)
         assert np.array_equal(moved, expected_dispatch_bytes(
             tr, variant, tok, slots, payload_bytes, args["max_tokens_per_rank"], case.K, case.L))
     # equal refuses exactly the plans with a section that is not uniform
@@ -140,7 +139,7 @@ def test_equal_on_nonuniform_plan_raises():
 
 
 @settings(max_examples=150, deadline=None)
-@given(cases(payloads=(None, None, "mxfp8")), st.sampled_from(EXCHANGES))
+@given(cases(payloads=(None, None, "mxfp8", "fp8_block128")), st.sampled_from(EXCHANGES))
 def test_dedup_never_sends_more_bytes_than_pairs(case, ex):
     """Capacity or not, per (s, d): dedup's dispatch moves ``rows * (P + 8) + slots * 8``
     against pairs' ``slots * (P + 16)``, and every token row has a kept slot (``rows <= slots``);
@@ -162,7 +161,7 @@ def test_dedup_never_sends_more_bytes_than_pairs(case, ex):
     pairs = ref.dispatch_bytes(case.idx, transport="pairs", **kw)   # uniform slots: pairs too
     assert (tok <= slots).all()
     assert np.array_equal(dedup, ref.fast.dispatch_bytes(case.idx, transport="dedup", **kw))
-    P = case.H * case.dtype.itemsize if case.payload is None else case.H + case.H // 32
+    P = payload_row_bytes(case.payload, case.H, case.dtype.itemsize)
     assert (dedup <= pairs).all(), (dedup, pairs)
     variant = ex if ex != "auto" else "equal" if uniform(tok) and uniform(slots) else "ragged"
     if variant in ("ragged", "equal"):

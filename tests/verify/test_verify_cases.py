@@ -49,8 +49,8 @@ def _check_routing(c: Case):
 def test_drawn_cases_are_valid(c):
     _check_routing(c)
     assert c.num_experts % c.world_size == 0 and 1 <= c.world_size <= 4
-    if c.payload == "mxfp8":
-        assert c.hidden % 32 == 0
+    if c.payload is not None:
+        assert c.hidden % {"mxfp8": 32, "fp8_block128": 128}[c.payload] == 0
 
 
 @FAST
@@ -77,6 +77,13 @@ def test_static_mxfp8_mode_bounds_tokens_and_hidden(c):
     assert MODES["pairs/static/mxfp8"].factory_kwargs(c)["max_tokens_per_rank"] == 10
 
 
+@FAST
+@given(cases(2, MODES["dedup/lazy/fp8_block128"], max_tokens=10))
+def test_fp8_block128_mode_draws_whole_blocks(c):
+    _check_routing(c)
+    assert c.hidden in (128, 256) and c.payload == "fp8_block128"
+
+
 def test_expert_rows_put_nan_only_in_padding():
     c = Case(world_size=1, num_experts=2, topk=1, hidden=4, tokens=(3,), nan_padding=True)
     valid = valid_rows([1, 2], [0, 2, 4], 4)
@@ -93,8 +100,10 @@ def test_valid_rows_tolerates_a_malformed_layout():
 
 def test_mode_names_cover_every_knob():
     names = set(MODES)
-    assert len(names) == 2 * 6 * 2
-    assert {"dedup/ragged", "pairs/lazy", "dedup/static/mxfp8"} <= names
+    assert len(names) == 2 * 6 * 3
+    assert {"dedup/ragged", "pairs/lazy", "dedup/static/mxfp8", "pairs/ragged/fp8_block128",
+            "dedup/static/fp8_block128"} <= names
+    assert MODES["pairs/padded/fp8_block128"].payload == "fp8_block128"
     assert MODES["dedup/static"].static and MODES["pairs/equal"].uniform
     assert ModeSpec().factory_kwargs() == {}
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import epkit.reference as ref
+from epkit.reference import payloads
 from epkit.verify.cases import TAG_GRAD_X, TAG_Y, Case, ModeSpec
 from epkit.verify.checks import (PROPERTIES, check_case, compare_bitwise,
                                 weight_grad_tolerance)
@@ -35,7 +36,7 @@ def perfect_results(case: Case, static_tail: int = 0):
             fields["row_weight"] = np.concatenate([d.row_weight, np.zeros(static_tail, "f4")])
         g_dtype = case.dtype
         if case.payload:
-            fields["expert_x_hp"] = ref.dequantize_mxfp8(d.expert_x, d.expert_scale)
+            fields["expert_x_hp"] = payloads.decode(case.payload, d.expert_x, d.expert_scale)
             g_dtype = "float32"
         src = fields["row_src"]
         out.append({"rank": r, "error": None, "dispatch": fields,
@@ -61,9 +62,10 @@ def test_reference_results_pass_every_property():
     assert v.status == {p: "passed" for p in PROPERTIES}, v.report()
 
 
-def test_mxfp8_checks_codes_scales_and_the_dequantized_rows():
-    case = CASE.replace(hidden=64, payload="mxfp8")
-    mode = ModeSpec("x/mxfp8", payload="mxfp8")
+@pytest.mark.parametrize("payload,hidden", [("mxfp8", 64), ("fp8_block128", 256)])
+def test_quantized_payload_checks_scales_and_the_dequantized_rows(payload, hidden):
+    case = CASE.replace(hidden=hidden, payload=payload)
+    mode = ModeSpec(f"x/{payload}", payload=payload)
     assert not check_case(case, mode, perfect_results(case)).failed
     for field in ("expert_scale", "expert_x_hp", "expert_x"):
         results = perfect_results(case)

@@ -14,7 +14,7 @@ using reason::kDuplicateExpert, reason::kHiddenNotMult32, reason::kIndexOutOfRan
 
 struct Err { int64_t code = 0, a = 0, b = 0; };
 
-Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E, bool payload) {
+Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E, int64_t payload) {
   const int64_t T = idx.size(0), K = idx.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t i = 0; i < T * K; ++i)
@@ -34,14 +34,15 @@ Err check_values(const Tensor& x, const Tensor& idx, const Tensor& w, int64_t E,
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k)
       if (!std::isfinite(wp[t * K + k])) return {kNonfiniteWeight, t, 0};
-  if (payload) {
-    if (x.size(1) % 32) return {kHiddenNotMult32, x.size(1), 0};
+  const int64_t block = payload_block(payload);
+  if (block) {  // a quantized payload: H % block, then finite x (b: the payload's code)
+    if (x.size(1) % block) return {kHiddenNotMult32, x.size(1), payload};
     const Tensor xf = x.to(at::kFloat);
     const float* xp = xf.data_ptr<float>();
     const int64_t H = x.size(1);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < H; ++h)
-        if (!std::isfinite(xp[t * H + h])) return {kNonfinitePayload, t, 0};
+        if (!std::isfinite(xp[t * H + h])) return {kNonfinitePayload, t, payload};
   }
   return {};
 }
@@ -85,7 +86,7 @@ Tensor prepare_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_w
   Err err{pre_error[kPreErrorCode], pre_error[kPreErrorA], pre_error[kPreErrorB]};
   if (err.code == 0) {
     const Tensor idx = topk_idx.to(at::kLong).contiguous();
-    err = check_values(x, idx, topk_weights.contiguous(), E, payload != 0);
+    err = check_values(x, idx, topk_weights.contiguous(), E, payload);
     // max_tokens_per_rank of the static exchange (-1: not static).
     const int64_t max_tokens =
         int64_t(pre_error.size()) > kPreErrorMaxTokens ? pre_error[kPreErrorMaxTokens] : -1;

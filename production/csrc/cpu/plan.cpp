@@ -48,7 +48,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   // No rank's words carry an error: the options are used from here on.
   check_plan_options(E, R, align, capacity, exchange, max_tokens);
   TORCH_CHECK(r0[kWordHidden] >= 0 && r0[kWordTopK] >= 0 &&
-                  (r0[kWordPayload] == kPayloadNone || r0[kWordPayload] == kPayloadMxfp8),
+                  payload_known(r0[kWordPayload]),
               "epkit.plan: words of rank 0 "
               "carry hidden ", r0[kWordHidden], ", topk ", r0[kWordTopK], ", payload ",
               r0[kWordPayload]);

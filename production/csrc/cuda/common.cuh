@@ -49,6 +49,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv, const 
                                                       const Tensor& row_weight,
                                                       const Tensor& expert_y, bool weighted);
 std::tuple<Tensor, Tensor> quantize_mxfp8_cuda(const Tensor& x);
+std::tuple<Tensor, Tensor> quantize_fp8_block128_cuda(const Tensor& x);
 Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map);
 Tensor unpack_status_word(const Tensor& like);
 Tensor scatter_slot_values_cuda(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,

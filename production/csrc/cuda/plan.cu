@@ -93,9 +93,9 @@ __global__ void finalize_kernel(int64_t* w, const int64_t* ip, const unsigned lo
       } else if (flags[2] != kNone) {
         code = kNonfiniteWeight; a = static_cast<int64_t>(flags[2]); b = 0;
       } else if (payload && hidden_bad) {
-        code = kHiddenNotMult32; a = H; b = 0;
+        code = kHiddenNotMult32; a = H; b = payload;
       } else if (payload && flags[3] != kNone) {
-        code = kNonfinitePayload; a = static_cast<int64_t>(flags[3]); b = 0;
+        code = kNonfinitePayload; a = static_cast<int64_t>(flags[3]); b = payload;
       } else if (max_tokens >= 0 && T > max_tokens) {
         code = kStaticOverflow; a = T; b = max_tokens;
       }
@@ -274,7 +274,8 @@ Tensor prepare_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_
         w + kWordHeader + E, nullptr, nullptr, fp, true);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const bool hidden_bad = payload != 0 && H % 32 != 0;
+  const int64_t block = payload_block(payload);  // 0: not quantized (no payload checks)
+  const bool hidden_bad = block != 0 && H % block != 0;
   if (payload != 0 && !hidden_bad && T * H > 0) {
     const Tensor xc = x.contiguous();
     const int64_t n = T * H;

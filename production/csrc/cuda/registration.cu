@@ -13,6 +13,7 @@ TORCH_LIBRARY_IMPL(epkit, CUDA, m) {
   m.impl("combine_backward_dest", &epkit::cuda::combine_backward_dest_cuda);
   m.impl("gather_slot_values", &epkit::cuda::gather_slot_values_cuda);
   m.impl("quantize_mxfp8", &epkit::cuda::quantize_mxfp8_cuda);
+  m.impl("quantize_fp8_block128", &epkit::cuda::quantize_fp8_block128_cuda);
   m.impl("scatter_slot_values", &epkit::cuda::scatter_slot_values_cuda);
   m.impl("unpack_status_word", &epkit::cuda::unpack_status_word);
 }
