@@ -24,7 +24,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from . import transport
+from . import transports
 from .arith import scaled, weight_grad_dot
 from .combine import ordered_sums
 from .common import DispatchResult
@@ -43,11 +43,9 @@ def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[Dispat
     """
     check_results(res)
     gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
-    if res[0].transport == "hier":
-        from . import hier
-        sums, _ = hier.reduce_back(res, gs, weighted=False)
-    elif res[0].wire is not None:
-        sums, _ = transport.reduce_back(res, gs, weighted=False)
+    carried = transports.of_results(res)
+    if carried is not None:
+        sums, _ = carried.reduce_back(res, gs, weighted=False)
     else:
         sums = ordered_sums(gs, res, weighted=False)
     return [s.astype(r.x_dtype) for s, r in zip(sums, res)]
@@ -70,12 +68,9 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
     check_results(res)
     gs = check_rows(grad_outs, [(r.num_tokens, r.hidden) for r in res], grad=True)
     ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    if res[0].transport == "hier":
-        from . import hier
-        gys, gws, _ = hier.combine_backward(res, gs, ys, weighted)
-        return gys, gws
-    if res[0].wire is not None:
-        gys, gws, _ = transport.combine_backward(res, gs, ys, weighted)
+    carried = transports.of_results(res)
+    if carried is not None:
+        gys, gws, _ = carried.combine_backward(res, gs, ys, weighted)
         return gys, gws
     gys = [np.zeros(y.shape, y.dtype) for y in ys]
     gws = [np.zeros((r.num_tokens, r.topk), np.float32) for r in res]

@@ -15,7 +15,7 @@ G = 1 (the default) N_d = +0.0 + P_d, and the order is bitwise the rank-by-rank 
 ``sum over d ascending of P_d(t)`` (arith.grouped_total_sum says why).
 
 Results of a transport run (``dispatch(..., transport=...)``) are combined through the same
-transport and exchange (transport.reduce_back); the bytes are the same.
+transport and exchange (its reduce_back, transports.py); the bytes are the same.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from . import transport
+from . import transports
 from .arith import grouped_total_sum, partial_sum
 from .common import DispatchResult
 from .validate import check_results, check_rows
@@ -75,11 +75,9 @@ def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weig
     """
     check_results(res)
     ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    if res[0].transport == "hier":
-        from . import hier
-        sums, _ = hier.reduce_back(res, ys, weighted)
-    elif res[0].wire is not None:
-        sums, _ = transport.reduce_back(res, ys, weighted)
+    carried = transports.of_results(res)
+    if carried is not None:
+        sums, _ = carried.reduce_back(res, ys, weighted)
     else:
         sums = ordered_sums(ys, res, weighted)
     return [s.astype(r.x_dtype) for s, r in zip(sums, res)]

@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from . import transport as transport_mod
+from . import transports
 from .capacity import kept_mask
 from .common import DispatchResult, Group, resolve_options
 from .expertmajor import assemble
@@ -71,7 +71,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
         align: pad each expert's segment to a multiple of this (>= 1).
         capacity: keep at most this many slots per expert (capacity.py), None = all.
         transport: None (with exchange None) = the canonical computation; "pairs" or "dedup" =
-            carried out through the simulated transport (transport.py); "hier" through the
+            carried out through the simulated transport (transport.py; transports.py is the
+            table); "hier" through the
             node-aware one (hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
             uniform, else ragged).
@@ -87,11 +88,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     group, xs, idx, ws = prepare(xs, topk_idx, topk_weights, num_experts, align, capacity,
                                  transport, exchange, payload, max_tokens_per_rank, ranks_per_node)
     kept = kept_mask(idx, group.num_experts, group.capacity)
-    if group.transport == "hier":
-        from . import hier
-        return hier.dispatch(group, xs, idx, ws, kept, rank_major)
     if group.transport is not None:
-        return transport_mod.dispatch(group, xs, idx, ws, kept, rank_major)
+        return transports.of(group.transport).dispatch(group, xs, idx, ws, kept, rank_major)
     return canonical(group, xs, idx, ws, kept, rank_major)
 
 

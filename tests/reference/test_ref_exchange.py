@@ -60,3 +60,13 @@ def test_static_overflow_is_an_input_error_in_move_and_bytes():
         with pytest.raises(InputError) as e:
             fn()
         assert e.value.code == Reason.STATIC_OVERFLOW and e.value.rank == 0
+
+
+def test_the_transport_table_covers_every_transport_with_the_three_passes():
+    from epkit.reference import common, transports
+
+    assert set(transports.TABLE) == set(common.TRANSPORTS)
+    for name, module in transports.TABLE.items():
+        for fn in ("dispatch", "reduce_back", "combine_backward", "dispatch_bytes_of",
+                   "combine_bytes_of"):
+            assert callable(getattr(module, fn, None)), (name, fn)
