@@ -344,10 +344,26 @@ def _slot_keys(src: np.ndarray, K: int, Tmax: int) -> np.ndarray:
 def _reordered_dispatch(got: dict, want, case: Case, padding: str):
     """Check one rank's dispatch under ``reordered``. Returns (messages [(output, text)],
     ``perm``): ``perm[m]`` is the reference row of the implementation's row ``m`` (-1 for
-    padding or a row that matches none)."""
-    msgs = []
-    L = case.local_experts
+    padding or a row that matches none). The steps: the layout (counts, offsets, row_src's
+    form), each row's slot found in the reference, where the slots sit, then the values."""
+    msgs, layout = _reordered_layout(got, want, case)
+    if layout is None:
+        return msgs, None
+    M, off_a, src = layout
     K, Tmax = case.topk, max(case.tokens) if case.tokens else 0
+    perm, found = _slot_permutation(src, np.asarray(want.row_src), K, Tmax)
+    problem = _misplaced_slot(src, perm, found, off_a, want, case.local_experts)
+    if problem:
+        msgs.append(("row_src", problem))
+    msgs += _reordered_values(got, want, case, perm, src[:, 0] < 0, M, padding == "ignored")
+    return msgs, perm
+
+
+def _reordered_layout(got: dict, want, case: Case):
+    """``(messages, (M, expert_offsets, row_src) or None)``: the layout's form: expert_x 2-D,
+    tokens_per_expert the reference's, offsets ascending from 0 within M in multiples of align,
+    row_src integers [M, 3]. None where the rest cannot be checked."""
+    msgs, L = [], case.local_experts
     ex = got.get("expert_x")
     if ex is None or np.ndim(ex) != 2:
         return [("expert_x", "missing" if ex is None else f"shape {list(np.shape(ex))}, "
@@ -375,59 +391,63 @@ def _reordered_dispatch(got: dict, want, case: Case, padding: str):
         msgs.append(("row_src", "missing" if src is None else
                      f"{src.dtype} {list(src.shape)}, expected integers [{M}, 3]"))
         return msgs, None
-    wsrc = np.asarray(want.row_src)
+    return msgs, (M, off_a, src)
+
+
+def _slot_permutation(src: np.ndarray, wsrc: np.ndarray, K: int, Tmax: int):
+    """``(perm, found)``: the reference row holding each implementation row's slot (by its
+    (s, t, k) in row_src; -1 for padding or no match) and whether a real row matched."""
     wreal = wsrc[:, 0] >= 0
-    pad = src[:, 0] < 0  # a padding row: source rank -1
-    real = ~pad
-    # the reference row of every implementation row, by slot
+    real = src[:, 0] >= 0  # a padding row: source rank -1
     wkeys = _slot_keys(wsrc[wreal], K, Tmax)
     wrows = np.flatnonzero(wreal)
     order = np.argsort(wkeys, kind="stable")
     keys = _slot_keys(src, K, Tmax)
-    pos = np.searchsorted(wkeys[order], keys)
-    pos = np.clip(pos, 0, max(len(wkeys) - 1, 0))
+    pos = np.clip(np.searchsorted(wkeys[order], keys), 0, max(len(wkeys) - 1, 0))
     found = real & (len(wkeys) > 0)
     if len(wkeys):
         found &= wkeys[order][pos] == keys
     perm = np.where(found, wrows[order][pos] if len(wkeys) else -1, -1)
-    perm = np.where(real & found, perm, -1)
-    # which expert each row sits in (-1: after the last segment)
-    expert_of = np.full(M, -1)
+    return np.where(real & found, perm, -1), found
+
+
+def _misplaced_slot(src, perm, found, off_a, want, L) -> str | None:
+    """The first thing wrong with where the slots sit, or None: a slot the reference does not
+    hold here, one held twice, one in another expert's segment, or slots missing."""
+    M, wsrc = src.shape[0], np.asarray(want.row_src)
+    real, wreal = src[:, 0] >= 0, wsrc[:, 0] >= 0
+    expert_of = np.full(M, -1)  # which expert each row sits in (-1: after the last segment)
     for j in range(L):
         expert_of[off_a[j]:off_a[j + 1]] = j
     want_expert = np.full(len(wsrc), -1)
     for j in range(L):
         want_expert[want.expert_offsets[j]:want.expert_offsets[j + 1]] = j
     want_of = want_expert[np.maximum(perm, 0)] if len(want_expert) else np.full(M, -1)
-    bad_row = None
     if (real & ~found).any():
         m = int(np.flatnonzero(real & ~found)[0])
-        bad_row = (m, f"row {m}: row_src {src[m].tolist()} is not a slot this rank holds in "
-                   "the reference")
-    elif len(np.unique(perm[real])) != int(real.sum()):
+        return f"row {m}: row_src {src[m].tolist()} is not a slot this rank holds in the reference"
+    if len(np.unique(perm[real])) != int(real.sum()):
         vals, counts = np.unique(perm[real], return_counts=True)
         m = int(np.flatnonzero(real & (perm == vals[counts > 1][0]))[1])
-        bad_row = (m, f"row {m}: slot {src[m].tolist()} appears twice")
-    elif (real & (expert_of != want_of)).any():
+        return f"row {m}: slot {src[m].tolist()} appears twice"
+    if (real & (expert_of != want_of)).any():
         m = int(np.flatnonzero(real & (expert_of != want_of))[0])
-        bad_row = (m, f"row {m}: slot {src[m].tolist()} sits in local expert "
-                   f"{int(expert_of[m])}, the reference puts it in expert "
-                   f"{int(want_expert[perm[m]])}")
-    elif int(real.sum()) != int(wreal.sum()):
-        missing = np.setdiff1d(wrows, perm[real])
-        bad_row = (None, f"{int(wreal.sum() - real.sum())} slots missing, e.g. "
-                   f"{wsrc[missing[0]].tolist()}" if len(missing) else "rows missing")
-    if bad_row:
-        msgs.append(("row_src", bad_row[1]))
-    keep_pad = padding == "ignored"
+        return (f"row {m}: slot {src[m].tolist()} sits in local expert {int(expert_of[m])}, "
+                f"the reference puts it in expert {int(want_expert[perm[m]])}")
+    if int(real.sum()) != int(wreal.sum()):
+        missing = np.setdiff1d(np.flatnonzero(wreal), perm[real])
+        return (f"{int(wreal.sum() - real.sum())} slots missing, e.g. "
+                f"{wsrc[missing[0]].tolist()}" if len(missing) else "rows missing")
+    return None
 
-    def in_layout(name, ref_rows, fill=0):
-        """The reference's rows placed in the implementation's layout; padding rows ``fill``
-        (or, when padding is ignored, whatever the implementation holds)."""
+
+def _reordered_values(got, want, case, perm, pad, M, keep_pad) -> list:
+    """The value outputs against the reference's rows placed in the implementation's layout
+    by ``perm``; padding rows zero (or, ``keep_pad``: whatever the implementation holds)."""
+
+    def in_layout(name, ref_rows):
         ref_rows = np.asarray(ref_rows)
         out = np.zeros((M, *ref_rows.shape[1:]), ref_rows.dtype)
-        if fill:
-            out[:] = fill
         out[perm >= 0] = ref_rows[perm[perm >= 0]]
         g = got.get(name)
         if keep_pad and g is not None and np.shape(g) == out.shape:
@@ -442,6 +462,7 @@ def _reordered_dispatch(got: dict, want, case: Case, padding: str):
         if got.get("expert_x_hp") is not None:
             checks.append(("expert_x_hp", payloads.decode(case.payload, want.expert_x,
                                                           want.expert_scale)))
+    msgs = []
     for name, w in checks:
         msg = compare_bitwise(got.get(name), in_layout(name, w))
         if msg:
@@ -450,7 +471,7 @@ def _reordered_dispatch(got: dict, want, case: Case, padding: str):
         msg = compare_bitwise(_ints(got["dropped_per_expert"]), want.dropped_per_expert)
         if msg:
             msgs.append(("dropped_per_expert", msg))
-    return msgs, perm
+    return msgs
 
 
 def _ints(a):
@@ -775,76 +796,22 @@ def _rank_major_checks(case, results, ref, contract, v, todo, settle, value_chec
     ``recv_src``. Combine is the sum, over ranks ascending, of each token's rows (the expert
     side applied the weights); dispatch's backward the same sum of the gradient rows; the
     gradient of a row is ``grad_out`` of its token in the row's dtype."""
-    R, H = case.world_size, case.hidden
+    R = case.world_size
     xs, idxs, ws = case.all_inputs()
     res = ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
                        capacity=case.capacity, payload=case.payload, rank_major=True)
-    fields = RANK_MAJOR + (("recv_scale",) if case.payload is not None else ())
-    Tmax = max(case.tokens) if case.tokens else 0
-    check_dispatch = todo("dispatch")
-    if check_dispatch:
+    if todo("dispatch"):
         v.status["dispatch"] = PASSED
-    for d in range(R if check_dispatch else 0):
-        got, want = results[d]["dispatch"], res[d]
-        wsrc = np.asarray(want.recv_src)
-        exact = [(n, m) for n in fields
-                 if (m := compare_bitwise(got.get(n), getattr(want, n))) is not None]
-        src = got.get("recv_src")
-        weak = []
-        if src is None or np.shape(src) != np.shape(wsrc) or np.asarray(src).dtype != np.int64:
-            weak = [("recv_src", compare_bitwise(src, wsrc) or "malformed")]
-        else:
-            src = np.asarray(src)
-            wkey = wsrc[:, 0] * (Tmax + 1) + wsrc[:, 1]
-            key = src[:, 0] * (Tmax + 1) + src[:, 1]
-            order = np.argsort(wkey)
-            pos = np.clip(np.searchsorted(wkey[order], key), 0, max(len(wkey) - 1, 0))
-            ok = len(wkey) > 0 and (wkey[order][pos] == key).all() and \
-                len(np.unique(key)) == len(key)
-            if not ok:
-                weak = [("recv_src", "the rows are not the reference's tokens (s, t) on this "
-                         "rank, each once")]
-            else:
-                perm = order[pos]
-                weak = [(n, m) for n in fields
-                        if n != "recv_src" and (m := compare_bitwise(
-                            got.get(n), np.asarray(getattr(want, n))[perm])) is not None]
-        level = "exact" if not exact else (None if weak else "reordered")
-        v.met["dispatch"] = weaker(v.met.get("dispatch", "exact"), level)
-        if level == "reordered":
-            v.not_exact.setdefault("dispatch", "row order")
-        if level is None or CONTRACTS.index(level) > CONTRACTS.index(contract):
-            for n, m in (exact if contract == "exact" else weak):
-                v.fail("dispatch", d, n, m)
-
-    def token_sums(tag, dtype, fed_dtype):
-        """Per rank: the fed rows in the reference layout; per source: the float32 sum over
-        ranks ascending (cast to ``dtype``), the float64 sum, magnitudes, term counts."""
-        fed = [case.token_rows(d, tag, res[d].recv_src, fed_dtype) for d in range(R)]
-        acc = [np.zeros((case.tokens[s], H), np.float32) for s in range(R)]
-        ex = [np.zeros((case.tokens[s], H)) for s in range(R)]
-        ab = [np.zeros((case.tokens[s], H)) for s in range(R)]
-        n = [np.zeros((case.tokens[s], H)) for s in range(R)]
         for d in range(R):
-            src = np.asarray(res[d].recv_src)
-            for s in range(R):
-                rows = np.flatnonzero(src[:, 0] == s)
-                t = src[rows, 1]
-                f = fed[d][rows]
-                acc[s][t] = acc[s][t] + f.astype(np.float32)
-                ex[s][t] += f.astype(np.float64)
-                ab[s][t] += np.abs(f.astype(np.float64))
-                n[s][t] += 1
-        return [a.astype(np_dtype(dtype)) for a in acc], ex, ab, n
-
+            _rank_major_dispatch(case, results[d]["dispatch"], res[d], d, contract, v)
     if todo("dispatch_backward"):
-        want, ex, ab, n = token_sums(TAG_GRAD_X, case.dtype, case.dtype)
+        want, ex, ab, n = _rank_major_token_sums(case, res, TAG_GRAD_X, case.dtype, case.dtype)
         v.status["dispatch_backward"] = PASSED
         for s in range(R):
             value_check("dispatch_backward", s, "grad_x", results[s].get("grad_x"), want[s],
                         ex[s], ab[s], n[s], case.dtype)
     if todo("combine"):
-        want, ex, ab, n = token_sums(TAG_Y, case.dtype, case.y_dtype)
+        want, ex, ab, n = _rank_major_token_sums(case, res, TAG_Y, case.dtype, case.y_dtype)
         v.status["combine"] = PASSED
         for s in range(R):
             value_check("combine", s, "out", results[s].get("out"), want[s], ex[s], ab[s],
@@ -853,17 +820,81 @@ def _rank_major_checks(case, results, ref, contract, v, todo, settle, value_chec
         gos = [np.asarray(results[s]["grad_out"]) for s in range(R)]
         v.status["combine_backward"] = PASSED
         for d in range(R):
-            src = results[d]["dispatch"].get("recv_src")
-            rows = int(np.shape(results[d]["expert_y"])[0])
-            src = sane_row_src(src, rows, width=2)
-            real = (src[:, 0] >= 0) & (src[:, 0] < R)
-            g = np.zeros((rows, H), np.float32)
-            for i in np.flatnonzero(real):
-                s, t = src[i]
-                if t < case.tokens[s]:
-                    g[i] = gos[s][t].astype(np.float32)
+            g = _rank_major_grad_rows(case, results[d], gos)
             value_check("combine_backward", d, "grad_expert_y", results[d].get("grad_y"),
                         g.astype(np_dtype(case.y_dtype)), g.astype(np.float64),
                         np.abs(g.astype(np.float64)), np.ones_like(g, dtype=np.float64),
                         case.y_dtype)
     v.status["weight_grad"] = NA  # combine of a rank-major result takes no weights
+
+
+def _rank_major_dispatch(case, got, want, d, contract, v) -> None:
+    """One rank's rank-major fields: exact (the reference's rows in its order) or reordered
+    (the same rows matched by ``recv_src``, each token (s, t) once)."""
+    fields = RANK_MAJOR + (("recv_scale",) if case.payload is not None else ())
+    Tmax = max(case.tokens) if case.tokens else 0
+    wsrc = np.asarray(want.recv_src)
+    exact = [(n, m) for n in fields
+             if (m := compare_bitwise(got.get(n), getattr(want, n))) is not None]
+    src = got.get("recv_src")
+    if src is None or np.shape(src) != np.shape(wsrc) or np.asarray(src).dtype != np.int64:
+        weak = [("recv_src", compare_bitwise(src, wsrc) or "malformed")]
+    else:
+        src = np.asarray(src)
+        wkey = wsrc[:, 0] * (Tmax + 1) + wsrc[:, 1]
+        key = src[:, 0] * (Tmax + 1) + src[:, 1]
+        order = np.argsort(wkey)
+        pos = np.clip(np.searchsorted(wkey[order], key), 0, max(len(wkey) - 1, 0))
+        ok = len(wkey) > 0 and (wkey[order][pos] == key).all() and \
+            len(np.unique(key)) == len(key)
+        if not ok:
+            weak = [("recv_src", "the rows are not the reference's tokens (s, t) on this "
+                     "rank, each once")]
+        else:
+            perm = order[pos]
+            weak = [(n, m) for n in fields
+                    if n != "recv_src" and (m := compare_bitwise(
+                        got.get(n), np.asarray(getattr(want, n))[perm])) is not None]
+    level = "exact" if not exact else (None if weak else "reordered")
+    v.met["dispatch"] = weaker(v.met.get("dispatch", "exact"), level)
+    if level == "reordered":
+        v.not_exact.setdefault("dispatch", "row order")
+    if level is None or CONTRACTS.index(level) > CONTRACTS.index(contract):
+        for n, m in (exact if contract == "exact" else weak):
+            v.fail("dispatch", d, n, m)
+
+
+def _rank_major_token_sums(case, res, tag, dtype, fed_dtype):
+    """Per rank: the fed rows in the reference layout; per source: the float32 sum over ranks
+    ascending (cast to ``dtype``), the float64 sum, magnitudes, term counts."""
+    R, H = case.world_size, case.hidden
+    fed = [case.token_rows(d, tag, res[d].recv_src, fed_dtype) for d in range(R)]
+    acc = [np.zeros((case.tokens[s], H), np.float32) for s in range(R)]
+    ex = [np.zeros((case.tokens[s], H)) for s in range(R)]
+    ab = [np.zeros((case.tokens[s], H)) for s in range(R)]
+    n = [np.zeros((case.tokens[s], H)) for s in range(R)]
+    for d in range(R):
+        src = np.asarray(res[d].recv_src)
+        for s in range(R):
+            rows = np.flatnonzero(src[:, 0] == s)
+            t = src[rows, 1]
+            f = fed[d][rows]
+            acc[s][t] = acc[s][t] + f.astype(np.float32)
+            ex[s][t] += f.astype(np.float64)
+            ab[s][t] += np.abs(f.astype(np.float64))
+            n[s][t] += 1
+    return [a.astype(np_dtype(dtype)) for a in acc], ex, ab, n
+
+
+def _rank_major_grad_rows(case, result, gos) -> np.ndarray:
+    """float32 [rows, H]: each rank-major row's gradient, its token's ``grad_out``."""
+    R, H = case.world_size, case.hidden
+    rows = int(np.shape(result["expert_y"])[0])
+    src = sane_row_src(result["dispatch"].get("recv_src"), rows, width=2)
+    real = (src[:, 0] >= 0) & (src[:, 0] < R)
+    g = np.zeros((rows, H), np.float32)
+    for i in np.flatnonzero(real):
+        s, t = src[i]
+        if t < case.tokens[s]:
+            g[i] = gos[s][t].astype(np.float32)
+    return g

@@ -11,10 +11,21 @@ import subprocess
 import sys
 import zipfile
 
+import re
+
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-TREE = ["pyproject.toml", "setup.py", "README.md", "production", "reference", "verify"]
+
+
+def _package_dirs() -> list:
+    """Every folder pyproject.toml's package-dir names (so the copy never misses one)."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        line = next(ln for ln in f if ln.startswith("package-dir"))
+    return sorted(set(re.findall(r'= "([^"]+)"', line)))
+
+
+TREE = ["pyproject.toml", "setup.py", "README.md", *_package_dirs()]
 
 RUN = """
 import os, sys, torch, torch.distributed as dist
