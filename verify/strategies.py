@@ -43,43 +43,16 @@ def cases(
     size; it shrinks to an ordinary draw.
     """
     caps = capabilities or Capabilities()
-    R = draw(st.integers(min_world_size, world_size), label="world_size")
-    cap_k = caps.max_topk or 255
-    wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
-            and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
-    payload = (mode.payload if mode is not None
-               else draw(st.sampled_from([None, *payloads.NAMES]), label="payload"))
     uniform_only = mode is not None and mode.uniform
     no_unused = not caps.allows("unused_slots")
-    if wide:
-        lo_k = min(129, cap_k)
-        L = draw(st.integers(-(-lo_k // R), 512 // R), label="local_experts (wide)")
-        E = R * L
-        K = draw(st.integers(min(lo_k, E), min(255, E, cap_k)), label="topk (wide)")
-        max_tokens_drawn, max_h = min(max_tokens, 6), 16
-    else:
-        L = draw(st.integers(1, max_local_experts), label="local_experts")
-        E = R * L
-        K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
-        max_tokens_drawn, max_h = max_tokens, max_hidden
-    block = payloads.get(payload).block
-    if block:  # 1..3 blocks of 32, 1..2 of 128
-        H = block * (1 if wide else draw(st.integers(1, max(2, 96 // block)), label="hidden/block"))
-    else:
-        H = draw(st.integers(1, max_h), label="hidden")
-    routings = ["random", "grouped", "hot", "uniform"]
-    if no_unused:  # every slot used: K distinct experts per token, none left -1
-        routings = ["random", "hot", "uniform"]
-    routing = "uniform" if uniform_only else draw(st.sampled_from(routings), label="routing")
-    if no_unused:
-        K = min(K, R) if routing == "uniform" else min(K, E)
-    min_t = 0 if caps.allows("zero_token_ranks") else 1
-    if routing == "uniform":
-        T = R * draw(st.integers(min_t, max(max_tokens_drawn // R, min_t)), label="tokens/R")
-        tokens = (T,) * R
-    else:
-        tokens = tuple(draw(st.lists(st.integers(min_t, max_tokens_drawn), min_size=R,
-                                     max_size=R), label="tokens"))
+    # the draws, in this order (hypothesis replays and shrinks by it): the shape, the hidden
+    # size, the routing and tokens, the dtypes, the options
+    R, wide, payload, E, K, max_tokens_drawn, max_h = _shape(
+        draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk, max_tokens,
+        max_hidden, wide_every)
+    H = _hidden(draw, payload, wide, max_h)
+    routing, K, tokens = _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused,
+                                             max_tokens_drawn)
     dtype = draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
     y_dtype = dtype
     if caps.allows("mixed_dtypes") and not draw(st.integers(0, 3), label="mixed dtypes?"):
@@ -113,3 +86,51 @@ def cases(
         max_tokens=max_tokens,
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
     )
+
+
+def _shape(draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk,
+           max_tokens, max_hidden, wide_every):
+    """World size, the wide top-k switch, payload, experts and top-k; with the token and
+    hidden bounds that go with them."""
+    R = draw(st.integers(min_world_size, world_size), label="world_size")
+    cap_k = caps.max_topk or 255
+    wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
+            and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
+    payload = (mode.payload if mode is not None
+               else draw(st.sampled_from([None, *payloads.NAMES]), label="payload"))
+    if wide:
+        lo_k = min(129, cap_k)
+        L = draw(st.integers(-(-lo_k // R), 512 // R), label="local_experts (wide)")
+        E = R * L
+        K = draw(st.integers(min(lo_k, E), min(255, E, cap_k)), label="topk (wide)")
+        return R, wide, payload, E, K, min(max_tokens, 6), 16
+    L = draw(st.integers(1, max_local_experts), label="local_experts")
+    E = R * L
+    K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
+    return R, wide, payload, E, K, max_tokens, max_hidden
+
+
+def _hidden(draw, payload, wide, max_h) -> int:
+    """H: a multiple of a quantized payload's block (1..3 blocks of 32, 1..2 of 128)."""
+    block = payloads.get(payload).block
+    if block:
+        return block * (1 if wide else draw(st.integers(1, max(2, 96 // block)),
+                                            label="hidden/block"))
+    return draw(st.integers(1, max_h), label="hidden")
+
+
+def _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused, max_tokens_drawn):
+    """``(routing, K, tokens per rank)``: every slot used where the capabilities say so (K
+    distinct experts per token, none -1), zero-token ranks only where allowed."""
+    routings = ["random", "grouped", "hot", "uniform"]
+    if no_unused:  # every slot used: K distinct experts per token, none left -1
+        routings = ["random", "hot", "uniform"]
+    routing = "uniform" if uniform_only else draw(st.sampled_from(routings), label="routing")
+    if no_unused:
+        K = min(K, R) if routing == "uniform" else min(K, E)
+    min_t = 0 if caps.allows("zero_token_ranks") else 1
+    if routing == "uniform":
+        T = R * draw(st.integers(min_t, max(max_tokens_drawn // R, min_t)), label="tokens/R")
+        return routing, K, (T,) * R
+    return routing, K, tuple(draw(st.lists(st.integers(min_t, max_tokens_drawn), min_size=R,
+                                           max_size=R), label="tokens"))
