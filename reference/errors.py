@@ -181,7 +181,8 @@ def _opt(kind: str, code: int) -> str:
 
 
 def format_reason(code: int, a: int = 0, b: int = 0) -> str:
-    """The message for a reason code and its two details (identical on every rank)."""
+    """The message for a reason code and its two details (identical on every rank). One
+    entry per reason: a table, not logic, hence its length."""
     c = Reason(code)
     return {
         Reason.OK: "no error",
