@@ -241,6 +241,7 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport,
                             int(host_plan(plan)[RANKS]), send_bytes)
     recv = _move_dispatch(send, plan, group_name)
+    del send  # exchanged: freed before unpack allocates expert_x (a lower peak per step)
     expert_x, row_src, row_weight, recv_map = C.unpack(
         recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
     return expert_x, row_src, row_weight, send_map, recv_map
@@ -347,6 +348,7 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back_rows = C.gather_rows(grad_expert_x, recv_map, empty_w, transport, False)
     back = _move(back_rows, plan, group_name, reverse=True, what="epkit.dispatch backward")
+    del back_rows  # exchanged: freed before the next allocation
     grad_x = C.reduce_tokens(back, send_map, topk_idx, empty_w, E, R, transport, False, x_dtype)
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
@@ -406,6 +408,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     rows = C.gather_rows(expert_y.contiguous(), recv_map, row_weight, transport, weighted)
     back = _move(rows, plan, group_name, reverse=True, what="epkit.combine")
+    del rows  # exchanged: freed before reduce_tokens allocates the output
     return C.reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
                            out_dtype)
 
@@ -429,6 +432,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
     recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(host_plan(plan)[SEND_ROWS]))
     recv = _move(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward")
+    del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 
