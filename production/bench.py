@@ -302,14 +302,16 @@ def format_profile(rows: list[dict]) -> str:
 
 def format_kernels(kr: list[dict]) -> str:
     lines = ["local kernels (rank 0 replays one step's kernel calls alone, best of "
-             "N calls; GB/s = (arguments + outputs) / time):"]
+             "N calls; GB/s = (arguments + outputs) / time; out fresh: a memcpy into a fresh "
+             "buffer of the kernel's first output size, the first-touch floor):"]
     for k in kr:
         lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy of "
                      f"{k['memcpy_bytes'] / 1e6:.1f} MB {k['memcpy_gbps']:.1f} GB/s (fresh dst "
                      f"{k['memcpy_fresh_gbps']:.1f})")
         for name, r in k["rows"].items():
             lines.append(f"    {name:<26}{r['best_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
-                         f"{r['vs_memcpy']:>7.2f} x memcpy")
+                         f"{r['vs_memcpy']:>7.2f} x memcpy   out fresh "
+                         f"{r.get('out_fresh_ms', 0):>6.2f} ms")
     return "\n".join(lines)
 
 
