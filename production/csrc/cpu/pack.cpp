@@ -208,8 +208,9 @@ Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::Sy
   at::parallel_for(0, S, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       if (from[r] < 0) std::memset(op + r * nbytes, 0, nbytes);
-      else copy_row(op + r * nbytes, sp + from[r] * nbytes, nbytes);
+      else stream_row(op + r * nbytes, sp + from[r] * nbytes, nbytes);
     }
+    stream_fence();
   });
   return out;
 }

@@ -138,7 +138,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
         continue;
       }
       const uint8_t* meta = f.bytes + P;
-      copy_row(xb + m * P, f.bytes, P);
+      stream_row(xb + m * P, f.bytes, P);
       sp[m * 3 + 0] = f.src;
       sp[m * 3 + 1] = get<int32_t>(meta);
       if (pairs) {
@@ -149,6 +149,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
         wp[m] = get<float>(f.slot + sizeof(int32_t));
       }
     }
+    stream_fence();
   });
   return {expert_x, row_src, row_weight, recv_map};
 }
