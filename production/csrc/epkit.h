@@ -11,8 +11,9 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__SSE2__)
+#if defined(__SSE2__) && !defined(__CUDACC__)
 #include <emmintrin.h>
+#define EPKIT_STREAM_STORES 1
 #endif
 
 #include "abi.h"
@@ -173,7 +174,7 @@ inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
 // whose rows share cache lines with other stores (the pack's rows end in metadata). A loop
 // that streams ends each parallel chunk with stream_fence(): every store is then visible.
 inline void stream_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
-#if defined(__SSE2__)
+#if defined(EPKIT_STREAM_STORES)
   if ((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(nbytes)) % 16 == 0) {
     for (int64_t i = 0; i < nbytes; i += 16)
       _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
@@ -184,7 +185,7 @@ inline void stream_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
   std::memcpy(dst, src, static_cast<size_t>(nbytes));
 }
 inline void stream_fence() {
-#if defined(__SSE2__)
+#if defined(EPKIT_STREAM_STORES)
   _mm_sfence();
 #endif
 }
@@ -201,8 +202,10 @@ inline int64_t static_cap(const int64_t* plan) { return plan[kStaticCap]; }
 // back reads its source rows scattered, one short stream each, which the hardware prefetcher
 // does not anticipate; asking for the next row while the current one is processed hides it.
 inline void prefetch_row(const void* p, int64_t nbytes) {
+#if !defined(__CUDACC__)  // CPU kernels only (the CUDA sources include this header too)
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(c + i);
+#endif
 }
 
 // Row loops with float arithmetic are built for AVX-512 (x86-64-v4), AVX2 and the baseline,
