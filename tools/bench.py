@@ -21,6 +21,8 @@ Figures of merit (in the JSON):
                           own ratio is speedup_vs_plain_torch, ..._padded, ..._megatron_style
     overhead_vs_exchange  epkit dedup median / floor median            (target <= 1.5)
     pack_vs_memcpy        pack kernel GB/s / memcpy GB/s, one thread   (target >= 0.5)
+    memory_vs_held        epkit dedup's peak resident-set growth per step / the bytes the
+                          step must hold (inputs, outputs, saved tensors) (target <= 1.5)
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import tempfile
 import time
 
 TARGETS = {"speedup_vs_naive": (">=", 3.0), "overhead_vs_exchange": ("<=", 1.5),
-           "pack_vs_memcpy": (">=", 0.5)}
+           "pack_vs_memcpy": (">=", 0.5), "memory_vs_held": ("<=", 1.5)}
 ALLOC_ENV = {"default": {}, "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
              "reuse": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 << 30)}}
 ALLOC_VARS = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
@@ -228,12 +230,17 @@ def table_rows(wl: dict) -> list[dict]:
 def format_table(rows: list[dict], title: str) -> str:
     lines = [title,
              f"  {'method':<20}{'median ms':>10}{'p10-p90 ms':>17}{'algo GB/s':>11}"
-             f"{'MB sent/rank':>14}{'x epkit':>9}"]
+             f"{'MB sent/rank':>14}{'x epkit':>9}{'peak MB/step':>14}{'held MB':>9}"]
     for r in rows:
         spread = f"{r['p10_ms']:.1f}-{r['p90_ms']:.1f}"
         ratio = "" if r["ratio_to_epkit"] is None else f"{r['ratio_to_epkit']:.2f}"
+        peak = r.get("peak_rss_growth_bytes")
+        peak = "n/a" if peak is None else f"{peak / 1e6:.1f}"
         lines.append(f"  {r['name']:<20}{r['median_ms']:>10.1f}{spread:>17}"
-                     f"{r['algo_gbps']:>11.2f}{r['bytes'] / 1e6:>14.1f}{ratio:>9}")
+                     f"{r['algo_gbps']:>11.2f}{r['bytes'] / 1e6:>14.1f}{ratio:>9}"
+                     f"{peak:>14}{r.get('held_bytes', 0) / 1e6:>9.1f}")
+    lines.append("  (peak MB/step: the resident set's peak growth in a step, per rank; held MB: "
+                 "the step's inputs, outputs and saved tensors)")
     return "\n".join(lines)
 
 
@@ -261,6 +268,9 @@ def ratios(rows: list[dict]) -> dict:
             out["overhead_vs_exchange"] = ep / med["floor"]
         if "epkit pairs" in med:
             out["pairs_vs_dedup"] = med["epkit pairs"] / ep
+    mem = next((r.get("rss_growth_vs_held") for r in rows if r["name"] == "epkit dedup"), None)
+    if mem is not None:
+        out["memory_vs_held"] = mem
     return out
 
 
@@ -303,14 +313,16 @@ def format_profile(rows: list[dict]) -> str:
 
 def format_kernels(kr: list[dict]) -> str:
     lines = ["local kernels (rank 0 replays one step's kernel calls alone, best of "
-             "N calls; GB/s = (arguments + outputs) / time):"]
+             "N calls; GB/s = (arguments + outputs) / time; out fresh: a memcpy into a fresh "
+             "buffer of the kernel's first output size, the first-touch floor):"]
     for k in kr:
         lines.append(f"  {k['transport']}, {k['threads']} thread(s): memcpy of "
                      f"{k['memcpy_bytes'] / 1e6:.1f} MB {k['memcpy_gbps']:.1f} GB/s (fresh dst "
                      f"{k['memcpy_fresh_gbps']:.1f})")
         for name, r in k["rows"].items():
             lines.append(f"    {name:<26}{r['best_ms']:>8.2f} ms{r['gbps']:>8.1f} GB/s"
-                         f"{r['vs_memcpy']:>7.2f} x memcpy")
+                         f"{r['vs_memcpy']:>7.2f} x memcpy   out fresh "
+                         f"{r.get('out_fresh_ms', 0):>6.2f} ms")
     return "\n".join(lines)
 
 

@@ -21,6 +21,13 @@ A timed iteration is ``barrier; t0; step; t1``; per iteration the slowest rank's
 row are what its step hands to ``all_to_all_single`` on the send side (padding and the
 diagonal local chunk included), recorded once during warm-up by wrapping the collective.
 
+Memory per step: around every timed step each rank resets its peak resident set (writing 5
+to ``/proc/self/clear_refs``) and reads ``VmRSS`` before and ``VmHWM`` after: the step's peak
+growth, max over ranks per iteration, median over iterations (``peak_rss_growth_bytes``).
+Next to it ``held_bytes``: what the step must hold, the distinct storages of its inputs,
+outputs, gradients and the tensors autograd saved for backward (``saved_tensors_hooks``),
+counted once during warm-up; the floor holds its send and receive buffers.
+
 Overlap (forward only, no autograd): dispatch then independent compute, against the lazy
 exchange (``exchange="lazy"``: issue, the same compute, ``wait()``).
 """
@@ -65,6 +72,7 @@ class _Recorder:
     def __init__(self, world: int):
         self.world = world
         self.calls: list[tuple] = []
+        self.held = 0  # bytes the recorded step holds (set by interleaved)
 
     @contextlib.contextmanager
     def active(self):
@@ -103,9 +111,11 @@ def floor_step(calls, group):
         bufs.append((torch.zeros((n_out, row), dtype=torch.uint8),
                      torch.zeros((n_in, row), dtype=torch.uint8), out_s, in_s))
 
-    def step():
+    def step(held=None):
         for recv, send, out_s, in_s in bufs:
             dist.all_to_all_single(recv, send, out_s, in_s, group=group)
+        if held is not None:
+            held += [t for b in bufs for t in b[:2]]
 
     return step
 
@@ -125,12 +135,14 @@ def make_inputs(rank: int, T: int, H: int, K: int, E: int, dtype, seed: int):
 
 def _train_step(dispatch, combine, x, idx, w, grad):
     """Forward and backward of dispatch -> identity expert -> combine."""
-    def step():
+    def step(held=None):  # held: a list the step appends its inputs, outputs, gradients to
         xg = x.detach().requires_grad_()
         wg = w.detach().requires_grad_()
         d = dispatch(xg, idx, wg)
         out = combine(d.expert_x, d)
         out.backward(grad)
+        if held is not None:
+            held += [x, idx, w, grad, d.expert_x, out, xg.grad, wg.grad]
         return xg.grad, wg.grad
     return step
 
@@ -172,6 +184,63 @@ def megatron_step(group, E, x, idx, w, grad):
     return _train_step(dispatch, lambda y, d: a2a.combine(y, d.handle), x, idx, w, grad)
 
 
+# ---- memory per step -------------------------------------------------------------------------
+
+def _status_kb(*keys: str) -> list[int]:
+    with open("/proc/self/status") as f:
+        vals = dict(line.split(":", 1) for line in f if line.split(":", 1)[0] in keys)
+    return [int(vals[k].split()[0]) for k in keys]
+
+
+class PeakRss:
+    """One step's peak resident-set growth in bytes: the kernel's high-water mark is reset
+    (``5`` to ``/proc/self/clear_refs``) and VmRSS read before, VmHWM after. ``ok`` is False
+    where the files are missing or not writable; then every growth is None."""
+
+    def __init__(self):
+        try:
+            self._reset()
+            _status_kb("VmRSS", "VmHWM")
+            self.ok = True
+        except (OSError, KeyError, ValueError):
+            self.ok = False
+        self.base = 0
+
+    @staticmethod
+    def _reset():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    def start(self) -> None:
+        if self.ok:
+            self._reset()
+            self.base = _status_kb("VmRSS")[0]
+
+    def growth(self):
+        return 1024 * (_status_kb("VmHWM")[0] - self.base) if self.ok else None
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view counts its whole storage once)."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def holding(held: list):
+    """While active, every tensor autograd saves for backward is appended to ``held``."""
+    def pack(t):
+        held.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield held
+
+
 # ---- timing ----------------------------------------------------------------------------------
 
 def _gather_max(times: list[float], group) -> list[float]:
@@ -191,27 +260,38 @@ def _reduce_max(v: int, group) -> int:
 
 
 def interleaved(steps: dict, warmup: int, iters: int, group, record: set = frozenset()):
-    """Round by round, every step once a round; returns ``(times, recorders)``: per step the
-    per-iteration max-over-ranks seconds, and the byte recorders of the steps in ``record``
-    (made during the first warm-up round)."""
+    """Round by round, every step once a round; returns ``(times, recorders, memory)``: per
+    step the per-iteration max-over-ranks seconds; the byte recorders of the steps in
+    ``record`` (made during the first warm-up round, which also collects what each of them
+    holds: ``recorder.held``); and per step the per-iteration max-over-ranks peak resident-set
+    growth in bytes (None where :class:`PeakRss` is unavailable)."""
     assert warmup >= 1, "the first round records bytes: at least one warm-up round"
     R = dist.get_world_size(group)
     recorders = {name: _Recorder(R) for name in steps if name in record}
     local = {name: [] for name in steps}
+    grown = {name: [] for name in steps}
+    rss = PeakRss()
     for i in range(warmup + iters):
         for name, step in steps.items():
             dist.barrier(group)
             if i == 0 and name in recorders:
-                with recorders[name].active():
-                    step()
+                held = []
+                with recorders[name].active(), holding(held):
+                    step(held)
+                recorders[name].held = held_bytes(held)
+                del held
                 continue
+            rss.start()
             t0 = time.perf_counter()
             step()
             t1 = time.perf_counter()
             if i >= warmup:
                 local[name].append(t1 - t0)
+                grown[name].append(rss.growth())
         _emit("progress", 1)
-    return {name: _gather_max(v, group) for name, v in local.items()}, recorders
+    times = {name: _gather_max(v, group) for name, v in local.items()}
+    memory = {name: _gather_max(v, group) if rss.ok else None for name, v in grown.items()}
+    return times, recorders, memory
 
 
 def summarize(times: list[float]) -> dict:
@@ -241,14 +321,16 @@ def run_workload(cfg: dict, T: int, group) -> dict:
         epkit_step("dedup", group, E, x, idx, w, grad)()
     if "floor" in cfg["methods"]:
         steps["floor"] = floor_step(rec.calls, group)
-    times, recorders = interleaved(steps, cfg["warmup"], cfg["iters"], group, record=set(steps))
+    times, recorders, memory = interleaved(steps, cfg["warmup"], cfg["iters"], group,
+                                           record=set(steps))
     rows = {}
     for name in steps:
         r = recorders[name]
         rows[name] = dict(summarize(times[name]),
                           bytes=_reduce_max(r.bytes_sent(), group),
                           bytes_to_peers=_reduce_max(r.bytes_to_peers(rank), group),
-                          exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]])
+                          exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]],
+                          **memory_fields(memory[name], _reduce_max(r.held, group)))
     algo = _reduce_max(rec.bytes_sent(), group)
     out = {"tokens": T, "world_size": R, "algo_bytes": algo, "rows": rows}
     _emit("workload", dict(out))
@@ -256,6 +338,15 @@ def run_workload(cfg: dict, T: int, group) -> dict:
         out["kernels"] = run_kernels(cfg, group, x, idx, w, grad)
         _emit("kernels", out["kernels"])
     return out
+
+
+def memory_fields(grown, held: int) -> dict:
+    """A row's memory figures: ``grown`` the per-iteration peak growths (or None), ``held``
+    the bytes the step must hold (max over ranks)."""
+    peak = statistics.median(grown) if grown else None
+    return {"peak_rss_growth_bytes": peak, "peak_rss_growth_max_bytes": max(grown) if grown
+            else None, "held_bytes": held,
+            "rss_growth_vs_held": peak / held if peak is not None and held else None}
 
 
 def run_kernels(cfg: dict, group, x, idx, w, grad) -> list:
@@ -340,7 +431,7 @@ def run_overlap(cfg: dict, group) -> dict:
     if available:
         steps["lazy: issue, compute, wait"] = lazy
     with torch.no_grad():
-        times, _ = interleaved(steps, cfg["warmup"], cfg["iters"], group)
+        times, _, _ = interleaved(steps, cfg["warmup"], cfg["iters"], group)
     rows = {name: summarize(v) for name, v in times.items()}
     out = {"available": available, "reason": reason, "compute_reps": reps, "rows": rows}
     if available:

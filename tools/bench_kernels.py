@@ -13,7 +13,10 @@ on the machine can only slow a call down; the median is kept too). ``memcpy`` is
 ``dst.copy_(src)`` of a buffer as large as ``pack``'s output into a preallocated destination,
 counted as read + write;
 ``memcpy, fresh dst`` allocates the destination on every call as the kernels do, and pays the
-first touch of freshly mapped pages when the buffer is large.
+first touch of freshly mapped pages when the buffer is large. Per kernel, ``out_fresh_ms`` is
+that copy at the size of the kernel's first output (glibc maps a buffer over 32 MiB afresh on
+every allocation): the part of the kernel's time that allocating and writing its output costs
+at the least, so a kernel whose time is close to it is bound by first touch, not by its loops.
 
 A kernel called more than once in a step is listed by call: ``gather_rows`` (combine) and
 ``gather_rows #2`` (dispatch backward), ``reduce_tokens`` likewise.
@@ -99,14 +102,18 @@ def replay(calls: list[tuple], reps: int, threads: int) -> dict:
     try:
         seen: dict[str, int] = {}
         rows = {}
-        for name, op, args, kwargs, nbytes, _ in calls:
+        big = torch.zeros((max([n for *_, n in calls] + [1]),), dtype=torch.uint8)
+        for name, op, args, kwargs, nbytes, nout in calls:
             if name not in KERNELS:
                 continue
             seen[name] = seen.get(name, 0) + 1
             label = name if seen[name] == 1 else f"{name} #{seen[name]}"
             best, med = _times(lambda: op(*args, **kwargs), reps)
+            part = big[:nout]
+            fresh = _times(lambda: torch.empty_like(part).copy_(part), reps)[0]
             rows[label] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med, "bytes": int(nbytes),
-                           "gbps": nbytes / best / 1e9}
+                           "gbps": nbytes / best / 1e9, "out_fresh_ms": 1e3 * fresh}
+        del big
         pack_out = next((n for name, *_, n in calls if name == "pack"), 1 << 24)
         src = torch.randint(0, 255, (max(pack_out, 1),), dtype=torch.uint8)
         dst = torch.empty_like(src)

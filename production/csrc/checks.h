@@ -469,6 +469,27 @@ inline void report_map_range(const char* op, const char* name, const int64_t* mp
   TORCH_CHECK(false, op, ": ", name, " names a row outside [-1, ", rows, ") (", what, ")");
 }
 
+// The inverse of recv_map [N, C]: for each of the M expert-major rows, the entry (n * C + c)
+// that names it, or -1 (a padding row); raises, naming `op`, for an entry outside [-1, M) or a
+// row named twice. Kernels that write the M rows walk them in this order, so their large
+// outputs are written front to back (a stream the prefetcher follows), not scattered by row.
+inline std::vector<int64_t> source_rows(const Tensor& recv_map, int64_t M, const char* op,
+                                        const char* what) {
+  std::vector<int64_t> src(M, -1);
+  const int64_t* mp = recv_map.data_ptr<int64_t>();
+  for (int64_t i = 0, n = recv_map.numel(); i < n; ++i) {
+    const int64_t m = mp[i];
+    if (m < 0 || m >= M) {
+      if (m != -1) report_map_range(op, "recv_map", mp, n, M, what);
+      continue;
+    }
+    TORCH_CHECK(src[m] < 0, op, ": recv_map entries ", src[m], " and ", i, " both name row ", m,
+                " (", what, ")");
+    src[m] = i;
+  }
+  return src;
+}
+
 // Expert ids: raises for the first of ip[0, n) outside [-1, E).
 inline void check_expert_range(const char* op, const int64_t* ip, int64_t n, int64_t E) {
   for (int64_t i = 0; i < n; ++i)

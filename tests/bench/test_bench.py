@@ -41,6 +41,16 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
         assert r["iters"] == 10 and len(r["times_ms"]) == 10
         assert _number(r["median_ms"]) and _number(r["algo_gbps"]) and r["bytes"] > 0
     rows = {r["name"]: r for r in res["rows"]}
+    # memory: every row has its peak growth (Linux: clear_refs) and the bytes its step holds;
+    # epkit's step holds at least x, its gradient, out, grad_out and expert_x (bfloat16)
+    T, H = 32, 64
+    assert rows["epkit dedup"]["held_bytes"] >= 5 * T * H * 2
+    for r in res["rows"]:
+        assert r["held_bytes"] > 0 and r["peak_rss_growth_bytes"] >= 0, r["name"]
+        assert r["peak_rss_growth_max_bytes"] >= r["peak_rss_growth_bytes"]
+        assert r["rss_growth_vs_held"] == r["peak_rss_growth_bytes"] / r["held_bytes"]
+    assert res["memory_vs_held"] == rows["epkit dedup"]["rss_growth_vs_held"]
+    assert "memory_vs_held" in res["targets"]
     # the floor replays epkit dedup's exchanges: the same bytes
     assert rows["floor"]["bytes"] == rows["epkit dedup"]["bytes"]
     assert rows["epkit dedup"]["ratio_to_epkit"] == 1.0
@@ -48,6 +58,7 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     assert ov["available"] in (True, False) and "dispatch then compute" in ov["rows"]
     kern = res["kernels"][0]["rows"]
     assert {"pack", "unpack", "gather_rows", "reduce_tokens"} <= set(kern)
+    assert all(_number(k["out_fresh_ms"]) for k in kern.values())
     text = capsys.readouterr().out
     assert "speedup_vs_naive" in text
     # speedup_vs_naive is the smallest of the baselines' ratios: against the fastest baseline
@@ -59,6 +70,7 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     parts = [k for k, _ in seen if k != "progress"]
     assert parts == ["workload", "kernels", "overlap"]
     assert text.count("2 ranks, 32 tokens/rank") == 1 and text.count("local kernels") == 1
+    assert "peak MB/step" in text and "memory_vs_held" in text
     assert text.index("local kernels") < text.index("overlap (") < text.index("figures of merit")
 
 
@@ -99,3 +111,44 @@ def test_plot_annotates_the_ratios_and_replots_from_json(tmp_path):
     png = tmp_path / "p.png"
     bench.plot(str(png), {"rows": rows, "config": cfg})      # no args: the JSON's config
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peak_rss_sees_a_buffer_freed_within_the_step():
+    import torch
+
+    from epkit.tools.bench_group import PeakRss
+
+    probe = PeakRss()
+    if not probe.ok:
+        pytest.skip("no writable /proc/self/clear_refs here")
+    probe.start()
+    t = torch.ones(64 << 18)  # 64 MiB, touched, then freed: only the peak remembers it
+    del t
+    assert probe.growth() >= 60 << 20
+    probe.start()
+    assert probe.growth() < 16 << 20  # nothing allocated: the peak was reset
+
+
+def test_held_bytes_counts_each_storage_once_and_the_saved_tensors():
+    import torch
+
+    from epkit.tools.bench_group import held_bytes, holding
+
+    a = torch.zeros(100)
+    assert held_bytes([a, a[:10], a.view(10, 10), torch.zeros(5, dtype=torch.float64)]) == 440
+    x = torch.ones(256, requires_grad=True)
+    with holding([]) as saved:
+        y = (x * x.exp()).sum()  # saves x (twice) and exp(x)
+    assert len(saved) >= 3 and held_bytes(saved) == 2 * 256 * 4
+    y.backward()
+
+
+def test_table_prints_the_memory_columns():
+    row = {"name": "epkit dedup", "median_ms": 10.0, "p10_ms": 9.0, "p90_ms": 11.0,
+           "algo_gbps": 1.0, "bytes": 2e6, "ratio_to_epkit": 1.0,
+           "peak_rss_growth_bytes": 30e6, "held_bytes": 20e6}
+    text = bench.format_table([row, dict(row, name="floor", peak_rss_growth_bytes=None)], "t")
+    assert "30.0" in text and "20.0" in text and "n/a" in text
+    figures = bench.ratios([dict(row, rss_growth_vs_held=1.5)])
+    assert figures["memory_vs_held"] == 1.5
+    assert any("memory_vs_held" in ln and "met" in ln for ln in bench.target_lines(figures))

@@ -1,16 +1,48 @@
 // Backward kernels. Gradients travel the reverse way of their forward and reuse its maps.
 #include "../checks.h"
 
-#include <atomic>
+#include <vector>
 
 namespace epkit {
+
+// One slot row of the combine backward: gy = cast_y(w * g) and (returned) <g, y> in 16 float32
+// lanes, lane i summing h = i (mod 16) in ascending h, the tail h >= 16 * (H / 16) in lane 0,
+// then the lanes added 0..15. Both in the single pass that reads y; the inner loop has no
+// branch (narrow is branch-free), so it vectorises without reordering any float32 operation.
+template <typename Y, typename G>
+EPKIT_ROW_CLONES float weighted_row(const G* __restrict g, const Y* __restrict y,
+                                    Y* __restrict gy, float w, int64_t H) {
+  float lane[16] = {0};
+  int64_t h = 0;
+  for (; h + 16 <= H; h += 16)
+    for (int i = 0; i < 16; ++i) {
+      const float gh = widen(g[h + i]);
+      gy[h + i] = narrow<Y>(w * gh);
+      lane[i] = lane[i] + gh * widen(y[h + i]);
+    }
+  for (; h < H; ++h) {
+    const float gh = widen(g[h]);
+    gy[h] = narrow<Y>(w * gh);
+    lane[0] = lane[0] + gh * widen(y[h]);
+  }
+  float dot = 0.0f;
+  for (int i = 0; i < 16; ++i) dot = dot + lane[i];
+  return dot;
+}
+
+// Unweighted (c = 1): gy = cast_y(g), no multiply, as the spec's reference does.
+template <typename Y, typename G>
+EPKIT_ROW_CLONES void plain_row(const G* __restrict g, Y* __restrict gy, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) gy[h] = narrow<Y>(widen(g[h]));
+}
 
 // Combine backward, expert side. recv [N, H]: grad_out rows as sent by the sources (per slot
 // for pairs, per token and rank for dedup). For each slot row m:
 //   grad_y[m]          = cast_y(c_m * g)             (c_m = row_weight[m] if weighted, else 1)
-//   grad_row_weight[m] = sum_h g_h * y[m, h]          (float32 in 16 lanes (h mod 16), then the
-//                                                     lanes added; the order over H is free)
-// Padding rows get zeros.
+//   grad_row_weight[m] = sum_h g_h * y[m, h]          (weighted_row's 16 lanes; 0 unweighted)
+// Padding rows get zeros. The rows are walked in expert-major order m (parallel over m), each
+// taking its received row from source_rows (checks.h): y and grad_y stream front to back, padding rows
+// are zeroed in the same pass, and grad_y is never zero-filled first.
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
                                                      const Tensor& recv_map_in,
                                                      const Tensor& row_weight_in,
@@ -19,12 +51,12 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
   const Tensor recv = recv_in.contiguous(), y = y_in.contiguous();
   const Tensor recv_map = recv_map_in.contiguous();
   const Tensor row_weight = weighted ? row_weight_in.contiguous() : row_weight_in;
-  const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
+  const int64_t H = y.size(1), M = y.size(0), C = recv_map.size(1);
+  const std::vector<int64_t> src = source_rows(recv_map, M, "epkit.combine_backward_dest",
+                                               "rows of expert_y");
   Tensor grad_y = at::empty({M, H}, y.options());
-  Tensor grad_w = at::zeros({M}, at::kFloat);
-  const int64_t* mp = recv_map.data_ptr<int64_t>();
+  Tensor grad_w = at::empty({M}, at::kFloat);
   const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
-  std::atomic<bool> bad{false};  // a map entry outside [-1, M): raised after the loop
   float* gwp = grad_w.data_ptr<float>();
   dispatch_float_types(y.scalar_type(), "epkit.combine_backward", [&](auto ytag) {
     using Y = decltype(ytag);
@@ -33,45 +65,24 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
     dispatch_float_types(recv.scalar_type(), "epkit.combine_backward", [&](auto gtag) {
       using G = decltype(gtag);
       const G* rp = recv.data_ptr<G>();
-      at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t c = 0; c < C; ++c) {
-            const int64_t m = mp[n * C + c];
-            if (m < 0 || m >= M) {
-              if (m != -1) bad.store(true, std::memory_order_relaxed);
-              continue;
-            }
-            const G* g = rp + n * H;
-            Y* gy = gyp + m * H;
-            const Y* yr = yp + m * H;
-            if (weighted) {
-              const float w = wp[m];
-              float lane[16] = {0};
-              int64_t h = 0;
-              for (; h + 16 <= H; h += 16)
-                for (int i = 0; i < 16; ++i) {
-                  const float gh = widen(g[h + i]);
-                  gy[h + i] = narrow<Y>(w * gh);
-                  lane[i] = lane[i] + gh * widen(yr[h + i]);
-                }
-              for (; h < H; ++h) {
-                const float gh = widen(g[h]);
-                gy[h] = narrow<Y>(w * gh);
-                lane[0] = lane[0] + gh * widen(yr[h]);
-              }
-              float dot = 0.0f;
-              for (int i = 0; i < 16; ++i) dot = dot + lane[i];
-              gwp[m] = dot;
-            } else {
-              for (int64_t h = 0; h < H; ++h) gy[h] = narrow<Y>(widen(g[h]));
-            }
+      at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m) {
+          const int64_t n = src[m] < 0 ? -1 : src[m] / C;  // the received row
+          if (m + 1 < m1 && src[m + 1] >= 0)
+            prefetch_row(rp + src[m + 1] / C * H, H * sizeof(G));
+          if (n < 0) {  // padding
+            std::memset(gyp + m * H, 0, H * sizeof(Y));
+            gwp[m] = 0.0f;
+          } else if (weighted) {
+            gwp[m] = weighted_row(rp + n * H, yp + m * H, gyp + m * H, wp[m], H);
+          } else {
+            plain_row(rp + n * H, gyp + m * H, H);
+            gwp[m] = 0.0f;
           }
+        }
       });
     });
   });
-  if (bad.load())
-    report_map_range("epkit.combine_backward_dest", "recv_map", mp, N * C, M, "rows of expert_y");
-  zero_unmapped_rows(grad_y, recv_map);  // padding rows; every other row was written
   return {grad_y, grad_w};
 }
 

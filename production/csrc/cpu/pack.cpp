@@ -75,9 +75,11 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                 " rows (a plan from another call?)");
   };
   Tensor send_map;
+  std::vector<int64_t> slot_of;  // pairs: the slot t * K + k of each send row, in send order
   if (pairs) {
     send_map = at::full({T, K}, -1, at::kLong);
     int64_t* mp = send_map.data_ptr<int64_t>();
+    slot_of.assign(R ? row_start[R - 1] + counts[R - 1] : 0, -1);
     std::vector<int64_t> start(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + own_kept[e];
     for (int64_t t = 0; t < T; ++t)
@@ -89,6 +91,7 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
           const int64_t d = rank_of[e], i = start[e] + r - start[d * L];  // index in chunk
           if (i < 0 || i >= counts[d]) overrun(d, i);
           mp[t * K + k] = i;
+          slot_of[row_start[d] + i] = t * K + k;
         }
       }
   } else {
@@ -131,44 +134,48 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                   " but sends ", counts[d], " rows");
     }
 
-  // Parallel payload pass: each token writes its own rows, no two tokens share one.
+  // Parallel payload pass. pairs: over the send rows in order (the buffer is written front to
+  // back, one stream; x is read by token, a small array). dedup: each token writes its own
+  // rows (its K slots share one row per rank), no two tokens share one.
   const uint8_t* xb = static_cast<const uint8_t*>(x.data_ptr());
   int64_t* mp = send_map.data_ptr<int64_t>();
+  if (pairs) {
+    const int64_t rows_sent = static_cast<int64_t>(slot_of.size());
+    at::parallel_for(0, rows_sent, kRowGrain, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t slot = slot_of[g], t = slot / K, e = ip[slot], d = rank_of[e];
+        const int64_t i = g - row_start[d];
+        uint8_t* row = sb + byte_of(d, i);
+        copy_row(row, xb + t * P, P);
+        put<int32_t>(row + P, static_cast<int32_t>(t));
+        put<int32_t>(row + P + kPairsMetaK, static_cast<int32_t>(slot % K));
+        put<int32_t>(row + P + kPairsMetaJ, static_cast<int32_t>(local_of[e]));
+        put<float>(row + P + kPairsMetaW, wp[slot]);
+        mp[slot] = row_of(d, i);
+      }
+    });
+    return {send, send_map};
+  }
   at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* src = xb + t * P;
-      if (pairs) {
+      for (int64_t d = 0; d < R; ++d) {
+        int64_t& i = mp[t * R + d];
+        if (i < 0) continue;
+        uint8_t* row = sb + byte_of(d, i);
+        copy_row(row, src, P);
+        int32_t n = 0;
+        uint8_t* slot = sb + slot_sec[d] + slot_at[t * R + d] * kSlotRowBytes;
         for (int64_t k = 0; k < K; ++k) {
-          int64_t& i = mp[t * K + k];
-          if (i < 0) continue;
-          const int64_t e = ip[t * K + k], d = rank_of[e];
-          uint8_t* row = sb + byte_of(d, i);
-          copy_row(row, src, P);
-          put<int32_t>(row + P, static_cast<int32_t>(t));
-          put<int32_t>(row + P + kPairsMetaK, static_cast<int32_t>(k));
-          put<int32_t>(row + P + kPairsMetaJ, static_cast<int32_t>(local_of[e]));
-          put<float>(row + P + kPairsMetaW, wp[t * K + k]);
-          i = row_of(d, i);
+          const int64_t e = ip[t * K + k];
+          if (e < 0 || rank_of[e] != d || !kept[t * K + k]) continue;
+          put<int32_t>(slot + n * kSlotRowBytes, static_cast<int32_t>((k << 24) | (local_of[e])));
+          put<float>(slot + n * kSlotRowBytes + 4, wp[t * K + k]);
+          ++n;
         }
-      } else {
-        for (int64_t d = 0; d < R; ++d) {
-          int64_t& i = mp[t * R + d];
-          if (i < 0) continue;
-          uint8_t* row = sb + byte_of(d, i);
-          copy_row(row, src, P);
-          int32_t n = 0;
-          uint8_t* slot = sb + slot_sec[d] + slot_at[t * R + d] * kSlotRowBytes;
-          for (int64_t k = 0; k < K; ++k) {
-            const int64_t e = ip[t * K + k];
-            if (e < 0 || rank_of[e] != d || !kept[t * K + k]) continue;
-            put<int32_t>(slot + n * kSlotRowBytes, static_cast<int32_t>((k << 24) | (local_of[e])));
-            put<float>(slot + n * kSlotRowBytes + 4, wp[t * K + k]);
-            ++n;
-          }
-          put<int32_t>(row + P, static_cast<int32_t>(t));
-          put<int32_t>(row + P + kDedupMetaN, n);
-          i = row_of(d, i);
-        }
+        put<int32_t>(row + P, static_cast<int32_t>(t));
+        put<int32_t>(row + P + kDedupMetaN, n);
+        i = row_of(d, i);
       }
     }
   });
@@ -176,30 +183,34 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
 }
 
 // Rows of src [T, H] copied to the send rows named by send_map [T, C] (pairs: per slot;
-// dedup: per destination rank); used for gradients travelling the dispatch direction.
+// dedup: per destination rank); used for gradients travelling the dispatch direction. The
+// send rows are written front to back (from[r]: the source token of send row r, found in the
+// serial range-check pass), so the large output is one stream; rows no entry names get zeros.
 Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::SymInt send_rows) {
   const int64_t S = send_rows.expect_int();
   check_scatter_rows_args(src_in, send_map_in, S);
   const Tensor src = src_in.contiguous(), send_map = send_map_in.contiguous();
-  const int64_t T = src.size(0), C = send_map.size(1);
+  const int64_t C = send_map.size(1);
   const int64_t nbytes = src.size(1) * src.element_size();
-  int64_t named = 0;
   const int64_t* mp = send_map.data_ptr<int64_t>();
+  std::vector<int64_t> from(S, -1);
   for (int64_t i = 0, n = send_map.numel(); i < n; ++i) {
     TORCH_CHECK(mp[i] >= -1 && mp[i] < S, "epkit.scatter_rows: send_map entry ", i, " is ", mp[i],
                 ", outside [-1, ", S, ") (send_rows)");
-    named += mp[i] >= 0;
+    if (mp[i] < 0) continue;
+    TORCH_CHECK(from[mp[i]] < 0, "epkit.scatter_rows: send_map entry ", i, " names send row ",
+                mp[i], ", named already by token ", from[mp[i]]);
+    from[mp[i]] = i / C;
   }
-  Tensor out = named == S ? at::empty({S, src.size(1)}, src.options())
-                          : at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
+  Tensor out = at::empty({S, src.size(1)}, src.options());
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t r = mp[t * C + c];
-        if (r >= 0) copy_row(op + r * nbytes, sp + t * nbytes, nbytes);
-      }
+  at::parallel_for(0, S, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (from[r] < 0) std::memset(op + r * nbytes, 0, nbytes);
+      else stream_row(op + r * nbytes, sp + from[r] * nbytes, nbytes);
+    }
+    stream_fence();
   });
   return out;
 }

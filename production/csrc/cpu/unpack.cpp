@@ -10,6 +10,10 @@
 
 namespace epkit {
 
+// Where an expert-major row comes from: a received row's bytes, (dedup) its slot row, its
+// source rank. bytes == nullptr: a padding row.
+struct Source { const uint8_t* bytes; const uint8_t* slot; int64_t src; };
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, const Tensor& plan_t,
                                                       int64_t transport, int64_t H,
                                                       at::ScalarType dtype, int64_t K,
@@ -30,9 +34,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   const int64_t* offsets = plan + o.offsets;
   const uint8_t* rb = recv.data_ptr<uint8_t>();
 
+  // Every output row is written once by the payload pass below (padding rows too): no fill.
   Tensor expert_x = at::empty({M, H}, at::TensorOptions().dtype(dtype));
-  Tensor row_src = at::full({M, 3}, -1, at::kLong);
-  Tensor row_weight = at::zeros({M}, at::kFloat);
+  Tensor row_src = at::empty({M, 3}, at::kLong);
+  Tensor row_weight = at::empty({M}, at::kFloat);
   const int64_t C = pairs ? 1 : K;
   Tensor recv_map = at::full({N, C}, -1, at::kLong);
   int64_t* mp = recv_map.data_ptr<int64_t>();
@@ -77,7 +82,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   }
   const int64_t Nd = static_cast<int64_t>(rows.size());
 
-  // Serial index pass: the expert-major row of every received slot.
+  // Serial index pass: the expert-major row of every received slot, and its inverse: for each
+  // expert-major row, the received row (and, dedup, the slot row) it comes from.
+  std::vector<Source> from(M, Source{nullptr, nullptr, -1});
   if (pairs) {
     // Chunk of s holds blocks (s, j) for j ascending; expert j takes blocks s = 0, 1, ...
     std::vector<int64_t> base(offsets, offsets + L);
@@ -88,7 +95,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
         TORCH_CHECK(c >= 0 && c <= Nd - n && c <= offsets[j + 1] - base[j], "epkit.unpack: plan: ",
                     c, " rows of local expert ", j, " from rank ", s, " overrun the rows received "
                     "or the expert's segment");
-        for (int64_t i = 0; i < c; ++i, ++n) mp[rows[n].row] = base[j] + i;
+        for (int64_t i = 0; i < c; ++i, ++n) {
+          mp[rows[n].row] = base[j] + i;
+          from[base[j] + i] = Source{rows[n].bytes, nullptr, rows[n].src};
+        }
         base[j] += c;
       }
     TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
@@ -102,6 +112,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
         TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
         TORCH_CHECK(cursor[j] < offsets[j + 1] && mp[r.row * K + k] < 0, "epkit.unpack: slot (k ",
                     k, ", local expert ", j, ") overruns its segment or repeats k");
+        from[cursor[j]] = Source{r.bytes, r.slots + i * kSlotRowBytes, r.src};
         mp[r.row * K + k] = cursor[j]++;
       }
     }
@@ -110,33 +121,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
                   "epkit.unpack: expert ", j, " received a count that disagrees with the plan");
   }
 
-  // Parallel payload pass: every expert-major row is written by exactly one received row.
+  // Parallel payload pass over the expert-major rows, front to back (expert_x is the large
+  // output; its rows are then one stream): each row copied from its received row, the next
+  // one's bytes prefetched; padding rows get zeros, row_src -1 and weight 0.
   uint8_t* xb = static_cast<uint8_t*>(expert_x.data_ptr());
   int64_t* sp = row_src.data_ptr<int64_t>();
   float* wp = row_weight.data_ptr<float>();
-  at::parallel_for(0, Nd, kRowGrain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const Row& r = rows[n];
-      const uint8_t* meta = r.bytes + P;
-      const int64_t t = get<int32_t>(meta);
-      if (pairs) {
-        const int64_t m = mp[r.row];
-        copy_row(xb + m * P, r.bytes, P);
-        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = get<int32_t>(meta + kPairsMetaK);
-        wp[m] = get<float>(meta + kPairsMetaW);
+  at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const Source& f = from[m];
+      if (m + 1 < m1 && from[m + 1].bytes) prefetch_row(from[m + 1].bytes, P);
+      if (!f.bytes) {
+        std::memset(xb + m * P, 0, P);
+        sp[m * 3 + 0] = sp[m * 3 + 1] = sp[m * 3 + 2] = -1;
+        wp[m] = 0.0f;
         continue;
       }
-      const int32_t cnt = get<int32_t>(meta + kDedupMetaN);
-      for (int32_t i = 0; i < cnt; ++i) {
-        const uint8_t* slot = r.slots + i * kSlotRowBytes;
-        const int64_t k = slot_word_k(get<int32_t>(slot)), m = mp[r.row * K + k];
-        copy_row(xb + m * P, r.bytes, P);
-        sp[m * 3 + 0] = r.src; sp[m * 3 + 1] = t; sp[m * 3 + 2] = k;
-        wp[m] = get<float>(slot + sizeof(int32_t));  // the slot row: int32 code, float32 w
+      const uint8_t* meta = f.bytes + P;
+      stream_row(xb + m * P, f.bytes, P);
+      sp[m * 3 + 0] = f.src;
+      sp[m * 3 + 1] = get<int32_t>(meta);
+      if (pairs) {
+        sp[m * 3 + 2] = get<int32_t>(meta + kPairsMetaK);
+        wp[m] = get<float>(meta + kPairsMetaW);
+      } else {  // the slot row: int32 code, float32 w
+        sp[m * 3 + 2] = slot_word_k(get<int32_t>(f.slot));
+        wp[m] = get<float>(f.slot + sizeof(int32_t));
       }
     }
+    stream_fence();
   });
-  zero_unmapped_rows(expert_x, recv_map);  // padding rows; every other row was written
   return {expert_x, row_src, row_weight, recv_map};
 }
 
