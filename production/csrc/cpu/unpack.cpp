@@ -10,42 +10,22 @@
 
 namespace epkit {
 
+namespace {
+
 // Where an expert-major row comes from: a received row's bytes, (dedup) its slot row, its
 // source rank. bytes == nullptr: a padding row.
 struct Source { const uint8_t* bytes; const uint8_t* slot; int64_t src; };
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, const Tensor& plan_t,
-                                                      int64_t transport, int64_t H,
-                                                      at::ScalarType dtype, int64_t K,
-                                                      c10::SymInt recv_rows,
-                                                      c10::SymInt expert_rows) {
-  const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
-  check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M);
-  const Tensor recv = recv_in.contiguous();
-  const int64_t* plan = plan_t.data_ptr<int64_t>();
-  const int64_t P = H * static_cast<int64_t>(c10::elementSize(dtype));
-  // Every chunk of the plan fits the received buffer, its offsets fit the M expert rows.
-  const PlanOffsets o = check_unpack_plan(plan, plan_t.numel(), transport, P, N, M, recv.numel());
-  const int64_t R = plan[kRanks], L = plan[kLocalExperts];
-  const bool pairs = transport == kPairs;
+// A received data row: its bytes, its row in the row space (compact, or static chunks of
+// 1 + cap rows), its source rank, and (dedup) where its slot rows start.
+struct Row { const uint8_t* bytes; int64_t row, src; const uint8_t* slots; };
+
+// Every received data row, in order, checked against the plan. Under the static exchange each
+// section's count travels in-band in its header row (checked too).
+std::vector<Row> received_rows(const int64_t* plan, const PlanOffsets& o, const uint8_t* rb,
+                               bool pairs, int64_t P, int64_t N) {
+  const int64_t R = plan[kRanks], cap = static_cap(plan), tokcap = plan[kTokCap];
   const int64_t B = P + (pairs ? kPairsMetaBytes : kDedupTokMeta);
-  const int64_t cap = static_cap(plan), tokcap = plan[kTokCap];
-  const int64_t* recv_kept = plan + o.recv_kept;
-  const int64_t* offsets = plan + o.offsets;
-  const uint8_t* rb = recv.data_ptr<uint8_t>();
-
-  // Every output row is written once by the payload pass below (padding rows too): no fill.
-  Tensor expert_x = at::empty({M, H}, at::TensorOptions().dtype(dtype));
-  Tensor row_src = at::empty({M, 3}, at::kLong);
-  Tensor row_weight = at::empty({M}, at::kFloat);
-  const int64_t C = pairs ? 1 : K;
-  Tensor recv_map = at::full({N, C}, -1, at::kLong);
-  int64_t* mp = recv_map.data_ptr<int64_t>();
-
-  // Every received data row, in order: its bytes, its row in the row space (compact, or static
-  // chunks of 1 + cap rows), its source rank, and (dedup) where its slot rows start. Under the
-  // static exchange each section's count travels in-band in its header row.
-  struct Row { const uint8_t* bytes; int64_t row, src; const uint8_t* slots; };
   std::vector<Row> rows;
   for (int64_t s = 0, chunk = 0, compact = 0; s < R; ++s) {
     const int64_t count = plan[o.recv_counts + s], nslots = plan[o.recv_slots + s];
@@ -80,53 +60,64 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
     compact += count;
     chunk += plan[o.recv_bytes + s];
   }
+  return rows;
+}
+
+// pairs' index pass: chunk of s holds blocks (s, j) for j ascending; expert j takes blocks
+// s = 0, 1, ... Fills recv_map (mp [N]) and each expert-major row's source.
+void pairs_index(const int64_t* plan, const PlanOffsets& o, const std::vector<Row>& rows,
+                 int64_t* mp, std::vector<Source>& from) {
+  const int64_t R = plan[kRanks], L = plan[kLocalExperts];
+  const int64_t* recv_kept = plan + o.recv_kept;
+  const int64_t* offsets = plan + o.offsets;
   const int64_t Nd = static_cast<int64_t>(rows.size());
-
-  // Serial index pass: the expert-major row of every received slot, and its inverse: for each
-  // expert-major row, the received row (and, dedup, the slot row) it comes from.
-  std::vector<Source> from(M, Source{nullptr, nullptr, -1});
-  if (pairs) {
-    // Chunk of s holds blocks (s, j) for j ascending; expert j takes blocks s = 0, 1, ...
-    std::vector<int64_t> base(offsets, offsets + L);
-    int64_t n = 0;
-    for (int64_t s = 0; s < R; ++s)
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t c = recv_kept[s * L + j];
-        TORCH_CHECK(c >= 0 && c <= Nd - n && c <= offsets[j + 1] - base[j], "epkit.unpack: plan: ",
-                    c, " rows of local expert ", j, " from rank ", s, " overrun the rows received "
-                    "or the expert's segment");
-        for (int64_t i = 0; i < c; ++i, ++n) {
-          mp[rows[n].row] = base[j] + i;
-          from[base[j] + i] = Source{rows[n].bytes, nullptr, rows[n].src};
-        }
-        base[j] += c;
+  std::vector<int64_t> base(offsets, offsets + L);
+  int64_t n = 0;
+  for (int64_t s = 0; s < R; ++s)
+    for (int64_t j = 0; j < L; ++j) {
+      const int64_t c = recv_kept[s * L + j];
+      TORCH_CHECK(c >= 0 && c <= Nd - n && c <= offsets[j + 1] - base[j], "epkit.unpack: plan: ",
+                  c, " rows of local expert ", j, " from rank ", s, " overrun the rows received "
+                  "or the expert's segment");
+      for (int64_t i = 0; i < c; ++i, ++n) {
+        mp[rows[n].row] = base[j] + i;
+        from[base[j] + i] = Source{rows[n].bytes, nullptr, rows[n].src};
       }
-    TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
-  } else {
-    std::vector<int64_t> cursor(offsets, offsets + L);
-    for (const Row& r : rows) {
-      const int32_t n = get<int32_t>(r.bytes + P + kDedupMetaN);
-      for (int32_t i = 0; i < n; ++i) {
-        const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
-        const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
-        TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
-        TORCH_CHECK(cursor[j] < offsets[j + 1] && mp[r.row * K + k] < 0, "epkit.unpack: slot (k ",
-                    k, ", local expert ", j, ") overruns its segment or repeats k");
-        from[cursor[j]] = Source{r.bytes, r.slots + i * kSlotRowBytes, r.src};
-        mp[r.row * K + k] = cursor[j]++;
-      }
+      base[j] += c;
     }
-    for (int64_t j = 0; j < L; ++j)
-      TORCH_CHECK(cursor[j] - offsets[j] == plan[o.tokens_per_expert + j],
-                  "epkit.unpack: expert ", j, " received a count that disagrees with the plan");
-  }
+  TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
+}
 
-  // Parallel payload pass over the expert-major rows, front to back (expert_x is the large
-  // output; its rows are then one stream): each row copied from its received row, the next
-  // one's bytes prefetched; padding rows get zeros, row_src -1 and weight 0.
-  uint8_t* xb = static_cast<uint8_t*>(expert_x.data_ptr());
-  int64_t* sp = row_src.data_ptr<int64_t>();
-  float* wp = row_weight.data_ptr<float>();
+// dedup's index pass: each token row's slot rows, in order, take the next row of their
+// expert's segment. Fills recv_map (mp [N, K]) and each expert-major row's source.
+void dedup_index(const int64_t* plan, const PlanOffsets& o, const std::vector<Row>& rows,
+                 int64_t P, int64_t K, int64_t* mp, std::vector<Source>& from) {
+  const int64_t L = plan[kLocalExperts];
+  const int64_t* offsets = plan + o.offsets;
+  std::vector<int64_t> cursor(offsets, offsets + L);
+  for (const Row& r : rows) {
+    const int32_t n = get<int32_t>(r.bytes + P + kDedupMetaN);
+    for (int32_t i = 0; i < n; ++i) {
+      const int32_t packed = get<int32_t>(r.slots + i * kSlotRowBytes);
+      const int64_t k = slot_word_k(packed), j = slot_word_j(packed);
+      TORCH_CHECK(j < L && k < K, "epkit.unpack: corrupt slot row (k ", k, ", j ", j, ")");
+      TORCH_CHECK(cursor[j] < offsets[j + 1] && mp[r.row * K + k] < 0, "epkit.unpack: slot (k ",
+                  k, ", local expert ", j, ") overruns its segment or repeats k");
+      from[cursor[j]] = Source{r.bytes, r.slots + i * kSlotRowBytes, r.src};
+      mp[r.row * K + k] = cursor[j]++;
+    }
+  }
+  for (int64_t j = 0; j < L; ++j)
+    TORCH_CHECK(cursor[j] - offsets[j] == plan[o.tokens_per_expert + j],
+                "epkit.unpack: expert ", j, " received a count that disagrees with the plan");
+}
+
+// The payload pass over the expert-major rows, front to back (expert_x is the large output;
+// its rows are then one stream): each row copied from its received row, the next one's bytes
+// prefetched; padding rows get zeros, row_src -1 and weight 0.
+void payload_pass(const std::vector<Source>& from, bool pairs, int64_t P, uint8_t* xb,
+                  int64_t* sp, float* wp) {
+  const int64_t M = static_cast<int64_t>(from.size());
   at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const Source& f = from[m];
@@ -151,6 +142,39 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
     }
     stream_fence();
   });
+}
+
+}  // namespace
+
+// The op: checks, the received rows, the serial index pass (the expert-major row of every
+// received slot, and its inverse: each expert-major row's source), the parallel payload pass.
+std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, const Tensor& plan_t,
+                                                      int64_t transport, int64_t H,
+                                                      at::ScalarType dtype, int64_t K,
+                                                      c10::SymInt recv_rows,
+                                                      c10::SymInt expert_rows) {
+  const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
+  check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M);
+  const Tensor recv = recv_in.contiguous();
+  const int64_t* plan = plan_t.data_ptr<int64_t>();
+  const int64_t P = H * static_cast<int64_t>(c10::elementSize(dtype));
+  // Every chunk of the plan fits the received buffer, its offsets fit the M expert rows.
+  const PlanOffsets o = check_unpack_plan(plan, plan_t.numel(), transport, P, N, M, recv.numel());
+  const bool pairs = transport == kPairs;
+
+  // Every output row is written once by the payload pass (padding rows too): no fill.
+  Tensor expert_x = at::empty({M, H}, at::TensorOptions().dtype(dtype));
+  Tensor row_src = at::empty({M, 3}, at::kLong);
+  Tensor row_weight = at::empty({M}, at::kFloat);
+  Tensor recv_map = at::full({N, pairs ? 1 : K}, -1, at::kLong);
+  int64_t* mp = recv_map.data_ptr<int64_t>();
+
+  const std::vector<Row> rows = received_rows(plan, o, recv.data_ptr<uint8_t>(), pairs, P, N);
+  std::vector<Source> from(M, Source{nullptr, nullptr, -1});
+  if (pairs) pairs_index(plan, o, rows, mp, from);
+  else dedup_index(plan, o, rows, P, K, mp, from);
+  payload_pass(from, pairs, P, static_cast<uint8_t*>(expert_x.data_ptr()),
+               row_src.data_ptr<int64_t>(), row_weight.data_ptr<float>());
   return {expert_x, row_src, row_weight, recv_map};
 }
 
