@@ -53,7 +53,7 @@ def expected(xs, idxs, ws, gouts, opts, ref=ref):
     """The reference's answer for rank_fns.forward_backward, per rank (``ref``: the clear
     tier, or ``epkit.reference.fast`` for big cases: the same bits)."""
     res = ref.dispatch(xs, idxs, ws, num_experts=opts["E"], align=opts["align"],
-                       capacity=opts["capacity"])
+                       capacity=opts["capacity"], ranks_per_node=opts.get("ranks_per_node") or 1)
     ydt = DTYPES[opts["y_dtype"]]
     ys = []
     for r in res:
