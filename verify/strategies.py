@@ -34,7 +34,9 @@ def cases(
 
     ``mode`` (a :class:`ModeSpec`) constrains the draw: ``payload="mxfp8"`` gives ``H % 32 == 0``;
     ``uniform`` gives uniform plans without capacity; ``static`` keeps every rank's tokens
-    within ``max_tokens``. Without a mode, payload and plan shape are drawn too.
+    within ``max_tokens``; ``nodes`` draws ``ranks_per_node``, a divisor of the world size
+    (two-level nodes first, so a case shrinks to one with nodes of several ranks). Without a
+    mode, payload and plan shape are drawn too.
 
     About one draw in ``wide_every`` (0: never) is a wide top-k case: ``K`` in 129..255 (within
     ``max_topk`` of the capabilities) and up to 512 experts, with few tokens and a narrow hidden
@@ -42,6 +44,11 @@ def cases(
     """
     caps = capabilities or Capabilities()
     R = draw(st.integers(min_world_size, world_size), label="world_size")
+    G = 1
+    if mode is not None and mode.nodes:
+        divisors = [g for g in range(1, R + 1) if R % g == 0]
+        G = draw(st.sampled_from([g for g in divisors if 1 < g < R] + [1, R][:len(divisors)]),
+                 label="ranks_per_node")
     cap_k = caps.max_topk or 255
     wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
             and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
@@ -108,4 +115,5 @@ def cases(
         zero_rows=draw(st.integers(0, 4), label="zero_rows") == 4,  # shrinks to False
         max_tokens=max_tokens,
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
+        ranks_per_node=G,
     )

@@ -164,3 +164,22 @@ def test_default_follows_local_world_size(group_pool):
     """ranks_per_node=None: LOCAL_WORLD_SIZE when it divides the group size, else 1."""
     got = group_pool.run(rank_fns.resolved_ranks_per_node, 4, [["2", "3", "x", None]] * 4)
     assert got == [[2, 1, 1, 1]] * 4
+
+
+@pytest.fixture(scope="module")
+def pool_of_five():
+    from group import GroupPool
+
+    pool = GroupPool(world=5)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("exchange", ["ragged", "padded"])
+def test_hier_on_a_group_smaller_than_the_job(pool_of_five, exchange):
+    """Four ranks of a five-process job: no dist.new_group (it would need the fifth process),
+    the stages run on the four-rank group with empty chunks outside each subgroup."""
+    R, xs, idxs, ws, gouts = _crafted()
+    opts = dict(E=4, align=1, capacity=2, transport="hier", exchange=exchange,
+                y_dtype="bfloat16", weighted=True, ranks_per_node=2)
+    check_hier(pool_of_five, (R, xs, idxs, ws, gouts, opts))
