@@ -551,7 +551,8 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
 
-    grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
+    grad_x[t] is combine's sum (k ascending per rank, the ranks' partials into node partials
+    and those over nodes ascending, ``ranks_per_node`` from the plan) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
     _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
@@ -609,7 +610,8 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     dedup: per token row with n kept slots the expert side sends its n rows of expert_y when
     ``n * itemsize <= 4``, else the float32 partial P_d(t) it forms; pairs: each slot's row. The
     source forms the partials of the raw rows (with its own copy of the weights,
-    bit-identical to ``row_weight``) and adds them over d ascending.
+    bit-identical to ``row_weight``) and adds them over d ascending, into node partials first
+    when the plan's ``ranks_per_node`` is above 1 (arith.grouped_total_sum).
 
     ``check`` is this rank's call header (epkit/agree.py) when the ranks agree inside the op
     (under torch.compile, so no data-dependent branch is traced); empty when the caller
