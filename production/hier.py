@@ -70,6 +70,8 @@ class Sub:
 
 @dataclass(frozen=True)
 class Topology:
+    """This rank ``me`` of a group of ``R`` ranks, ``G`` a node, and its two subgroups."""
+
     R: int
     G: int
     me: int
@@ -522,6 +524,7 @@ def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out
 
 
 def _weights(st: HierState, weighted: bool) -> torch.Tensor:
+    """The source's routing weights ``[T, K]`` float32 for reduce_tokens (unread unweighted)."""
     return st.weights if weighted else st.weights.new_zeros((0,))
 
 
