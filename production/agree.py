@@ -10,18 +10,19 @@ so a rank that skips ``backward()`` is an error on every rank, not a mismatched 
 
     HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
               max_tokens, error code, a, b, rows dtype, row width, capacity factor,
-              flags]                                                               int64 [18]
+              flags, ranks_per_node]                                               int64 [19]
 
 ``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
 ``ref`` the call number of the dispatch a combine consumes, the options as codes
 (``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name; the capacity factor as its
-float64 bits), ``(code, a, b)`` the rank's
+float64 bits; ``ranks_per_node`` as resolved on the rank, so that a ``LOCAL_WORLD_SIZE`` that
+differs between ranks is an error, not two summation orders), ``(code, a, b)`` the rank's
 local error (every check that needs no collective: types, devices, options, shapes), and the
 ``flags`` what else the ranks of one call must agree on (errors.CALL_FLAGS: a weighted
 combine), the dtype and width (elements per row) of rows
 that share one exchange (``epkit.exchange``'s x,
 combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
-derives the same error from the gathered ``[R, 18]`` words (:func:`group_error`), in this order:
+derives the same error from the gathered ``[R, 19]`` words (:func:`group_error`), in this order:
 a rank in another operation or at another call number (out of step), the lowest rank with a
 local error, the first option that differs from rank 0's, a combine of another dispatch, a rows
 dtype unlike rank 0's. After an error the call numbers are re-synchronised (every rank takes
@@ -52,9 +53,9 @@ __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", 
            "raise_pending"]
 
 MAGIC = 0x45504B4954  # "EPKIT"
-HEADER = 18
+HEADER = 19
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
- W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS) = range(HEADER)
+ W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS, W_RANKS_PER_NODE) = range(HEADER)
 WEIGHTED = 1  # W_FLAGS bits (errors.CALL_FLAGS)
 DISPATCH, COMBINE, EXCHANGE, DISPATCH_BACKWARD, COMBINE_BACKWARD = 1, 2, 3, 4, 5
 NO_OPTIONS = [-1] * 7  # backward passes: the forward agreed the options already
@@ -64,7 +65,8 @@ _OPTION_WORDS = ((W_E, Reason.NUM_EXPERTS_MISMATCH), (W_ALIGN, Reason.ALIGN_MISM
                  (W_CAP, Reason.CAPACITY_MISMATCH), (W_TRANSPORT, Reason.TRANSPORT_MISMATCH),
                  (W_EXCHANGE, Reason.EXCHANGE_MISMATCH), (W_PAYLOAD, Reason.PAYLOAD_MISMATCH),
                  (W_MAX_TOKENS, Reason.MAX_TOKENS_MISMATCH),
-                 (W_CAP_FACTOR, Reason.CAPACITY_FACTOR_MISMATCH))
+                 (W_CAP_FACTOR, Reason.CAPACITY_FACTOR_MISMATCH),
+                 (W_RANKS_PER_NODE, Reason.RANKS_PER_NODE_MISMATCH))
 
 
 class _GroupState:
@@ -98,13 +100,14 @@ def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: i
     """This rank's header without its call number (:func:`agree` stamps it).
 
     ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens,
-    capacity factor bits]`` as codes (the factor may be left out: None).
+    capacity factor bits, ranks_per_node]`` as codes (the last two may be left out: -1).
     """
-    *options, factor = list(options) + [-1] if len(options) == 7 else list(options)
+    options = list(options) + [-1] * (9 - len(options))
+    *options, factor, rpn = options
     words = [MAGIC, int(op), 0, int(ref), *(int(v) for v in options)]
-    assert len(words) == W_CODE, "epkit: eight option words expected"
+    assert len(words) == W_CODE, "epkit: seven to nine option words expected"
     return words + [int(triple[0]), int(triple[1]), int(triple[2]), int(rows_dtype),
-                    int(row_width), int(factor), int(flags)]
+                    int(row_width), int(factor), int(flags), int(rpn)]
 
 
 # The checks of the gathered headers, in the order they are reported (the first that fires

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import math
 import operator
+import os
 
 from epkit import lazy, ops, payloads
 from epkit.payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
@@ -121,6 +122,7 @@ class Dispatch:
     _hidden: int = field(default=0, repr=False)
     _group_name: str = field(default="", repr=False)
     _seal: tuple = field(default=(), repr=False)  # see _seal_of
+    _hier: object = field(default=None, repr=False)  # transport="hier": epkit.hier.HierState
 
     @property
     def num_rows(self) -> int:
@@ -142,10 +144,13 @@ class Dispatcher:
             ``ceil(capacity_factor * S / E)`` slots per expert, ``S`` the group's used slots
             (``epkit.reference.capacity.capacity_from_factor``; the count exchange gives ``S``, so
             no extra collective), bit for bit the same as passing that ``capacity``.
-        transport: ``"dedup"`` (one row per token and destination rank, the default) or
-            ``"pairs"`` (one row per slot). Same result, bit for bit. Without a capacity,
-            dedup's dispatch never moves more bytes than pairs'; its combine sends a float32
-            partial sum per token row: with bfloat16 rows up to twice pairs' combine bytes.
+        transport: ``"dedup"`` (one row per token and destination rank with a kept slot, the
+            default), ``"pairs"`` (one row per slot) or ``"hier"`` (node-aware: a token row
+            crosses to each destination node once, to the rank with its local index there,
+            which forwards it inside the node; the combine returns over the same two stages;
+            epkit/hier.py). Same result, bit for bit, for the same ``ranks_per_node``. hier
+            runs the exchanges ``auto``, ``ragged``, ``padded`` and ``equal``, without a payload
+            and not under torch.compile (an InputError, HIER_UNSUPPORTED, otherwise).
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
             ``"padded"``, ``"equal"``, ``"lazy"`` (the auto exchange issued asynchronously:
             dispatch and combine return pending objects whose ``wait()`` gives the result), or
@@ -160,13 +165,21 @@ class Dispatcher:
             (dequantized float32, differentiable: the gradient returns unquantized); the
             combine is unchanged.
         max_tokens_per_rank: the static exchange's bound on any rank's ``T`` (required there).
+        ranks_per_node: ``G``, ranks ``nG .. nG + G - 1`` of the group are node ``n``. It fixes
+            the combine's (and the dispatch backward's) summation order, for every transport:
+            a node partial per node over its ranks ascending, then the nodes ascending
+            (docs/semantics.md; 1: rank by rank), and hier's nodes. ``None`` (the default): the
+            launcher's local world size (``LOCAL_WORLD_SIZE``, as torchrun sets it) when it is
+            set and divides the group size, else 1. Agreed between ranks like every option (a
+            mismatch is an InputError on every rank).
     """
 
     def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
                  capacity: Optional[int] = None, transport: str = "dedup",
                  exchange: str = "auto", payload: Optional[str] = None,
                  max_tokens_per_rank: Optional[int] = None,
-                 capacity_factor: Optional[float] = None):
+                 capacity_factor: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None):
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
         # in the call header of every dispatch (epkit/agree.py).
@@ -182,22 +195,35 @@ class Dispatcher:
         self.exchange = exchange
         self.payload = payload
         self.max_tokens_per_rank = max_tokens_per_rank
+        self.ranks_per_node = ranks_per_node
+
+    def resolved_ranks_per_node(self):
+        """``ranks_per_node`` as given, or (None) the default of the class docstring."""
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        try:
+            g = int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+        except ValueError:
+            return 1
+        return g if g >= 1 and dist.get_world_size(self.group) % g == 0 else 1
 
     # -- validation -------------------------------------------------------------------------------
 
     def _option_words(self) -> list[int]:
-        """``[E, align, capacity, transport, exchange, payload, max_tokens, capacity factor]`` as
-        header codes (agree.py): integers as given (-1 for None or a non-integer), names as
-        their codes, the factor as its float64 bits."""
+        """``[E, align, capacity, transport, exchange, payload, max_tokens, capacity factor,
+        ranks_per_node]`` as header codes (agree.py): integers as given (-1 for None or a
+        non-integer), names as their codes, the factor as its float64 bits, ranks_per_node
+        resolved (:meth:`resolved_ranks_per_node`)."""
         return [_int_or(self.num_experts, -1), _int_or(self.align, -1),
                 _int_or(self.capacity, -1), _code(ops.TRANSPORTS, self.transport),
                 _code(EXCHANGE_CODES, self.exchange), _code(PAYLOAD_CODES, self.payload),
-                _int_or(self.max_tokens_per_rank, -1), _factor_bits(self.capacity_factor)]
+                _int_or(self.max_tokens_per_rank, -1), _factor_bits(self.capacity_factor),
+                _int_or(self.resolved_ranks_per_node(), -1)]
 
     def _option_error(self) -> tuple[int, int, int]:
         """The options on their own (reference/validate.py's order)."""
         R = dist.get_world_size(self.group)
-        E, align, cap, transport, exchange, payload, max_tokens, factor = self._option_words()
+        E, align, cap, transport, exchange, payload, max_tokens, factor, G = self._option_words()
         if self._bad_group:
             return Reason.BAD_GROUP, 0, 0
         if _int_or(self.align, None) is None or not 1 <= align <= MAX_ALIGN:
@@ -220,8 +246,16 @@ class Dispatcher:
         if self.exchange == "static" and (self.max_tokens_per_rank is None
                                           or not 0 <= max_tokens <= MAX_TOKENS):
             return Reason.STATIC_MAX, max_tokens, 0
-        if self.transport == "dedup" and E // R >= DEDUP_MAX_LOCAL:  # j travels in 24 bits
+        if not 1 <= G <= R or R % G:
+            return Reason.RANKS_PER_NODE, G, R
+        if self.transport in ("dedup", "hier") and E // R >= DEDUP_MAX_LOCAL:  # j: 24 bits
             return Reason.TOO_MANY_LOCAL_EXPERTS, E // R, DEDUP_MAX_LOCAL - 1
+        if self.transport == "hier":
+            if E // R * G >= DEDUP_MAX_LOCAL:  # stage 1's j: the expert's id on its node
+                return Reason.TOO_MANY_LOCAL_EXPERTS, E // R * G, DEDUP_MAX_LOCAL - 1
+            what = {"lazy": 1, "static": 2}.get(self.exchange, 3 if self.payload else 0)
+            if what:
+                return Reason.HIER_UNSUPPORTED, what, 0
         return Reason.OK, 0, 0
 
     def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
@@ -252,7 +286,7 @@ class Dispatcher:
             return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
         if tuple(topk_weights.shape) != tuple(topk_idx.shape):
             return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
-        if self.transport == "dedup" and topk_idx.shape[1] > DEDUP_MAX_TOPK:  # k: 8 bits
+        if self.transport in ("dedup", "hier") and topk_idx.shape[1] > DEDUP_MAX_TOPK:  # k: 8 bits
             return Reason.TOPK_TOO_LARGE, topk_idx.shape[1], DEDUP_MAX_TOPK
         return Reason.OK, 0, 0
 
@@ -261,6 +295,8 @@ class Dispatcher:
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
         """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
         if torch.compiler.is_compiling():
+            if self.transport == "hier":  # every rank traces the same program: all refuse
+                raise error(0, Reason.HIER_UNSUPPORTED, 4)
             # Traced: options are constants of the graph; local errors ride in the count words.
             return self._dispatch(x, topk_idx, topk_weights, self._local_error(x, topk_idx, topk_weights))
         with serial(self.group):
@@ -283,6 +319,10 @@ class Dispatcher:
         code, a, b = local
         if code == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+        G = int(self.resolved_ranks_per_node()) if code == Reason.OK else 1
+        if self.transport == "hier":
+            from epkit import hier
+            return hier.dispatch(self, seq, x, topk_idx, topk_weights, local, G)
         static = self.exchange == "static"  # every rank takes the same path, bad input or not
         pl = payloads.of(self.payload)  # the None entry for a bad name (its error travels)
         pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None))]
@@ -291,7 +331,7 @@ class Dispatcher:
             # The eager path: one fused op, no host read here at all.
             *outs, plan = ops.prepare_dispatch(
                 x, topk_idx, topk_weights, group_name(self.group), rank, E, align, cap, transport,
-                EXCHANGE_CODES[self.exchange], pre_error, 0, factor)
+                EXCHANGE_CODES[self.exchange], pre_error, 0, factor, G)
             return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
         max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
@@ -301,7 +341,7 @@ class Dispatcher:
                  if static and x.is_cuda else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
                                   EXCHANGE_CODES[self.exchange], max_tokens, shape, factor,
-                                  topk_idx if code == Reason.OK else None)
+                                  topk_idx if code == Reason.OK else None, G)
         if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
             raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
         if static:
@@ -332,7 +372,8 @@ class Dispatcher:
             EXCHANGE_CODES[self.exchange], SB, N, M))
 
     def _result(self, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
-                send_map, recv_map, expert_scale=None, expert_x_hp=None) -> Dispatch:
+                send_map, recv_map, expert_scale=None, expert_x_hp=None, hier=None,
+                bytes_sent=None) -> Dispatch:
         sl = ops.plan_slices(dist.get_world_size(self.group), int(self.num_experts))
         d = Dispatch(
             expert_x=expert_x,
@@ -341,13 +382,13 @@ class Dispatcher:
             row_src=row_src,
             row_weight=row_weight,
             dropped_per_expert=plan[sl["dropped"]].clone(),
-            bytes_sent=plan[sl["send_bytes"]].clone(),
+            bytes_sent=plan[sl["send_bytes"]].clone() if bytes_sent is None else bytes_sent,
             expert_scale=expert_scale,
             expert_x_hp=expert_x_hp,
             _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
             _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype, _seq=seq,
             _rows=expert_x.shape[0], _hidden=expert_x.shape[1],
-            _group_name=group_name(self.group),
+            _group_name=group_name(self.group), _hier=hier,
         )
         if not torch.compiler.is_compiling():
             d._seal = _seal_of(d)
@@ -406,6 +447,9 @@ class Dispatcher:
 
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
         cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines
+        if cfg.transport == "hier":
+            from epkit import hier
+            return hier.combine(expert_y, d, bool(weighted))
         transport = ops.TRANSPORTS[cfg.transport]
         if cfg.exchange == "lazy":
             return lazy.issue_combine(expert_y, d, group_name(self.group), transport,
@@ -444,7 +488,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              group=None, align: int = 1, capacity: Optional[int] = None, transport: str = "dedup",
              exchange: str = "auto", payload: Optional[str] = None,
              max_tokens_per_rank: Optional[int] = None,
-             capacity_factor: Optional[float] = None) -> Dispatch:
+             capacity_factor: Optional[float] = None,
+             ranks_per_node: Optional[int] = None) -> Dispatch:
     """Dispatch this rank's tokens to the ranks hosting their top-k experts.
 
     Collective over ``group``: every rank calls it, with its own tokens.
@@ -458,7 +503,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         topk_weights: ``[T, K]`` float32, finite routing weights (differentiable).
         num_experts: ``E``; see :class:`Dispatcher` for the other options (``capacity`` or
             ``capacity_factor``, ``align``, ``transport``, ``exchange``, ``payload``,
-            ``max_tokens_per_rank``).
+            ``max_tokens_per_rank``, ``ranks_per_node``).
 
     Returns:
         A :class:`Dispatch` in the canonical expert-major layout, bit for bit equal to
@@ -468,7 +513,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     return Dispatcher(group, num_experts, align=align, capacity=capacity, transport=transport,
                       exchange=exchange, payload=payload,
                       max_tokens_per_rank=max_tokens_per_rank,
-                      capacity_factor=capacity_factor).dispatch(x, topk_idx, topk_weights)
+                      capacity_factor=capacity_factor,
+                      ranks_per_node=ranks_per_node).dispatch(x, topk_idx, topk_weights)
 
 
 def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -> torch.Tensor:

@@ -95,7 +95,8 @@ class _CombineWait(torch.autograd.Function):
         out = C.reduce_tokens(back, d._send_map, idx, d._topk_weights,
                               int(ops.host_plan(d._plan)[ops.EXPERTS]),
                               int(ops.host_plan(d._plan)[ops.RANKS]),
-                              state["transport"], state["weighted"], d._x_dtype)
+                              state["transport"], state["weighted"], d._x_dtype,
+                              ops.ranks_per_node(d._plan))
         ctx.save_for_backward(expert_y, row_weight, d._send_map, d._recv_map, d._plan)
         ctx.meta = (state["group_name"], state["weighted"])
         return out

@@ -40,14 +40,29 @@ SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = (
     _F[n] for n in ("send_rows", "recv_rows", "expert_rows", "uniform", "max_chunk"))
 RANKS, LOCAL_EXPERTS, EXPERTS = _F["ranks"], _F["local_experts"], _F["experts"]
 (STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES,
- NONUNIFORM_RANK, DROPPED_ANY) = (
+ NONUNIFORM_RANK, DROPPED_ANY, RANKS_PER_NODE) = (
     _F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap", "slot_cap", "send_bytes",
-                    "recv_bytes", "nonuniform_rank", "dropped_any"))
+                    "recv_bytes", "nonuniform_rank", "dropped_any", "ranks_per_node"))
 PLAN_HEADER = abi.PLAN_HEADER
 VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}
 WORD_HEADER = abi.WORD_HEADER
 plan_size = abi.plan_size
 plan_slices = abi.plan_slices
+
+
+def ranks_per_node(plan: torch.Tensor) -> int:
+    """The plan's ``G``, the nodes of the combine's summation order (a plan word that
+    :func:`count_exchange` writes; a plan made by ``epkit::plan`` alone reads as 1)."""
+    return max(1, int(host_plan(plan)[RANKS_PER_NODE]))
+
+
+def stamp_ranks_per_node(plan: torch.Tensor, G: int) -> torch.Tensor:
+    """Write ``G`` into the plan and its host mirror (on CUDA a fill, no host wait)."""
+    plan[RANKS_PER_NODE] = G
+    mirror = host_plan(plan)
+    if mirror is not plan:
+        mirror[RANKS_PER_NODE] = G
+    return plan
 
 
 def dispatch_chunk_bytes(transport: int, P: int, rows: int, slots: int) -> int:
@@ -102,7 +117,8 @@ def _(expert_y, recv_map, row_weight, transport, weighted):
 
 
 @torch.library.register_fake("epkit::reduce_tokens")
-def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype):
+def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype,
+      ranks_per_node=1):
     # dedup: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
     H = back.shape[1] if transport == PAIRS else back.shape[1] * back.element_size() // 4
     return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
@@ -361,7 +377,8 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
                    capacity: int, transport: int, exchange: int,
                    max_tokens_per_rank: int, static_shape: Optional[list[int]] = None,
                    capacity_factor: float = -1.0,
-                   topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   topk_idx: Optional[torch.Tensor] = None,
+                   ranks_per_node: int = 1) -> torch.Tensor:
     """All-gather every rank's count words; return this rank's plan, or raise the group's error.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
@@ -374,7 +391,16 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
     ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
     the used slots of the gathered words (on CUDA reading ``S`` is one host wait).
+    ``ranks_per_node`` (agreed in the call header) is written into the plan
+    (:func:`stamp_ranks_per_node`): combine and the dispatch backward sum in its order.
     """
+    return stamp_ranks_per_node(_count_exchange(
+        words, group_name, rank, num_experts, align, capacity, transport, exchange,
+        max_tokens_per_rank, static_shape, capacity_factor, topk_idx), ranks_per_node)
+
+
+def _count_exchange(words, group_name, rank, num_experts, align, capacity, transport, exchange,
+                    max_tokens_per_rank, static_shape, capacity_factor, topk_idx):
     import torch.distributed as dist
 
     group = group_from_name(group_name)
@@ -415,7 +441,8 @@ def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) ->
 
 @count_exchange.register_fake
 def _(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-      max_tokens_per_rank, static_shape=None, capacity_factor=-1.0, topk_idx=None):
+      max_tokens_per_rank, static_shape=None, capacity_factor=-1.0, topk_idx=None,
+      ranks_per_node=1):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -460,7 +487,7 @@ def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_byt
 def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      group_name: str, rank: int, num_experts: int, align: int, capacity: int,
                      transport: int, exchange: int, pre_error: list[int], payload: int,
-                     capacity_factor: float = -1.0
+                     capacity_factor: float = -1.0, ranks_per_node: int = 1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor]:
     """Layout, count exchange, allocation and token exchange in one call.
@@ -474,7 +501,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     words = C.prepare(x, topk_idx, topk_weights, num_experts,
                       _world(group_name), pre_error, payload)
     plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
-                          exchange, -1, None, capacity_factor, topk_idx)
+                          exchange, -1, None, capacity_factor, topk_idx, ranks_per_node)
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
     if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
@@ -491,7 +518,7 @@ def _world(group_name: str) -> int:
 
 @prepare_dispatch.register_fake
 def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity, transport,
-      exchange, pre_error, payload, capacity_factor=-1.0):
+      exchange, pre_error, payload, capacity_factor=-1.0, ranks_per_node=1):
     ctx = torch.library.get_ctx()
     N, M = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     R = _world(group_name)
@@ -513,7 +540,7 @@ def _fused_setup(ctx, inputs, output):
 def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
     grad_x, _, grad_w, *_rest = _dispatch_backward(ctx, grad_expert_x, None, grad_row_weight,
                                                     None, None)
-    return grad_x, None, grad_w, *([None] * 10)
+    return grad_x, None, grad_w, *([None] * 11)
 
 
 def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
@@ -532,7 +559,8 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
 
-    grad_x[t] is the two-level sum (ranks ascending, then k ascending) of its slots' gradient
+    grad_x[t] is combine's sum (k ascending per rank, the ranks' partials into node partials
+    and those over nodes ascending, ``ranks_per_node`` from the plan) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
     _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
@@ -540,7 +568,8 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
     back, idx = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
                           transport, False, what="epkit.dispatch backward")
-    grad_x = C.reduce_tokens(back, send_map, idx, empty_w, E, R, transport, False, x_dtype)
+    grad_x = C.reduce_tokens(back, send_map, idx, empty_w, E, R, transport, False, x_dtype,
+                             ranks_per_node(plan))
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
     vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
@@ -589,7 +618,8 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     dedup: per token row with n kept slots the expert side sends its n rows of expert_y when
     ``n * itemsize <= 4``, else the float32 partial P_d(t) it forms; pairs: each slot's row. The
     source forms the partials of the raw rows (with its own copy of the weights,
-    bit-identical to ``row_weight``) and adds them over d ascending.
+    bit-identical to ``row_weight``) and adds them over d ascending, into node partials first
+    when the plan's ``ranks_per_node`` is above 1 (arith.grouped_total_sum).
 
     ``check`` is this rank's call header (epkit/agree.py) when the ranks agree inside the op
     (under torch.compile, so no data-dependent branch is traced); empty when the caller
@@ -601,7 +631,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     back, idx = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
                           group_name, transport, weighted)
     return C.reduce_tokens(back, send_map, idx, topk_weights, E, R, transport, weighted,
-                           out_dtype)
+                           out_dtype, ranks_per_node(plan))
 
 
 @combine_tokens.register_fake

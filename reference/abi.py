@@ -13,7 +13,7 @@ from __future__ import annotations
 from .errors import DTYPE_CODES, Reason
 
 # ---- options -------------------------------------------------------------------------------
-TRANSPORT_CODES = {"pairs": 0, "dedup": 1}
+TRANSPORT_CODES = {"pairs": 0, "dedup": 1, "hier": 2}
 # The exchange a caller asks for, and the variant that runs (the plan's VARIANT word).
 EXCHANGE_CODES = {"ragged": 0, "padded": 1, "equal": 2, "auto": 3, "lazy": 4, "static": 5}
 VARIANT_CODES = {"ragged": 0, "padded": 1, "equal": 2, "static": 3}
@@ -42,6 +42,8 @@ PLAN_FIELDS = (
     "nonuniform_rank",  # lowest source rank with a count unlike rank 0's first (-1: uniform)
     "dropped_any",      # 1: capacity dropped a slot somewhere in the group (dedup: the count
                         # exchange gathers the token rows once more and plans again)
+    "ranks_per_node",   # G: the nodes of the combine's summation order (arith.py); written by
+                        # epkit.count_exchange, 0 read as 1
 )
 PLAN_HEADER = len(PLAN_FIELDS)
 def plan_sections(R: int, E: int) -> tuple:
@@ -71,7 +73,7 @@ PAIRS_META_BYTES = 4 * len(PAIRS_META)
 DEDUP_TOKEN_META = ("t", "n")      # int32 t, int32 n (kept slots on this rank) after the payload
 DEDUP_TOKEN_META_BYTES = 4 * len(DEDUP_TOKEN_META)
 SLOT_ROW_BYTES = 8                 # int32 (k << 24 | j), float32 w
-# hier (reference only so far): its inter-node rows are dedup's token and slot rows (the slot's
+# hier: its inter-node rows are dedup's token and slot rows (the slot's
 # j the expert's id on the node); its intra-node token rows name the source rank too
 HIER_TOKEN_META = ("s", "t", "n")  # int32 s, int32 t, int32 n (kept slots on this rank)
 HIER_TOKEN_META_BYTES = 4 * len(HIER_TOKEN_META)

@@ -112,6 +112,8 @@ class Reason(enum.IntEnum):
     BAD_ARGUMENT = 55          # a: argument id (ARGUMENTS; 0: an option) that raised when read
     BAD_GROUP = 56             # (no details)
     RANKS_PER_NODE = 57        # a: ranks_per_node, b: group size
+    RANKS_PER_NODE_MISMATCH = 58  # a: this rank's ranks_per_node, b: rank 0's (production only)
+    HIER_UNSUPPORTED = 59      # a: what (HIER_UNSUPPORTED_WHAT), b: 0 (production only)
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -123,10 +125,13 @@ OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
               5: "the backward of epkit.combine"}
 # Option codes as they travel in the call header (production/agree.py); -1: not a valid name.
 OPTION_NAMES = {
-    "transport": {0: "pairs", 1: "dedup"},
+    "transport": {0: "pairs", 1: "dedup", 2: "hier"},
     "exchange": {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "lazy", 5: "static"},
     "payload": {0: "None", 1: "mxfp8", 2: "fp8_block128"},
 }
+# What production's hier transport refuses (HIER_UNSUPPORTED's a).
+HIER_UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
+                         4: "torch.compile"}
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
            3: "was altered after dispatch (a field no longer matches what dispatch returned)",
@@ -260,6 +265,12 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
                              "this rank: see the exception's cause there)",
         Reason.RANKS_PER_NODE: f"ranks_per_node must be >= 1 and divide the group size {b}, "
                                f"got {a}",
+        Reason.RANKS_PER_NODE_MISMATCH: f"ranks_per_node {a} differs from rank 0's {b} (the "
+                                        "default follows LOCAL_WORLD_SIZE: set it alike on "
+                                        "every rank, or pass ranks_per_node=)",
+        Reason.HIER_UNSUPPORTED: f"transport='hier' does not support "
+                                 f"{HIER_UNSUPPORTED_WHAT.get(a, 'this option')} in production: "
+                                 "use exchange 'auto', 'ragged', 'padded' or 'equal', no payload",
         Reason.BAD_GROUP: "group must be a torch.distributed ProcessGroup (or None for the "
                           "default group)",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "

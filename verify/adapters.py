@@ -35,19 +35,26 @@ from epkit.verify.cases import ModeSpec
 __all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_factory",
            "TRANSPORTS", "EXCHANGES", "PAYLOADS"]
 
-TRANSPORTS = ("dedup", "pairs")
+TRANSPORTS = ("dedup", "pairs", "hier")
 EXCHANGES = ("auto", "ragged", "padded", "equal", "lazy", "static")
 PAYLOADS = (None, *payloads.NAMES)  # the payload table's: None, mxfp8, fp8_block128
+# What production's hier runs (the rest is refused: HIER_UNSUPPORTED)
+HIER_EXCHANGES = ("auto", "ragged", "padded", "equal")
 
 
 def epkit_modes() -> list[ModeSpec]:
-    """Every transport x exchange x payload of epkit, named ``transport/exchange[/payload]``."""
+    """Every transport x exchange x payload of epkit, named ``transport/exchange[/payload]``
+    (hier: its exchanges, no payload). Every mode draws ``ranks_per_node`` (``nodes``), which
+    fixes the combine's summation order of every transport and hier's nodes."""
     modes = []
     for payload, transport, exchange in itertools.product(PAYLOADS, TRANSPORTS, EXCHANGES):
+        if transport == "hier" and (payload or exchange not in HIER_EXCHANGES):
+            continue
         name = f"{transport}/{exchange}" + (f"/{payload}" if payload else "")
         kwargs = (("transport", transport), ("exchange", exchange), ("payload", payload))
         modes.append(ModeSpec(name=name, kwargs=kwargs, payload=payload,
-                              uniform=exchange == "equal", static=exchange == "static"))
+                              uniform=exchange == "equal", static=exchange == "static",
+                              nodes=True))
     return modes
 
 
@@ -55,12 +62,15 @@ class EpkitAdapter:
     """epkit's ``dispatch`` / ``combine`` bound to a group and one mode."""
 
     def __init__(self, group=None, *, transport="dedup", exchange="auto", payload=None,
-                 max_tokens_per_rank=None):
+                 max_tokens_per_rank=None, ranks_per_node=1):
         import epkit
 
         self._epkit = epkit
         self.group = group
-        self.options = dict(transport=transport, exchange=exchange, payload=payload)
+        # ranks_per_node always explicit: epkit's default follows LOCAL_WORLD_SIZE (torchrun),
+        # which would make it sum in another order than the reference the case names
+        self.options = dict(transport=transport, exchange=exchange, payload=payload,
+                            ranks_per_node=ranks_per_node)
         if max_tokens_per_rank is not None:
             self.options["max_tokens_per_rank"] = max_tokens_per_rank
 

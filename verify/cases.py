@@ -46,6 +46,10 @@ class ModeSpec:
       return extra all-padding rows after ``expert_offsets[-1]``.
     - ``capabilities``: what this mode supports (``(("capacity", False), ...)`` or a dict), on
       top of the factory's ``capabilities`` (:mod:`epkit.verify.capabilities`).
+    - ``nodes``: the factory takes ``ranks_per_node`` (the nodes of the combine's summation
+      order, and hier's): cases draw it, a divisor of the world size, the factory gets
+      ``ranks_per_node=case.ranks_per_node`` and the reference is called with it. Other modes
+      run with ``ranks_per_node = 1`` (rank by rank).
     """
 
     name: str = "default"
@@ -54,6 +58,7 @@ class ModeSpec:
     uniform: bool = False
     static: bool = False
     capabilities: tuple = ()
+    nodes: bool = False
 
     def __post_init__(self):
         if isinstance(self.capabilities, dict):
@@ -63,6 +68,8 @@ class ModeSpec:
         kw = dict(self.kwargs)
         if self.static and case is not None:
             kw["max_tokens_per_rank"] = case.max_tokens
+        if self.nodes and case is not None:
+            kw["ranks_per_node"] = case.ranks_per_node
         return kw
 
 
@@ -88,10 +95,13 @@ class Case:
     zero_rows: bool = False  # some token rows are +0 / -0 (exercises signed zeros, amax == 0)
     max_tokens: int = 32  # the bound tokens were drawn under (static modes get it)
     seed: int = 0
+    ranks_per_node: int = 1  # nodes of the summation order (modes with ``nodes``; a divisor of R)
 
     def __post_init__(self):
         if len(self.tokens) != self.world_size:
             raise ValueError("tokens must list one count per rank")
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise ValueError("ranks_per_node must divide world_size")
         if self.num_experts % self.world_size:
             raise ValueError("num_experts must be a multiple of world_size")
 

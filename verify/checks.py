@@ -545,7 +545,8 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
     xs, idxs, ws = case.all_inputs()
     try:
         c.res = c.ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
-                               capacity=case.capacity, payload=case.payload)
+                               capacity=case.capacity, payload=case.payload,
+                               ranks_per_node=case.ranks_per_node)
     except ValueError as exc:  # the reference's InputError: every rank must raise it
         return c.expected_error(exc)
     c.raised()
@@ -799,7 +800,8 @@ def _rank_major_checks(case, results, ref, contract, v, todo, settle, value_chec
     R = case.world_size
     xs, idxs, ws = case.all_inputs()
     res = ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
-                       capacity=case.capacity, payload=case.payload, rank_major=True)
+                       capacity=case.capacity, payload=case.payload, rank_major=True,
+                       ranks_per_node=case.ranks_per_node)
     if todo("dispatch"):
         v.status["dispatch"] = PASSED
         for d in range(R):

@@ -40,7 +40,9 @@ def _error(stage, kind, message) -> dict:
 
 
 class _Executor:
-    """Per-rank state shared by both drivers: adapters cached per (impl, mode, group size)."""
+    """Per-rank state shared by both drivers: adapters cached per (impl, mode, group size, and
+    what the mode's factory takes from the case: max_tokens when static, ranks_per_node with
+    nodes)."""
 
     def __init__(self, rank: int, groups: dict, device):
         self.rank, self.groups, self.device = rank, groups, device
@@ -49,7 +51,8 @@ class _Executor:
     def execute(self, case: Case, impl: str, mode: ModeSpec) -> dict:
         from epkit.verify.worker import make_adapter, run_rank
 
-        key = (impl, mode, case.world_size, case.max_tokens if mode.static else None)
+        key = (impl, mode, case.world_size, case.max_tokens if mode.static else None,
+               case.ranks_per_node if mode.nodes else None)
         adapter = self.adapters.get(key)
         if adapter is None:
             try:

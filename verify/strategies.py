@@ -36,7 +36,9 @@ def cases(
     ``mode`` (a :class:`ModeSpec`) constrains the draw: a quantized payload (``"mxfp8"``,
     ``"fp8_block128"``) gives ``H`` a multiple of its block (32, 128);
     ``uniform`` gives uniform plans without capacity; ``static`` keeps every rank's tokens
-    within ``max_tokens``. Without a mode, payload and plan shape are drawn too.
+    within ``max_tokens``; ``nodes`` draws ``ranks_per_node``, a divisor of the world size
+    (two-level nodes first, so a case shrinks to one with nodes of several ranks). Without a
+    mode, payload and plan shape are drawn too.
 
     About one draw in ``wide_every`` (0: never) is a wide top-k case: ``K`` in 129..255 (within
     ``max_topk`` of the capabilities) and up to 512 experts, with few tokens and a narrow hidden
@@ -47,7 +49,7 @@ def cases(
     no_unused = not caps.allows("unused_slots")
     # the draws, in this order (hypothesis replays and shrinks by it): the shape, the hidden
     # size, the routing and tokens, the dtypes, the options
-    R, wide, payload, E, K, max_tokens_drawn, max_h = _shape(
+    R, G, wide, payload, E, K, max_tokens_drawn, max_h = _shape(
         draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk, max_tokens,
         max_hidden, wide_every)
     H = _hidden(draw, payload, wide, max_h)
@@ -85,14 +87,21 @@ def cases(
         zero_rows=draw(st.integers(0, 4), label="zero_rows") == 4,  # shrinks to False
         max_tokens=max_tokens,
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
+        ranks_per_node=G,
     )
 
 
 def _shape(draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk,
            max_tokens, max_hidden, wide_every):
-    """World size, the wide top-k switch, payload, experts and top-k; with the token and
+    """World size, ranks per node (a mode with ``nodes``: a divisor of the world size, nodes of
+    several ranks first), the wide top-k switch, payload, experts and top-k; with the token and
     hidden bounds that go with them."""
     R = draw(st.integers(min_world_size, world_size), label="world_size")
+    G = 1
+    if mode is not None and mode.nodes:
+        divisors = [g for g in range(1, R + 1) if R % g == 0]
+        G = draw(st.sampled_from([g for g in divisors if 1 < g < R] + [1, R][:len(divisors)]),
+                 label="ranks_per_node")
     cap_k = caps.max_topk or 255
     wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
             and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
@@ -103,11 +112,11 @@ def _shape(draw, world_size, min_world_size, mode, caps, max_local_experts, max_
         L = draw(st.integers(-(-lo_k // R), 512 // R), label="local_experts (wide)")
         E = R * L
         K = draw(st.integers(min(lo_k, E), min(255, E, cap_k)), label="topk (wide)")
-        return R, wide, payload, E, K, min(max_tokens, 6), 16
+        return R, G, wide, payload, E, K, min(max_tokens, 6), 16
     L = draw(st.integers(1, max_local_experts), label="local_experts")
     E = R * L
     K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
-    return R, wide, payload, E, K, max_tokens, max_hidden
+    return R, G, wide, payload, E, K, max_tokens, max_hidden
 
 
 def _hidden(draw, payload, wide, max_h) -> int:

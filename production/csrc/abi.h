@@ -67,6 +67,8 @@ constexpr int64_t kCallFlagsMismatch = 54;
 constexpr int64_t kBadArgument = 55;
 constexpr int64_t kBadGroup = 56;
 constexpr int64_t kRanksPerNode = 57;
+constexpr int64_t kRanksPerNodeMismatch = 58;
+constexpr int64_t kHierUnsupported = 59;
 }  // namespace reason
 
 // dtype codes (reference/errors.py DTYPE_CODES)
@@ -94,6 +96,7 @@ constexpr int64_t kFloat8E8m0fnu = 18;
 // options
 constexpr int64_t kPairs = 0;
 constexpr int64_t kDedup = 1;
+constexpr int64_t kHier = 2;
 enum Requested : int64_t { kReqRagged = 0, kReqPadded = 1, kReqEqual = 2, kReqAuto = 3, kReqLazy = 4, kReqStatic = 5 };
 enum Variant : int64_t { kRagged = 0, kPadded = 1, kEqual = 2, kStatic = 3 };
 constexpr int64_t kPayloadNone = 0;
@@ -109,7 +112,7 @@ constexpr int64_t kWordHeader = 8;
 enum PreErrorField : int64_t { kPreErrorCode = 0, kPreErrorA = 1, kPreErrorB = 2, kPreErrorXDtype = 3, kPreErrorMaxTokens = 4 };
 
 // plan header words, then the sections (PlanOffsets in epkit.h)
-enum PlanHeader : int64_t { kErrCode = 0, kErrA = 1, kErrB = 2, kErrRank = 3, kSendRows = 4, kRecvRows = 5, kExpertRows = 6, kUniform = 7, kMaxChunk = 8, kRanks = 9, kLocalExperts = 10, kExperts = 11, kTransport = 12, kCapacity = 13, kAlign = 14, kTopK = 15, kStaticCap = 16, kVariant = 17, kPayloadBytes = 18, kTokCap = 19, kSlotCap = 20, kSendBytes = 21, kRecvBytes = 22, kNonUniformRank = 23, kDroppedAny = 24, kPlanHeader = 25 };
+enum PlanHeader : int64_t { kErrCode = 0, kErrA = 1, kErrB = 2, kErrRank = 3, kSendRows = 4, kRecvRows = 5, kExpertRows = 6, kUniform = 7, kMaxChunk = 8, kRanks = 9, kLocalExperts = 10, kExperts = 11, kTransport = 12, kCapacity = 13, kAlign = 14, kTopK = 15, kStaticCap = 16, kVariant = 17, kPayloadBytes = 18, kTokCap = 19, kSlotCap = 20, kSendBytes = 21, kRecvBytes = 22, kNonUniformRank = 23, kDroppedAny = 24, kRanksPerNode = 25, kPlanHeader = 26 };
 
 // wire format: byte offsets of the metadata after a row's payload, row sizes
 constexpr int64_t kPairsMetaT = 0;

@@ -361,9 +361,10 @@ inline void check_send_map_args(const char* op, const Tensor& back, const Tensor
 inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
                                      const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
                                      int64_t R, int64_t transport, bool weighted,
-                                     at::ScalarType out_dtype) {
+                                     at::ScalarType out_dtype, int64_t G) {
   constexpr const char* op = "epkit.reduce_tokens";
   check_experts_ranks(op, E, R);
+  TORCH_CHECK(G >= 1 && R % G == 0, op, ": ranks_per_node ", G, " must be >= 1 and divide ", R);
   check_transport(op, transport);
   check_dim(op, "back", back, 2);
   check_float_dtype(op, "back", back.scalar_type());

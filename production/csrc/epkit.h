@@ -171,7 +171,8 @@ Tensor gather_rows_cpu(const Tensor& expert_y, const Tensor& recv_map, const Ten
                        int64_t transport, bool weighted);
 Tensor reduce_tokens_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
                          const Tensor& topk_weights, int64_t num_experts, int64_t num_ranks,
-                         int64_t transport, bool weighted, at::ScalarType out_dtype);
+                         int64_t transport, bool weighted, at::ScalarType out_dtype,
+                         int64_t ranks_per_node);
 Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const Tensor& recv_map,
                                                      const Tensor& row_weight,

@@ -18,7 +18,7 @@ TORCH_LIBRARY(epkit, m) {
         "SymInt recv_rows, SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted) -> Tensor");
   m.def("reduce_tokens(Tensor back, Tensor send_map, Tensor topk_idx, Tensor topk_weights, int num_experts, "
-        "int num_ranks, int transport, bool weighted, ScalarType out_dtype) -> Tensor");
+        "int num_ranks, int transport, bool weighted, ScalarType out_dtype, int ranks_per_node=1) -> Tensor");
   m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
   m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
         "bool weighted) -> (Tensor, Tensor)");

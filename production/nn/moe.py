@@ -352,11 +352,11 @@ class ExpertParallelMoE(_MoEBase):
     :meth:`Router.update_expert_bias`, so every replica takes the same step.
 
     Args (beyond DenseMoE's): group: the expert-parallel process group (default: WORLD);
-    align, capacity, capacity_factor, transport, exchange, max_tokens_per_rank: passed to
-    :class:`epkit.Dispatcher`; overlap: with a shared expert and ``exchange="auto"``, issue
-    the exchanges lazily and run the shared expert while the tokens travel; ``exchange="lazy"``
-    takes that path always (the lazy path is eager-only: under ``torch.compile`` use
-    ``exchange="static"``).
+    align, capacity, capacity_factor, transport, exchange, max_tokens_per_rank, ranks_per_node:
+    passed to :class:`epkit.Dispatcher`; overlap: with a shared expert and ``exchange="auto"``,
+    issue the exchanges lazily and run the shared expert while the tokens travel (not with
+    ``transport="hier"``, which has no lazy schedule); ``exchange="lazy"`` takes that path
+    always (the lazy path is eager-only: under ``torch.compile`` use ``exchange="static"``).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int,
@@ -366,7 +366,8 @@ class ExpertParallelMoE(_MoEBase):
                  impl: str = "auto", payload: Optional[str] = None, device=None, dtype=None,
                  score: str = "softmax", n_groups: int = 1, topk_groups: Optional[int] = None,
                  expert_bias: bool = False, route_scale: float = 1.0,
-                 aux_loss_coef: Optional[float] = None, capacity_factor: Optional[float] = None):
+                 aux_loss_coef: Optional[float] = None, capacity_factor: Optional[float] = None,
+                 ranks_per_node: Optional[int] = None):
         from epkit.collectives import resolve_group
 
         group = resolve_group(group)
@@ -382,13 +383,15 @@ class ExpertParallelMoE(_MoEBase):
         self.first_expert = rank * self.local_experts
         self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
                                      exchange=exchange, max_tokens_per_rank=max_tokens_per_rank,
-                                     payload=payload, capacity_factor=capacity_factor)
+                                     payload=payload, capacity_factor=capacity_factor,
+                                     ranks_per_node=ranks_per_node)
         self.overlap = overlap
         import epkit
 
         self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
         self.lazy_dispatcher = None  # the issue / wait path: asked for, or the shared overlap
-        if exchange == "lazy" or (overlap and shared_expert and exchange == "auto"):
+        if exchange == "lazy" or (overlap and shared_expert and exchange == "auto"
+                                  and transport != "hier"):
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 

@@ -52,8 +52,9 @@ def group_cases(draw, max_world=4, transports=("dedup", "pairs"),
 def expected(xs, idxs, ws, gouts, opts, ref=ref):
     """The reference's answer for rank_fns.forward_backward, per rank (``ref``: the clear
     tier, or ``epkit.reference.fast`` for big cases: the same bits)."""
+    nodes = {"ranks_per_node": opts["ranks_per_node"]} if opts.get("ranks_per_node") else {}
     res = ref.dispatch(xs, idxs, ws, num_experts=opts["E"], align=opts["align"],
-                       capacity=opts["capacity"])
+                       capacity=opts["capacity"], **nodes)
     ydt = DTYPES[opts["y_dtype"]]
     ys = []
     for r in res:

@@ -33,7 +33,8 @@ def forward_backward(group, rank, x, idx, w, grad_out, opts):
                        capacity=opts["capacity"], transport=opts["transport"],
                        exchange=opts["exchange"],
                        max_tokens_per_rank=opts.get("max_tokens_per_rank"),
-                       capacity_factor=opts.get("capacity_factor"))
+                       capacity_factor=opts.get("capacity_factor"),
+                       ranks_per_node=opts.get("ranks_per_node"))
     if opts["exchange"] == "lazy":
         assert not hasattr(d, "expert_x")  # nothing to read before wait()
         d = d.wait()
@@ -212,3 +213,21 @@ def combine_with_bad_expert_y(group, rank, x, idx, w, kind):
         got = (exc.rank, int(exc.code), str(exc))
     out = epkit.combine(d.expert_x.clone(), d)
     return got, tuple(out.shape)
+
+
+def resolved_ranks_per_node(group, rank, env_values):
+    """Dispatcher(ranks_per_node=None).resolved_ranks_per_node() under each LOCAL_WORLD_SIZE."""
+    import os
+
+    out = []
+    for v in env_values:
+        old = os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if v is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = v
+        try:
+            out.append(epkit.Dispatcher(group, 8).resolved_ranks_per_node())
+        finally:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+            if old is not None:
+                os.environ["LOCAL_WORLD_SIZE"] = old
+    return out

@@ -113,6 +113,16 @@ def bad_dispatch(group, rank, faulty, kind):
             opts["group"] = "world"
         elif kind == "uint16_index":
             idx = idx.to(torch.uint16)
+        elif kind == "other_ranks_per_node":  # the others: one node of R ranks
+            opts["ranks_per_node"] = 1
+        elif kind == "zero_ranks_per_node":
+            opts["ranks_per_node"] = 0
+        elif kind == "hier_lazy":
+            opts.update(transport="hier", exchange="lazy")
+    if kind == "other_ranks_per_node":
+        opts.setdefault("ranks_per_node", R)
+    if kind == "hier_lazy":
+        opts.setdefault("transport", "hier")
     if kind == "other_max_tokens":
         opts.update(exchange="static", max_tokens_per_rank=8 if rank == faulty else 16)
     if kind == "other_factor":

@@ -73,6 +73,11 @@ DISPATCH_CASES = [
     ("align_2pow64", Reason.ALIGN, lambda f: f, "align must be in"),
     ("experts_2pow64", Reason.NUM_EXPERTS, lambda f: f, "num_experts must be in [1, 2147483647]"),
     ("factor_overflow", Reason.CAPACITY_FACTOR, lambda f: f, "capacity_factor"),
+    ("other_ranks_per_node", Reason.RANKS_PER_NODE_MISMATCH, differs_from_rank0,
+     "ranks_per_node"),
+    ("zero_ranks_per_node", Reason.RANKS_PER_NODE, lambda f: f, "ranks_per_node must be >= 1"),
+    ("hier_lazy", Reason.HIER_UNSUPPORTED, lambda f: f, "transport='hier' does not support "
+                                                        "exchange='lazy'"),
 ]
 
 

@@ -92,7 +92,7 @@ OPTION_CASES = [
     ({"capacity": -1}, Reason.CAPACITY, "capacity must be in [0, 2**62], got -1"),
     ({"num_experts": 0}, Reason.NUM_EXPERTS, "num_experts must be in [1, 2147483647], got 0"),
     ({"num_experts": 4}, Reason.EXPERTS_NOT_DIVISIBLE, "num_experts 4 is not a multiple of the group size 3"),
-    ({"transport": "carrier-pigeon"}, Reason.OPTION, "unknown transport: choose from 'pairs', 'dedup'"),
+    ({"transport": "carrier-pigeon"}, Reason.OPTION, "unknown transport: choose from 'pairs', 'dedup', 'hier'"),
     ({"exchange": "smoke-signals"}, Reason.OPTION, "unknown exchange: choose from 'ragged', 'padded', 'equal', 'auto', 'lazy', 'static'"),
     ({"payload": "fp4"}, Reason.OPTION, "unknown payload: choose from 'None', 'mxfp8', 'fp8_block128'"),
     ({"exchange": "static"}, Reason.STATIC_MAX, "exchange='static' needs max_tokens_per_rank in [0, 2147483647], got -1"),

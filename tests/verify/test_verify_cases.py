@@ -100,12 +100,24 @@ def test_valid_rows_tolerates_a_malformed_layout():
 
 def test_mode_names_cover_every_knob():
     names = set(MODES)
-    assert len(names) == 2 * 6 * 3
+    assert len(names) == 2 * 6 * 3 + 4  # pairs, dedup: every knob; hier: four exchanges
     assert {"dedup/ragged", "pairs/lazy", "dedup/static/mxfp8", "pairs/ragged/fp8_block128",
-            "dedup/static/fp8_block128"} <= names
+            "dedup/static/fp8_block128", "hier/padded"} <= names
     assert MODES["pairs/padded/fp8_block128"].payload == "fp8_block128"
+    assert not {"hier/lazy", "hier/static", "hier/auto/mxfp8"} & names
     assert MODES["dedup/static"].static and MODES["pairs/equal"].uniform
     assert ModeSpec().factory_kwargs() == {}
+
+
+def test_nodes_modes_pass_ranks_per_node():
+    """Every epkit mode draws ranks_per_node and hands it to the factory (explicitly, so that a
+    LOCAL_WORLD_SIZE never makes epkit's default differ from the reference's)."""
+    assert all(m.nodes for m in MODES.values())
+    case = Case(world_size=4, num_experts=4, topk=1, hidden=1, tokens=(1,) * 4, ranks_per_node=2)
+    assert MODES["hier/ragged"].factory_kwargs(case)["ranks_per_node"] == 2
+    assert "ranks_per_node" not in ModeSpec().factory_kwargs(case)
+    with pytest.raises(ValueError):
+        case.replace(ranks_per_node=3)
 
 
 # -- capabilities and wide top-k ----------------------------------------------------------------

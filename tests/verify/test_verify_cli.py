@@ -48,7 +48,8 @@ def test_a_broken_impl_exits_non_zero_with_a_report(capsys):
 def test_modes_are_listed_and_filtered(capsys):
     assert main(["--list-modes"]) == 0
     names = capsys.readouterr().out.split()
-    assert len(names) == 36 and "pairs/static/mxfp8" in names and "dedup/auto/fp8_block128" in names
+    assert len(names) == 40 and "pairs/static/mxfp8" in names and "dedup/auto/fp8_block128" in names
+    assert "hier/equal" in names
     assert main(["--list-modes", "--modes", "dedup/*,*/lazy/mxfp8", "--modes", "pairs/equal"]) == 0
     picked = capsys.readouterr().out.split()
     assert picked == [n for n in names if n.startswith("dedup/") or n.endswith("/lazy/mxfp8")

@@ -1,8 +1,10 @@
 // Combine: the expert side reduces or forwards rows, the source side adds them up.
 //
-// The order is fixed by docs/semantics.md: out[t] = sum over d ascending of P_d(t),
-// P_d(t) = sum over k ascending of c_k * y(t, k) for the kept slots living on d; every
-// product and every sum is a single float32 operation, both sums start from +0.0.
+// The order is fixed by docs/semantics.md: out[t] = sum over nodes n ascending of N_n(t),
+// N_n(t) = sum over the node's ranks d ascending of P_d(t) (G = ranks_per_node ranks a node;
+// with G = 1 the plain sum over d ascending, bit for bit), P_d(t) = sum over k ascending of
+// c_k * y(t, k) for the kept slots living on d; every product and every sum is a single
+// float32 operation, every sum starts from +0.0.
 //
 // dedup's way back (docs/design.md): a token row with n kept slots returns its n rows of y
 // themselves when n * itemsize(y) <= 4 (n <= per = 4 / itemsize), else its float32 partial
@@ -95,7 +97,8 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
   return out;
 }
 
-// Source side, a partial per destination rank added over d ascending. dedup: back
+// Source side, a partial per destination rank, added into its node's partial over d ascending,
+// the node partials added over nodes ascending (G = 1: the partials added over d). dedup: back
 // [S, per * H] in y's dtype, row r = token row (t, d) of send_map: its n rows of y when
 // n <= per (the partial formed here with the weights, k ascending), else the float32 partial's
 // bits; topk_idx is the *kept* routing (dropped slots -1), so n = t's slots on d.
@@ -122,9 +125,9 @@ inline void partial_of(float* part, int64_t H, const Bt* const* rows, const floa
 
 Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                          const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
-                         bool weighted, at::ScalarType out_dtype) {
+                         bool weighted, at::ScalarType out_dtype, int64_t G) {
   check_reduce_tokens_args(back_in, send_map_in, topk_idx, topk_weights, E, R, transport, weighted,
-                           out_dtype);
+                           out_dtype, G);
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = weighted ? topk_weights.contiguous() : topk_weights;  // the source's weights
@@ -147,11 +150,12 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
       using Bt = decltype(btag);
       const Bt* bp = back.data_ptr<Bt>();
       at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        std::vector<float> total(H), part(H), w(K);
+        std::vector<float> total(H), part(H), node(G > 1 ? H : 0), w(K);
         std::vector<int64_t> order(K);
         std::vector<const Bt*> rows(K);
         for (int64_t t = t0; t < t1; ++t) {
           std::fill(total.begin(), total.end(), 0.0f);
+          int64_t open_node = -1;  // G > 1: the node whose partial `node` holds
           // The used slots of t with a row (pairs: the slot's; dedup: its token row's), in
           // (destination rank, k) order.
           int64_t n = 0;
@@ -181,9 +185,21 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
               std::memcpy(part.data(), bp + mp[t * C + d] * BW, H * sizeof(float));
             else
               partial_of(part.data(), H, rows.data(), w.data(), cnt, weighted);
-            for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
+            if (G == 1) {
+              for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
+            } else {  // N_n = +0.0 + P_d + ..., added to the total when the next node opens
+              if (d / G != open_node) {
+                if (open_node >= 0)
+                  for (int64_t h = 0; h < H; ++h) total[h] = total[h] + node[h];
+                std::fill(node.begin(), node.end(), 0.0f);
+                open_node = d / G;
+              }
+              for (int64_t h = 0; h < H; ++h) node[h] = node[h] + part[h];
+            }
             i = j;
           }
+          if (open_node >= 0)
+            for (int64_t h = 0; h < H; ++h) total[h] = total[h] + node[h];
           O* orow = op + t * H;
           for (int64_t h = 0; h < H; ++h) orow[h] = narrow<O>(total[h]);
         }

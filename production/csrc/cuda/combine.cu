@@ -80,11 +80,13 @@ __global__ void gather_dedup_kernel(const T* yp, const int64_t* mp, const float*
 // Source side, one block per token: its slots with a row in (destination rank, k) order, a
 // partial per rank (pairs: from each slot's row; dedup: the token row's n raw rows when
 // n <= per, else its float32 partial's bits), the partials added over d ascending. dedup: back
-// rows of BW = per * H elements of Bt, ip the kept routing.
+// rows of BW = per * H elements of Bt, ip the kept routing. G = ranks_per_node > 1: the partials
+// of a node's ranks are added into its node partial first, the node partials over nodes
+// ascending (cpu/combine.cpp; G = 1 is the plain sum over d, bit for bit).
 template <typename O, typename Bt, int V>
 __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip, const float* wp,
                               O* op, int64_t C, int64_t K, int64_t H, int64_t L, int64_t S,
-                              int64_t E, bool dedup, bool weighted) {
+                              int64_t E, bool dedup, bool weighted, int64_t G) {
   extern __shared__ int64_t sh[];  // ord [K] | rank [K]
   __shared__ int64_t nslots;
   constexpr int64_t per = 4 / static_cast<int64_t>(sizeof(Bt));
@@ -110,9 +112,10 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
   __syncthreads();
   const int64_t step = static_cast<int64_t>(blockDim.x) * V;
   for (int64_t h = static_cast<int64_t>(threadIdx.x) * V; h < H; h += step) {
-    float total[V];
+    float total[V], node[V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) total[i] = 0.0f;
+    for (int i = 0; i < V; ++i) total[i] = node[i] = 0.0f;
+    int64_t open_node = -1;  // G > 1: the node whose partial `node` holds
     for (int64_t s = 0; s < nslots;) {  // one destination rank d at a time
       const int64_t d = rk[s];
       int64_t cnt = 0;
@@ -138,9 +141,27 @@ __global__ void reduce_kernel(const Bt* bp, const int64_t* mp, const int64_t* ip
           }
         }
       }
+      if (G == 1) {
 #pragma unroll
-      for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+        for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], part[i]);
+      } else {  // N_n = +0.0 + P_d + ..., added to the total when the next node opens
+        if (d / G != open_node) {
+          if (open_node >= 0) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], node[i]);
+          }
+#pragma unroll
+          for (int i = 0; i < V; ++i) node[i] = 0.0f;
+          open_node = d / G;
+        }
+#pragma unroll
+        for (int i = 0; i < V; ++i) node[i] = __fadd_rn(node[i], part[i]);
+      }
       s += cnt;
+    }
+    if (open_node >= 0) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) total[i] = __fadd_rn(total[i], node[i]);
     }
     narrow_store<O, V>(op + t * H + h, total);
   }
@@ -187,9 +208,9 @@ Tensor gather_rows_cuda(const Tensor& y_in, const Tensor& recv_map_in, const Ten
 
 Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
-                          bool weighted, at::ScalarType out_dtype) {
+                          bool weighted, at::ScalarType out_dtype, int64_t G) {
   check_reduce_tokens_args(back_in, send_map_in, topk_idx, topk_weights, E, R, transport, weighted,
-                           out_dtype);
+                           out_dtype, G);
   const c10::cuda::CUDAGuard guard(back_in.device());
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
@@ -219,7 +240,7 @@ Tensor reduce_tokens_cuda(const Tensor& back_in, const Tensor& send_map_in, cons
         kernel<<<T, kThreads, smem, stream()>>>(
             reinterpret_cast<const Bt*>(back.data_ptr()), send_map.data_ptr<int64_t>(),
             idx.data_ptr<int64_t>(), wp, reinterpret_cast<O*>(out.data_ptr()), C, K, H, L, S, E,
-            dedup, weighted);
+            dedup, weighted, G);
       };
       if (V == 8) launch(reduce_kernel<O, Bt, 8>);
       else if (V == 4) launch(reduce_kernel<O, Bt, 4>);

@@ -1,0 +1,578 @@
+"""``transport="hier"`` over torch.distributed: node-aware dispatch and combine, two stages.
+
+The wire format and the plan are the reference's (``epkit.reference.hier``, docs/design.md):
+``G = ranks_per_node`` consecutive ranks make a node, ``N = R / G`` nodes. Stage 1 moves a
+token row once per destination node with a kept slot, to the *forwarder* ``f(s, n) = n G +
+s % G`` (an exchange inside the *inter-node subgroup* of the ranks sharing s's local index);
+stage 2 fans it out inside the node (an exchange inside the *intra-node subgroup*). Each stage
+moves two sections, token rows then slot rows, each one ``epkit.collectives.all_to_all`` of
+its own rows:
+
+    stage 1, s -> f:  payload | int32 t | int32 n      and n slot rows (k << 24 | j_node, w)
+    stage 2, f -> d:  payload | int32 s | int32 t | int32 n   and n slot rows (k << 24 | j, w)
+
+The destination sorts its stage-2 rows by (s, t) into dedup's receive layout and runs the
+dedup unpack on the dispatch's dedup plan: its expert-major result, ``recv_map`` and the whole
+expert side of combine and the backward passes are dedup's own kernels. The way back returns,
+per token row with n kept slots, its n rows when ``n <= u = 4 / itemsize`` else a float32
+partial: d -> f the rank partial ``P_d`` (``gather_rows``), f -> s the node partial ``N_n``,
+which the forwarder forms with ``reduce_tokens`` keyed by the node's ranks; the source adds the
+node partials with ``reduce_tokens`` keyed by nodes. Raw rows returned to the source (at most
+``u <= 2`` of them) are summed there in k order, which equals the grouped order: a sum of two
+terms from +0.0 does not depend on their order.
+
+Plan: after the dispatch's count exchange (the dedup plan, which raises every input error on
+every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
+kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
+node), and every rank derives every stage's counts and the exchange variant with
+``reference.hier.plan`` (the same arithmetic as the spec, so the same variant and the same
+EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
+cached (:func:`topology`). Not supported (refused in the call header, HIER_UNSUPPORTED): the
+lazy and static exchanges, a payload, torch.compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from epkit import ops
+from epkit.agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
+from epkit.collectives import all_gather, all_to_all, dtype_code, group_name, small_device
+from epkit.reference import abi
+from epkit.reference import hier as spec
+from epkit.reference.errors import Reason
+
+C = ops.C
+DEDUP = ops.DEDUP
+K_SHIFT = abi.SLOT_K_SHIFT
+J_MASK = abi.DEDUP_MAX_LOCAL - 1
+
+
+# ---- nodes and subgroups ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sub:
+    """One subgroup this rank is in: its ranks (numbered in the parent group, ascending) and
+    how its exchange runs: ``group`` its own process group, or ``None`` for a single rank (a
+    local copy); ``parent`` set when the subgroup has no process group of its own and its
+    exchange runs on the parent with empty chunks outside the subgroup (:func:`topology`)."""
+
+    ranks: tuple
+    group: Optional[dist.ProcessGroup]
+    parent: Optional[dist.ProcessGroup] = None
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank ``me`` of a group of ``R`` ranks, ``G`` a node, and its two subgroups."""
+
+    R: int
+    G: int
+    me: int
+    inter: Sub   # stage 1: the ranks with my local index, node ascending
+    intra: Sub   # stage 2: my node's ranks
+
+    @property
+    def N(self) -> int:
+        return self.R // self.G
+
+
+_TOPOLOGIES: dict = {}  # (group name, G) -> (process groups of every subgroup, in order)
+
+
+def _subgroup_sets(R: int, G: int) -> list:
+    """Every subgroup, in the order every rank creates them: the inter-node ones by local
+    index, then the intra-node ones by node."""
+    return ([("inter", tuple(range(i, R, G))) for i in range(G)]
+            + [("intra", tuple(range(n * G, n * G + G))) for n in range(R // G)])
+
+
+def _process_groups(group, G: int) -> dict:
+    """The process group of every subgroup of ``group`` (created once per (group, G)).
+
+    ``group`` spans the whole job: ``dist.new_group`` on every rank for every subgroup, in the
+    same order (a subgroup of one rank, or equal to ``group``, needs none). Otherwise
+    ``new_group`` is out of reach (it needs every process of the job, and the locally
+    synchronised form names groups by each process's own group count), so the subgroups run
+    on ``group`` itself (:class:`Sub`'s ``parent``): the same bytes, a collective of the
+    whole group."""
+    key = (group.group_name, G)
+    if key not in _TOPOLOGIES:
+        R = dist.get_world_size(group)
+        whole = R == dist.get_world_size()
+        glob = dist.get_process_group_ranks(group)
+        made = {}
+        for _, ranks in _subgroup_sets(R, G):
+            if len(ranks) == 1:
+                made[ranks] = Sub(ranks, None)
+            elif len(ranks) == R:
+                made[ranks] = Sub(ranks, group)
+            elif whole:
+                pg = dist.new_group([glob[r] for r in ranks], backend=str(dist.get_backend(group)))
+                made[ranks] = Sub(ranks, pg)
+            else:
+                made[ranks] = Sub(ranks, None, parent=group)
+        _TOPOLOGIES[key] = made
+    return _TOPOLOGIES[key]
+
+
+def topology(group, G: int) -> Topology:
+    """This rank's two subgroups of ``group`` for ``G`` ranks a node."""
+    R, me = dist.get_world_size(group), dist.get_rank(group)
+    made = _process_groups(group, G)
+    mine = {kind: made[ranks] for kind, ranks in _subgroup_sets(R, G) if me in ranks}
+    return Topology(R, G, me, mine["inter"], mine["intra"])
+
+
+# ---- moving rows inside a subgroup -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Section:
+    """One exchange of the plan: ``counts [R, R]`` (rows a sends b; zero outside a's subgroup)
+    inside ``sub`` under ``variant``."""
+
+    counts: np.ndarray
+    sub: Sub
+    variant: str
+
+    def send(self, me: int) -> list:
+        return [int(self.counts[me, p]) for p in self.sub.ranks]
+
+    def recv(self, me: int) -> list:
+        return [int(self.counts[p, me]) for p in self.sub.ranks]
+
+    @property
+    def chunk(self) -> int:
+        """The padded chunk (the largest count inside the subgroup), or the equal count."""
+        r = list(self.sub.ranks)
+        return int(self.counts[np.ix_(r, r)].max(initial=0))
+
+    def bytes_to(self, me: int, row_bytes: int) -> dict:
+        """Bytes this rank sends each peer (reference exchange_bytes: padded moves full chunks)."""
+        rows = ([self.chunk] * len(self.sub.ranks) if self.variant == "padded" else self.send(me))
+        return {p: n * row_bytes for p, n in zip(self.sub.ranks, rows)}
+
+
+def move(rows: torch.Tensor, sec: Section, me: int, what: str) -> torch.Tensor:
+    """All-to-all of ``rows [sum send, ...]`` (grouped by peer in subgroup order) along ``sec``;
+    returns ``[sum recv, ...]``, peers ascending."""
+    send, recv = sec.send(me), sec.recv(me)
+    if rows.shape[0] != sum(send):
+        raise RuntimeError(f"epkit.hier: {what}: {rows.shape[0]} rows, the plan says {sum(send)}")
+    what = f"epkit hier ({what})"
+    if sec.sub.parent is not None:
+        return _move_on_parent(rows, send, recv, sec, what)
+    if sec.sub.group is None:
+        return rows
+    return all_to_all(rows, send, recv, sec.sub.group, sec.variant, sec.chunk, what=what)
+
+
+def _move_on_parent(rows, send, recv, sec: Section, what: str) -> torch.Tensor:
+    """A subgroup's exchange as one ragged all-to-all of the parent group, chunks outside the
+    subgroup empty; padded and equal move their full chunks, as inside a subgroup."""
+    parent = sec.sub.parent
+    R = dist.get_world_size(parent)
+    sizes = (send, recv) if sec.variant == "ragged" else ([sec.chunk] * len(send),) * 2
+    if sec.variant != "ragged":                     # pad every chunk to the subgroup's chunk
+        buf = rows.new_zeros((len(send) * sec.chunk,) + tuple(rows.shape[1:]))
+        for i, part in enumerate(torch.split(rows, send)):
+            buf[i * sec.chunk:i * sec.chunk + part.shape[0]] = part
+        rows = buf
+    full = [[0] * R, [0] * R]
+    for i, p in enumerate(sec.sub.ranks):
+        full[0][p], full[1][p] = sizes[0][i], sizes[1][i]
+    got = all_to_all(rows, full[0], full[1], parent, "ragged", 0, what=what)
+    if sec.variant == "ragged":
+        return got
+    return torch.cat([got[i * sec.chunk:i * sec.chunk + n] for i, n in enumerate(recv)]
+                     + [got[:0]])
+
+
+def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor, sec: Section,
+               me: int, what: str) -> torch.Tensor:
+    """The way back: ``rows [n, u, H]``, of which row i sends its first ``units[i]``; returns
+    ``[m, u, H]`` (zeros past ``recv_units``), the received rows' units in place."""
+    u = rows.shape[1]
+    lane = torch.arange(u, device=rows.device)
+    got = move(rows[lane < units.unsqueeze(1)], sec, me, what)
+    out = rows.new_zeros((recv_units.shape[0], u, rows.shape[2]))
+    out[lane < recv_units.unsqueeze(1)] = got
+    return out
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
+    """This rank's ``3 R + 2 N`` words from its kept routing ``[T, K]`` int64 (-1: none):
+    tokens with >= 1 / >= 2 kept slots and kept slots, per rank; tokens with >= 1 / >= 2 per
+    node (``reference.hier.NodeCounts``, one row)."""
+    T = kept.shape[0]
+    at = torch.where(kept >= 0, kept // L, R)
+    n_td = torch.zeros((T, R + 1), dtype=torch.int64, device=kept.device).scatter_add_(
+        1, at, torch.ones_like(at))[:, :R]
+    n_tn = n_td.view(T, R // G, G).sum(2)
+    return torch.cat([(n_td >= 1).sum(0), (n_td >= 2).sum(0), n_td.sum(0),
+                      (n_tn >= 1).sum(0), (n_tn >= 2).sum(0)])
+
+
+def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str):
+    """The count exchange's hier all-gather, and ``reference.hier.plan`` on its result (raises
+    EQUAL_NONUNIFORM on every rank alike)."""
+    L, N = E // R, R // G
+    mine = _counts_of(kept, R, L, G).to(small_device(group))
+    got = mine.new_empty((R * mine.shape[0],))
+    all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
+    w = got.view(R, -1).cpu().numpy().astype(np.int64)
+    c = spec.NodeCounts(tokens=w[:, :R], multi=w[:, R:2 * R], slots=w[:, 2 * R:3 * R],
+                        node_tokens=w[:, 3 * R:3 * R + N], node_multi=w[:, 3 * R + N:])
+    # reference.hier.plan reads the group's ranks_per_node and exchange only
+    return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------
+
+@dataclass
+class HierState:
+    """What a hier dispatch keeps for combine and the backward passes (this rank's part).
+
+    Source: ``kept [T, K]`` int64 the kept routing, ``weights [T, K]`` float32 the routing
+    weights (detached); ``send1_map [T, N]`` int64 the stage-1 token row of (t, node) (-1:
+    none); ``rows1_t``, ``n1 [S1]`` int64 the token and kept slots (on the node) of each
+    stage-1 token row; ``slots1 [S1s]`` int64 ``t * K + k`` of each stage-1 slot row.
+    Forwarder: ``fan_map [A, G]`` int64 the stage-2 token row of (arrival, rank of the node),
+    ``fan_a [F]`` the arrival of each; ``fidx [A, K]`` int64 the arrival's slots as expert ids
+    on the node (-1: none), ``fw [A, K]`` float32 their weights; ``arr_n [A]`` its kept slots
+    on the node; ``fan_n [F]`` each stage-2 row's; ``order2 [As]`` int64 the arrival slot row of
+    each stage-2 slot row; ``raw_at``: where an arrival's raw rows lie (:func:`_raw_index`).
+    Destination: ``perm [N2]`` int64 the stage-2 row of each dedup-order row, ``to_dedup`` its
+    inverse, ``n2 [N2]`` kept slots of each stage-2 row, ``recv_map [N2, K]`` (dedup order).
+    """
+
+    topo: Topology
+    plan: object          # reference.hier.HierPlan
+    dedup_plan: torch.Tensor
+    E: int
+    kept: torch.Tensor
+    weights: torch.Tensor
+    group_name: str
+    send1_map: Optional[torch.Tensor] = None
+    rows1_t: Optional[torch.Tensor] = None
+    n1: Optional[torch.Tensor] = None
+    slots1: Optional[torch.Tensor] = None
+    fan_map: Optional[torch.Tensor] = None
+    fan_a: Optional[torch.Tensor] = None
+    fidx: Optional[torch.Tensor] = None
+    fw: Optional[torch.Tensor] = None
+    arr_n: Optional[torch.Tensor] = None
+    fan_n: Optional[torch.Tensor] = None
+    order2: Optional[torch.Tensor] = None
+    raw_at: tuple = ()
+    perm: Optional[torch.Tensor] = None
+    to_dedup: Optional[torch.Tensor] = None
+    n2: Optional[torch.Tensor] = None
+    recv_map: Optional[torch.Tensor] = None
+
+    def section(self, name: str, u: int = 0) -> Section:
+        """A section of the plan by name: ``s1_tok`` ... ``s2_slot``, ``back1``/``back2`` (the way
+        back's rows for ``u``), ``w1``/``w2`` (one weight gradient per kept slot, back)."""
+        p, t = self.plan, self.topo
+        counts = {"back1": lambda: p.back_rows(1, u), "back2": lambda: p.back_rows(2, u),
+                  "w1": lambda: p.s1_slot.T, "w2": lambda: p.s2_slot.T}.get(
+            name, lambda: getattr(p, name))()
+        return Section(counts, t.inter if name in ("s1_tok", "s1_slot", "back1", "w1")
+                       else t.intra, p.variant)
+
+
+def _reinterpret(t: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``t``'s bytes as ``dtype`` in ``shape`` (an empty tensor, whatever its strides, too)."""
+    if t.numel() == 0:
+        return t.new_empty(shape, dtype=dtype)
+    dense = t.storage_offset() == 0 and t.stride() == torch.empty(t.shape, device="meta").stride()
+    if not dense:  # a view of other bytes (a column slice, a one-row tensor's odd stride)
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return t.view(dtype).reshape(shape)
+
+
+def _int32_rows(*cols: torch.Tensor) -> torch.Tensor:
+    """int32 columns -> their little-endian bytes, uint8 ``[n, 4 * len(cols)]``."""
+    n = cols[0].shape[0]
+    return _reinterpret(torch.stack([c.to(torch.int32) for c in cols], 1), torch.uint8,
+                        (n, 4 * len(cols)))
+
+
+def _slot_rows(k: torch.Tensor, j: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Slot rows ``int32 (k << 24 | j) | float32 w`` (uint8 [n, 8]); k < 256 wraps to the
+    negative int32 of the same bits."""
+    code = (k << K_SHIFT) | j
+    code = torch.where(code >= 1 << 31, code - (1 << 32), code)
+    return _int32_rows(code, _reinterpret(w, torch.int32, w.shape))
+
+
+def _decode_slots(rows: torch.Tensor):
+    """Slot rows uint8 [n, 8] -> (k, j, w): int64, int64, float32 [n]."""
+    n = rows.shape[0]
+    code = _reinterpret(rows[:, :4], torch.int32, (n,)).to(torch.int64) & 0xFFFFFFFF
+    return code >> K_SHIFT, code & J_MASK, _reinterpret(rows[:, 4:8], torch.float32, (n,))
+
+
+def _meta(rows: torch.Tensor, at: int, n: int) -> torch.Tensor:
+    """``n`` int32 words from byte ``at`` of every row -> int64 [rows, n]."""
+    return _reinterpret(rows[:, at:at + 4 * n], torch.int32, (rows.shape[0], n)).to(torch.int64)
+
+
+def _stage1_send(payload, kept, w, N: int, GL: int):
+    """Source: (token rows [S1, P + 8], slot rows [S1s, 8], and the HierState fields
+    send1_map, rows1_t, n1, slots1), node ascending, then t, then k."""
+    T, K = kept.shape
+    dev = kept.device
+    node = torch.where(kept >= 0, kept // GL, N)
+    cnt = torch.zeros((T, N + 1), dtype=torch.int64, device=dev).scatter_add_(
+        1, node, torch.ones_like(node))[:, :N]
+    nn_, tt = (cnt > 0).t().nonzero(as_tuple=True)                    # (node, t) order
+    send1_map = torch.full((T, N), -1, dtype=torch.int64, device=dev)
+    send1_map[tt, nn_] = torch.arange(tt.numel(), device=dev)
+    tok = torch.cat([payload[tt], _int32_rows(tt, cnt[tt, nn_])], 1)
+    flat = node.reshape(-1)
+    key = flat * (T * K) + torch.arange(T * K, device=dev)
+    slots1 = torch.argsort(key)[:int((flat < N).sum())]                # (node, t, k) order
+    e, n = kept.reshape(-1)[slots1], flat[slots1]
+    slot = _slot_rows(slots1 % K, e - n * GL, w.reshape(-1)[slots1])
+    return tok, slot, dict(send1_map=send1_map, rows1_t=tt, n1=cnt[tt, nn_], slots1=slots1)
+
+
+def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int):
+    """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
+    arrival), and the maps of the way back (a dict of HierState fields)."""
+    dev = tok1.device
+    A = tok1.shape[0]
+    src = torch.repeat_interleave(torch.tensor(inter_ranks, device=dev),
+                                  torch.tensor(src_counts, device=dev), output_size=A)
+    meta = _meta(tok1, P, 2)
+    arr_t, arr_n = meta[:, 0], meta[:, 1]
+    if int(arr_n.sum()) != slot1.shape[0]:
+        raise RuntimeError("epkit.hier: stage-1 token rows do not claim every slot row")
+    k, jn, w = _decode_slots(slot1)
+    sa = torch.repeat_interleave(torch.arange(A, device=dev), arr_n, output_size=slot1.shape[0])
+    dl = jn // L
+    fidx = torch.full((A, K), -1, dtype=torch.int64, device=dev)
+    fidx[sa, k] = jn
+    fw = torch.zeros((A, K), dtype=torch.float32, device=dev)
+    fw[sa, k] = w
+    n_ad = torch.zeros((A, G), dtype=torch.int64, device=dev).index_put_(
+        (sa, dl), torch.ones_like(sa), accumulate=True)
+    fd, fa = (n_ad > 0).t().nonzero(as_tuple=True)                     # (rank, arrival) order
+    fan_map = torch.full((A, G), -1, dtype=torch.int64, device=dev)
+    fan_map[fa, fd] = torch.arange(fa.numel(), device=dev)
+    fan_n = n_ad[fa, fd]
+    tok2 = torch.cat([tok1[fa, :P], _int32_rows(src[fa], arr_t[fa], fan_n)], 1)
+    order2 = torch.argsort(dl * max(slot1.shape[0], 1) + torch.arange(slot1.shape[0], device=dev))
+    slot2 = _slot_rows(k[order2], jn[order2] % L, w[order2])
+    st = dict(fan_map=fan_map, fan_a=fa, fidx=fidx, fw=fw, arr_n=arr_n, fan_n=fan_n, order2=order2,
+              raw_at=_raw_index(sa, fan_map[sa, dl], arr_n, fan_n, order2))
+    return tok2, slot2, st
+
+
+def _raw_index(sa, fan_row, arr_n, fan_n, order2):
+    """Where each arrival slot's row lies on the way back: ``(arrival, i)`` its place in the
+    arrival's return (k ascending), ``(fan row, q)`` its place in the stage-2 return (the fan
+    row's slots, k ascending)."""
+    dev = sa.device
+    i = torch.arange(sa.numel(), device=dev) - (torch.cumsum(arr_n, 0) - arr_n)[sa]
+    q = torch.empty_like(i)
+    start = torch.cumsum(fan_n, 0) - fan_n
+    fr2 = torch.repeat_interleave(torch.arange(fan_n.numel(), device=dev), fan_n,
+                                  output_size=order2.numel())
+    q[order2] = torch.arange(order2.numel(), device=dev) - start[fr2]
+    return sa, i, fan_row, q
+
+
+def _receive(tok2, slot2, R: int, P: int):
+    """Destination: stage-2 rows -> dedup's receive buffer (chunks by source s ascending, token
+    rows by t, then their slot rows) and (perm, to_dedup, n2)."""
+    dev = tok2.device
+    meta = _meta(tok2, P, 3)
+    s, t, n2 = meta[:, 0], meta[:, 1], meta[:, 2]
+    if int(n2.sum()) != slot2.shape[0]:
+        raise RuntimeError("epkit.hier: stage-2 token rows do not claim every slot row")
+    perm = torch.argsort(s * (1 << 32) + t)
+    to_dedup = torch.empty_like(perm)
+    to_dedup[perm] = torch.arange(perm.numel(), device=dev)
+    ns = n2[perm]
+    first = (torch.cumsum(n2, 0) - n2)[perm]
+    at = torch.repeat_interleave(first - (torch.cumsum(ns, 0) - ns), ns,
+                                 output_size=slot2.shape[0])
+    slots = slot2[at + torch.arange(slot2.shape[0], device=dev)]
+    tok = torch.cat([tok2[perm, :P], tok2[perm, P + 4:P + 12]], 1)   # payload | t | n
+    rows_of = torch.bincount(s, minlength=R).tolist()
+    slots_of = torch.zeros(R, dtype=torch.int64, device=dev).index_add_(0, s, n2).tolist()
+    parts = [p for a, b in zip(torch.split(tok, rows_of), torch.split(slots, slots_of))
+             for p in (a.reshape(-1), b.reshape(-1))]
+    buf = torch.cat(parts) if parts else tok.new_zeros((0,))
+    return buf, perm, to_dedup, n2
+
+
+def _dispatch_bytes(st: HierState, P: int) -> torch.Tensor:
+    """``[R]`` int64: bytes this rank sends each peer over both stages (diagonal included)."""
+    out = [0] * st.topo.R
+    for name, row in (("s1_tok", P + abi.DEDUP_TOKEN_META_BYTES), ("s1_slot", abi.SLOT_ROW_BYTES),
+                      ("s2_tok", P + abi.HIER_TOKEN_META_BYTES), ("s2_slot", abi.SLOT_ROW_BYTES)):
+        for peer, b in st.section(name).bytes_to(st.topo.me, row).items():
+            out[peer] += b
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
+    """Both stages and the unpack: ``(expert_x, row_src, row_weight, recv_map)``."""
+    t, me = st.topo, st.topo.me
+    K, L = st.kept.shape[1], st.E // t.R
+    P = x.shape[1] * x.element_size()
+    payload = _reinterpret(x, torch.uint8, (x.shape[0], P))
+    tok1, slot1, fields = _stage1_send(payload, st.kept, w, t.N, t.G * L)
+    for name, v in fields.items():
+        setattr(st, name, v)
+    tok1 = move(tok1, st.section("s1_tok"), me, "stage 1 token rows")
+    slot1 = move(slot1, st.section("s1_slot"), me, "stage 1 slot rows")
+    tok2, slot2, fields = _forward(tok1, slot1, st.section("s1_tok").recv(me), t.inter.ranks,
+                                   t.G, L, K, P)
+    for name, v in fields.items():
+        setattr(st, name, v)
+    tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
+    slot2 = move(slot2, st.section("s2_slot"), me, "stage 2 slot rows")
+    buf, st.perm, st.to_dedup, st.n2 = _receive(tok2, slot2, t.R, P)
+    hp = ops.host_plan(st.dedup_plan)
+    N, M = int(hp[ops.RECV_ROWS]), int(hp[ops.EXPERT_ROWS])
+    out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M)
+    st.recv_map = out[3]
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    """x, topk_weights -> expert_x, row_weight (differentiable), row_src, recv_map."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, st):
+        expert_x, row_src, row_weight, recv_map = _dispatch_forward(st, x, topk_weights.detach())
+        ctx.st, ctx.x_dtype = st, x.dtype
+        ctx.mark_non_differentiable(row_src, recv_map)
+        return expert_x, row_weight, row_src, recv_map
+
+    @staticmethod
+    def backward(ctx, grad_expert_x, grad_row_weight, *_):
+        st = ctx.st
+        ops._agree_backward(st.group_name, DISPATCH_BACKWARD, grad_expert_x,
+                            "epkit.dispatch backward (hier)")
+        grad_x = reduce_back(st, grad_expert_x.contiguous(), None, False, ctx.x_dtype)
+        return grad_x, weight_grads_back(st, grad_row_weight), None
+
+
+def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
+    """``Dispatcher.dispatch`` for ``transport="hier"`` (the call header agreed already):
+    the count exchange (the dedup plan: every input error raises here), the hier counts, both
+    stages. Returns an :class:`epkit.Dispatch`."""
+    group = cfg.group
+    R, rank = dist.get_world_size(group), dist.get_rank(group)
+    E, align = int(cfg.num_experts), int(cfg.align)
+    cap = -1 if cfg.capacity is None else int(cfg.capacity)
+    factor = -1.0 if cfg.capacity_factor is None else float(cfg.capacity_factor)
+    code, a, b = local
+    ok = code == Reason.OK
+    pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None)), -1]
+    words = C.prepare(x, topk_idx, topk_weights, E, R, pre_error, 0)
+    gname = group_name(group)
+    plan = ops.count_exchange(words, gname, rank, E, align, cap, DEDUP,
+                              abi.EXCHANGE_CODES["ragged"], -1, None, factor,
+                              topk_idx if ok else None, G)
+    kept = ops.kept_routing(topk_idx, plan)
+    topo = topology(group, G)
+    hplan = gather_plan(kept, group, R, E, G, cfg.exchange)
+    st = HierState(topo, hplan, plan, E, kept, topk_weights.detach(), gname)
+    expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
+    P = x.shape[1] * x.element_size()
+    return cfg._result(seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
+                       st.send1_map, recv_map, hier=st, bytes_sent=_dispatch_bytes(st, P))
+
+
+# ---- the way back: combine, dispatch backward --------------------------------------------------
+
+def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out_dtype):
+    """Combine (``ys`` = expert_y, weighted or not) or dispatch backward (``ys`` = gradient
+    rows, unweighted) back over both stages: ``[T, H]`` in ``out_dtype``."""
+    t, me, H = st.topo, st.topo.me, ys.shape[1]
+    u = 4 // ys.element_size()
+    w = row_weight if row_weight is not None else ys.new_zeros((0,), dtype=torch.float32)
+    rows = C.gather_rows(ys, st.recv_map, w, DEDUP, weighted)        # [N2, H] f32, dedup order
+    r2 = _reinterpret(rows[st.to_dedup], ys.dtype, (rows.shape[0], u, H))
+    got2 = move_units(r2, st.n2.clamp(max=u), st.fan_n.clamp(max=u), st.section("back2", u), me,
+                      "stage 2 back")
+    back2 = got2.reshape(-1, u * H)
+    node = C.reduce_tokens(back2, st.fan_map, st.fidx, st.fw, t.G * (st.E // t.R), t.G, DEDUP,
+                           weighted, torch.float32, 1)               # N_n per arrival
+    r1 = _reinterpret(node, ys.dtype, (node.shape[0], u, H)).clone()
+    sa, i, fr, q = st.raw_at
+    raw = st.arr_n[sa] <= u                                          # the node's rows themselves
+    r1[sa[raw], i[raw]] = got2[fr[raw], q[raw]]
+    got1 = move_units(r1, st.arr_n.clamp(max=u), st.n1.clamp(max=u), st.section("back1", u), me,
+                      "stage 1 back")
+    return C.reduce_tokens(got1.reshape(-1, u * H), st.send1_map, st.kept,
+                           _weights(st, weighted), st.E, t.N, DEDUP, weighted, out_dtype, 1)
+
+
+def _weights(st: HierState, weighted: bool) -> torch.Tensor:
+    """The source's routing weights ``[T, K]`` float32 for reduce_tokens (unread unweighted)."""
+    return st.weights if weighted else st.weights.new_zeros((0,))
+
+
+def weight_grads_back(st: HierState, grad_row_weight) -> torch.Tensor:
+    """The routing weights' gradient ``[T, K]`` float32: one float32 per kept slot back over
+    both stages, in slot-row order (zeros for dropped and unused slots)."""
+    T, K = st.kept.shape
+    if grad_row_weight is None:
+        return torch.zeros((T, K), dtype=torch.float32, device=st.kept.device)
+    me = st.topo.me
+    vals = C.gather_slot_values(grad_row_weight.contiguous(), st.recv_map)[st.to_dedup]
+    got2 = move(vals[st.recv_map[st.to_dedup] >= 0], st.section("w2"), me, "weight gradients 2")
+    arrival = torch.empty_like(got2)
+    arrival[st.order2] = got2
+    got1 = move(arrival, st.section("w1"), me, "weight gradients 1")
+    gw = torch.zeros(T * K, dtype=torch.float32, device=got1.device)
+    gw[st.slots1] = got1
+    return gw.view(T, K)
+
+
+def combine_backward(st: HierState, grad_out, expert_y, row_weight, weighted: bool):
+    """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``: grad_out rows travel
+    the dispatch's way (one per token row of each stage), the expert side is dedup's."""
+    me = st.topo.me
+    got1 = move(grad_out[st.rows1_t], st.section("s1_tok"), me, "combine backward 1")
+    got2 = move(got1[st.fan_a], st.section("s2_tok"), me, "combine backward 2")
+    return C.combine_backward_dest(got2[st.perm].contiguous(), st.recv_map, row_weight,
+                                   expert_y.contiguous(), weighted)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_y, row_weight, st, weighted, out_dtype):
+        ctx.st, ctx.weighted = st, weighted
+        ctx.save_for_backward(expert_y, row_weight)
+        return reduce_back(st, expert_y.contiguous(), row_weight.detach(), weighted, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        expert_y, row_weight = ctx.saved_tensors
+        st = ctx.st
+        ops._agree_backward(st.group_name, COMBINE_BACKWARD, grad_out,
+                            "epkit.combine backward (hier)")
+        gy, gw = combine_backward(st, grad_out.contiguous(), expert_y, row_weight.detach(),
+                                  ctx.weighted)
+        return gy, (gw if ctx.weighted else None), None, None, None
+
+
+def combine(expert_y: torch.Tensor, d, weighted: bool) -> torch.Tensor:
+    """``Dispatcher.combine`` for a hier Dispatch (the call header agreed already)."""
+    return _Combine.apply(expert_y, d.row_weight, d._hier, weighted, d._x_dtype)
