@@ -438,6 +438,8 @@ def _progress_bar(total: int, off: bool):
 
 
 def main(argv=None) -> int:
+    """Parse, build the extension outside the timed groups, run the groups with a progress bar
+    and each table printed as it finishes, then the figures of merit, JSON and plot."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     started = time.monotonic()
     os.environ.update(ALLOC_ENV[args.alloc])  # read by glibc / torch when each rank starts
@@ -446,6 +448,40 @@ def main(argv=None) -> int:
     info = machine_info()
     info["alloc"] = {"mode": args.alloc, **{k: os.environ[k] for k in ALLOC_VARS
                                             if k in os.environ}}
+    groups = _groups(args)
+    print(f"epkit bench: {args.world_size} ranks (gloo, {args.threads} thread(s) each, "
+          f"{info['cores']} cores, alloc {args.alloc}), {args.tokens} tokens/rank, "
+          f"hidden {args.hidden}, "
+          f"top-{args.topk} of {args.experts} experts, {args.dtype}, forward + backward; "
+          f"median of {args.iters} iterations after {args.warmup} warm-up", flush=True)
+    from .bench_group import progress_units
+
+    bar = _progress_bar(sum(progress_units(c) for _, c in groups), args.no_progress)
+    deadline = max(120.0, 4 * args.timeout)
+    try:
+        runs = [run_group(w, c, deadline, _reporter(args, bar)) for w, c in groups]
+    finally:
+        bar.close()
+    results = _results(args, info, runs)
+    print("\nfigures of merit:")
+    print("\n".join(target_lines(results)))
+    info["loadavg_end"] = list(os.getloadavg())
+    results["seconds"] = time.monotonic() - started
+    print(f"\n{results['seconds']:.1f} s; load average {info['loadavg_start'][0]:.2f} at start, "
+          f"{info['loadavg_end'][0]:.2f} at the end")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, results, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _groups(args) -> list:
+    """``[(world size, config)]``: the default workload, and with ``--plot`` the world-size
+    sweep (the token sweep rides in the first group's ``token_list``)."""
     cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
                timeout=args.timeout, methods=tuple(args.methods), tokens=args.tokens,
@@ -455,19 +491,16 @@ def main(argv=None) -> int:
                ([1] if args.quick else sorted({1, os.cpu_count() or 1})))
     if args.plot:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
-    deadline = max(120.0, 4 * args.timeout)
-    print(f"epkit bench: {args.world_size} ranks (gloo, {args.threads} thread(s) each, "
-          f"{info['cores']} cores, alloc {args.alloc}), {args.tokens} tokens/rank, "
-          f"hidden {args.hidden}, "
-          f"top-{args.topk} of {args.experts} experts, {args.dtype}, forward + backward; "
-          f"median of {args.iters} iterations after {args.warmup} warm-up", flush=True)
     groups = [(args.world_size, cfg)]
     if args.plot:
         groups += [(w, dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
                             kernel_threads=[])) for w in args.sweep_world if w != args.world_size]
-    from .bench_group import progress_units
+    return groups
 
-    bar = _progress_bar(sum(progress_units(c) for _, c in groups), args.no_progress)
+
+def _reporter(args, bar):
+    """``on_message(kind, payload)`` for :func:`run_group`: progress to the bar, each finished
+    part's table printed above it (the first workload table with the bytes it is rated by)."""
     first = []
 
     def on_message(kind, payload):
@@ -489,17 +522,17 @@ def main(argv=None) -> int:
         bar.write("\n" + text, file=sys.stdout)
         sys.stdout.flush()
 
-    try:
-        runs = [run_group(w, c, deadline, on_message) for w, c in groups]
-    finally:
-        bar.close()
+    return on_message
+
+
+def _results(args, info, runs) -> dict:
+    """The JSON: machine, configuration, every row, the figures of merit (from the first
+    group's default workload), overlap, profile, kernel rows and the targets."""
     main_run = runs[0]
     workloads = [wl for run in runs for wl in run["workloads"]]
     rows = [r for wl in workloads for r in table_rows(wl)]
-    head = table_rows(workloads[0])
-    figures = ratios(head)
     results = {"machine": info, "config": {k: v for k, v in vars(args).items()},
-               "rows": rows, **figures}
+               "rows": rows, **ratios(table_rows(workloads[0]))}
     for key in ("overlap", "profile"):
         if key in main_run:
             results[key] = main_run[key]
@@ -512,20 +545,7 @@ def main(argv=None) -> int:
             if packs:
                 results[key] = packs[0]
     results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}
-    print("\nfigures of merit:")
-    print("\n".join(target_lines(results)))
-    info["loadavg_end"] = list(os.getloadavg())
-    results["seconds"] = time.monotonic() - started
-    print(f"\n{results['seconds']:.1f} s; load average {info['loadavg_start'][0]:.2f} at start, "
-          f"{info['loadavg_end'][0]:.2f} at the end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(args.plot, results, args)
-        print(f"wrote {args.plot}")
-    return 0
+    return results
 
 
 if __name__ == "__main__":
