@@ -4,7 +4,7 @@
 ``epkit.reference`` (pure NumPy, the spec) never pulls torch in.
 """
 
-from epkit._version import __version__
+from ._version import __version__
 from epkit.reference.errors import InputError
 
 # name -> module that defines it; resolved on first access (PEP 562).

@@ -20,13 +20,13 @@ import math
 import operator
 import os
 
-from epkit import lazy, ops, payloads
-from epkit.payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
-from epkit.payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-from epkit.agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, header,
+from . import lazy, ops, payloads
+from .payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
+from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from .agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, header,
                          serial, tensor_error)
-from epkit.collectives import CODES as EXCHANGE_CODES
-from epkit.collectives import dtype_code, group_name, is_group, resolve_group
+from .collectives import CODES as EXCHANGE_CODES
+from .collectives import dtype_code, group_name, is_group, resolve_group
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
 from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError,
@@ -321,7 +321,7 @@ class Dispatcher:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
         G = int(self.resolved_ranks_per_node()) if code == Reason.OK else 1
         if self.transport == "hier":
-            from epkit import hier
+            from . import hier
             return hier.dispatch(self, seq, x, topk_idx, topk_weights, local, G)
         static = self.exchange == "static"  # every rank takes the same path, bad input or not
         pl = payloads.of(self.payload)  # the None entry for a bad name (its error travels)
@@ -448,7 +448,7 @@ class Dispatcher:
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
         cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines
         if cfg.transport == "hier":
-            from epkit import hier
+            from . import hier
             return hier.combine(expert_y, d, bool(weighted))
         transport = ops.TRANSPORTS[cfg.transport]
         if cfg.exchange == "lazy":

@@ -216,7 +216,7 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
     Returns:
         ``[sum(recv_counts), ...]``: rows from source ranks in ascending order.
     """
-    from epkit import agree  # agree builds on this module
+    from . import agree  # agree builds on this module
 
     bad_group = not is_group(group)  # reported over the default group, collectively
     group = resolve_group(group)
@@ -258,7 +258,7 @@ def dtype_code(dt) -> int:
 def _counts_error(x, send_counts, R: int, variant):
     """``(send_counts [R] int64, (code, a, b))``: this rank's local error, if any, and the counts
     to gather (zeros when they are unusable, so the gather keeps its size)."""
-    from epkit.agree import tensor_error  # agree builds on this module
+    from .agree import tensor_error  # agree builds on this module
 
     zeros = torch.zeros(R, dtype=torch.int64)
     bad = tensor_error(1, x)

@@ -72,8 +72,8 @@ def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, alig
     was dropped, so the plan is the same)."""
     import torch.distributed as dist
 
-    from epkit import ops
-    from epkit.collectives import all_gather
+    from . import ops
+    from .collectives import all_gather
     from epkit.reference import abi
     from epkit.reference.errors import error
 
@@ -134,7 +134,7 @@ def _status_word(device: torch.device) -> Optional[torch.Tensor]:
     extension has no CUDA kernels."""
     if device.type != "cuda":
         return None
-    from epkit import ops
+    from . import ops
 
     op = getattr(ops.C, "unpack_status_word", None)
     if op is None:
@@ -169,7 +169,7 @@ def check_static(dispatch_or_plan) -> None:
     then cleared). One host wait for both (it waits for the stream). A no-op on CPU. First,
     the call headers agreed on the device during CUDA-graph capture (epkit/agree.py) raise
     their error, if one has."""
-    from epkit import agree, ops
+    from . import agree, ops
     from epkit.reference.errors import error
 
     plan = getattr(dispatch_or_plan, "_plan", dispatch_or_plan)

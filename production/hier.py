@@ -41,9 +41,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epkit import ops
-from epkit.agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
-from epkit.collectives import all_gather, all_to_all, dtype_code, group_name, small_device
+from . import ops
+from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
+from .collectives import all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
 from epkit.reference import hier as spec
 from epkit.reference.errors import Reason

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import device, ops
+from . import device, ops
 from epkit.reference.abi import EXCHANGE_CODES
 
 C = ops.C

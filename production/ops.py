@@ -20,10 +20,10 @@ from typing import Optional
 
 import torch
 
-from epkit import _build
-from epkit.device import host_plan
-from epkit.agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
-from epkit.collectives import all_gather, all_to_all, dtype_code, group_from_name
+from . import _build
+from .device import host_plan
+from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
+from .collectives import all_gather, all_to_all, dtype_code, group_from_name
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
@@ -405,7 +405,7 @@ def _count_exchange(words, group_name, rank, num_experts, align, capacity, trans
 
     group = group_from_name(group_name)
     if words.is_cuda:
-        from epkit import device
+        from . import device
 
         if capacity_factor > 0:  # the gathered counts decide the capacity: read them once
             R = dist.get_world_size(group)

@@ -61,8 +61,8 @@ def check(impl, *, examples=20, contract="exact", world_size=2, seed=0, supports
 
     ``supports``: capability declarations as on the command line (``["capacity=no"]`` or a
     dict); ``modes``: fnmatch patterns over mode names. Returns the :class:`SuiteResult`."""
-    from epkit.verify.pool import Pool
-    from epkit.verify.runner import Suite, modes_of, select_modes
+    from .pool import Pool
+    from .runner import Suite, modes_of, select_modes
 
     if callable(impl) and not isinstance(impl, str):
         impl = f"{impl.__module__}:{impl.__qualname__}"
@@ -91,12 +91,12 @@ def replay(case, impl=None, mode="default", *, pool=None, timeout=60.0, referenc
 
     ``mode`` is a mode name of ``impl`` (or a :class:`ModeSpec`). Returns the
     :class:`Verdict`. A pool of ``case.world_size`` ranks is started unless one is given."""
-    from epkit.verify.adapters import load_factory
-    from epkit.verify.capabilities import resolve_capabilities
-    from epkit.verify.cases import ModeSpec
-    from epkit.verify.checks import check_case
-    from epkit.verify.pool import Pool
-    from epkit.verify.runner import DEFAULT_IMPL, modes_of
+    from .adapters import load_factory
+    from .capabilities import resolve_capabilities
+    from .cases import ModeSpec
+    from .checks import check_case
+    from .pool import Pool
+    from .runner import DEFAULT_IMPL, modes_of
 
     impl = impl or DEFAULT_IMPL
     if not isinstance(mode, ModeSpec):

@@ -3,8 +3,8 @@
 import os
 import sys
 
-from epkit.verify.cli import main
-from epkit.verify.pool import under_torchrun
+from .cli import main
+from .pool import under_torchrun
 
 if __name__ == "__main__":
     rc = main()

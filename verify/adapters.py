@@ -30,7 +30,7 @@ import os
 import sys
 
 from epkit.reference import payloads
-from epkit.verify.cases import ModeSpec
+from .cases import ModeSpec
 
 __all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_factory",
            "TRANSPORTS", "EXCHANGES", "PAYLOADS"]

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epkit.reference import payloads
-from epkit.verify.capabilities import Capabilities
-from epkit.verify.cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
+from .capabilities import Capabilities
+from .cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
 
 __all__ = ["CONTRACTS", "PROPERTIES", "Mismatch", "Verdict", "check_case", "compare_bitwise",
            "sum_bound", "ulps", "unit_roundoff", "weight_grad_tolerance"]

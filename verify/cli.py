@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
-    from epkit.verify.runner import DEFAULT_IMPL
+    from .runner import DEFAULT_IMPL
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     suite with a progress bar, print and write the results. Exit status: 0 all passed, 1 a
     property failed, 2 bad usage."""
     args = build_parser().parse_args(argv)
-    from epkit.verify.capabilities import parse_supports
-    from epkit.verify.runner import modes_of, select_modes
+    from .capabilities import parse_supports
+    from .runner import modes_of, select_modes
 
     try:
         parse_supports(args.supports)
@@ -115,7 +115,7 @@ def _runner(args):
     """``(group, exit status)``: the group the cases run on, a local Pool or this torchrun
     job; ``(None, 0)`` on a torchrun rank other than 0, once it has served rank 0's cases;
     ``(None, 2)`` for a backend that cannot run here."""
-    from epkit.verify.pool import Pool, TorchrunGroup, under_torchrun
+    from .pool import Pool, TorchrunGroup, under_torchrun
 
     if under_torchrun():
         runner = TorchrunGroup(args.backend, timeout=args.timeout)
@@ -132,7 +132,7 @@ def _runner(args):
 
 
 def _run_suite(args, modes, runner) -> int:
-    from epkit.verify.runner import Suite
+    from .runner import Suite
 
     bar = None
     if not args.no_progress:

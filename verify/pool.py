@@ -27,7 +27,7 @@ import time
 import weakref
 
 from epkit.tools.procs import NoMainImport, die_with_parent
-from epkit.verify.cases import Case, ModeSpec
+from .cases import Case, ModeSpec
 
 __all__ = ["Pool", "TorchrunGroup", "under_torchrun"]
 
@@ -49,7 +49,7 @@ class _Executor:
         self.adapters: dict = {}
 
     def execute(self, case: Case, impl: str, mode: ModeSpec) -> dict:
-        from epkit.verify.worker import make_adapter, run_rank
+        from .worker import make_adapter, run_rank
 
         key = (impl, mode, case.world_size, case.max_tokens if mode.static else None,
                case.ranks_per_node if mode.nodes else None)

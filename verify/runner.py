@@ -26,12 +26,12 @@ from xml.sax.saxutils import quoteattr
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from epkit.verify.adapters import load_factory
-from epkit.verify.capabilities import FEATURES, resolve_capabilities
-from epkit.verify.cases import ModeSpec
-from epkit.verify.checks import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
+from .adapters import load_factory
+from .capabilities import FEATURES, resolve_capabilities
+from .cases import ModeSpec
+from .checks import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
                                  Mismatch, Verdict, check_case, weaker)
-from epkit.verify.strategies import cases
+from .strategies import cases
 
 __all__ = ["DEFAULT_IMPL", "ModeResult", "Suite", "SuiteResult", "Tally", "modes_of",
            "select_modes"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from epkit.reference import payloads
-from epkit.verify.capabilities import WIDE_TOPK, Capabilities
-from epkit.verify.cases import FLOAT_DTYPES, Case, ModeSpec
+from .capabilities import WIDE_TOPK, Capabilities
+from .cases import FLOAT_DTYPES, Case, ModeSpec
 
 __all__ = ["cases"]
 

@@ -14,8 +14,8 @@ import traceback
 import numpy as np
 import torch
 
-from epkit.verify.adapters import load_factory
-from epkit.verify.cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
+from .adapters import load_factory
+from .cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
 
 __all__ = ["STAGES", "load_factory", "make_adapter", "run_rank", "to_numpy", "to_torch"]
 

@@ -13,8 +13,8 @@
 docs/usage.md walks through adopting them, from the layer down to the ops.
 """
 
-from epkit.nn.grouped import grouped_mm, grouped_mm_backend
-from epkit.nn.moe import (
+from .grouped import grouped_mm, grouped_mm_backend
+from .moe import (
     DenseMoE,
     ExpertParallelMoE,
     Router,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from epkit.nn.grouped import grouped_mm
+from .grouped import grouped_mm
 
 __all__ = [
     "Router", "SwiGLU", "SwiGLUExperts", "DenseMoE", "ExpertParallelMoE", "to_expert_parallel",
@@ -209,7 +209,7 @@ class _MoEBase(nn.Module):
     def __init__(self, hidden, ffn_hidden, num_experts, top_k, shared_expert, local_experts,
                  impl, payload, device, dtype, router_options, aux_loss_coef):
         super().__init__()
-        from epkit import payloads
+        from .. import payloads
 
         if payload is not None and payload not in payloads.NAMES:
             raise ValueError(f"epkit.nn: payload must be None or one of {payloads.NAMES}, got "
@@ -299,7 +299,7 @@ class DenseMoE(_MoEBase):
 
     def _round_trip(self, x2: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, H] float32 rounded through the payload, gradient straight through."""
-        from epkit import payloads
+        from .. import payloads
 
         return payloads.round_trip(payloads.TABLE[self.payload], x2)
 
@@ -368,7 +368,7 @@ class ExpertParallelMoE(_MoEBase):
                  expert_bias: bool = False, route_scale: float = 1.0,
                  aux_loss_coef: Optional[float] = None, capacity_factor: Optional[float] = None,
                  ranks_per_node: Optional[int] = None):
-        from epkit.collectives import resolve_group
+        from ..collectives import resolve_group
 
         group = resolve_group(group)
         R, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -20,8 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from epkit import ops
-from epkit.payloads import fp8_block128, mxfp8
+from .. import ops
+from . import fp8_block128, mxfp8
 from epkit.reference.abi import PAYLOAD_BLOCKS, PAYLOAD_CODES, payload_bytes
 
 __all__ = ["Payload", "TABLE", "NAMES", "of", "dispatch_quantized", "round_trip"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import ops
+from .. import ops
 from epkit.reference.abi import FP8_BLOCK128_BLOCK
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from epkit import ops
+from .. import ops
 from epkit.reference.abi import MXFP8_BLOCK
 
 
