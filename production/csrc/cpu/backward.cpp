@@ -15,23 +15,19 @@ typedef uint16_t V32h __attribute__((vector_size(64)));  // a V16u's halves, low
 
 // 16 consecutive values widened to float32 (bfloat16: its bits as the high half, a zero low
 // half: exact), one shuffle.
-inline V16f load16(const float* p) {
-  V16f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline V16f load16(const at::BFloat16* p) {
+inline void load16(const float* p, V16f& v) { std::memcpy(&v, p, sizeof(v)); }
+inline void load16(const at::BFloat16* p, V16f& v) {
   V16h h;
   std::memcpy(&h, p, sizeof(h));
   const V32h w = __builtin_shufflevector(V16h{}, h, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0,
                                          22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0,
                                          30, 0, 31);
-  return reinterpret_cast<V16f>(w);
+  v = reinterpret_cast<V16f>(w);
 }
 // 16 float32 stored narrowed: float32 as is; bfloat16 by narrow<BFloat16>'s rule, lane by lane
 // (NaN -> 0x7FC0, else round to nearest even: the high half of u + 0x7FFF + its last bit).
-inline void store16(float* p, V16f v) { std::memcpy(p, &v, sizeof(v)); }
-inline void store16(at::BFloat16* p, V16f v) {
+inline void store16(float* p, const V16f& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(at::BFloat16* p, const V16f& v) {
   const V16u u = reinterpret_cast<V16u>(v);
   const V16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // all ones where NaN
   const V16u sum = u + (((u >> 16) & 1u) + 0x7FFFu);
@@ -53,17 +49,21 @@ EPKIT_ROW_CLONES float weighted_row(const G* __restrict g, const Y* __restrict y
   const V16f wv = V16f{} + w;
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) {
-    const V16f gh = load16(g + h);
+    V16f gh, yh;
+    load16(g + h, gh);
+    load16(y + h, yh);
     store16(gy + h, wv * gh);
-    lane = lane + gh * load16(y + h);
+    lane = lane + gh * yh;
   }
+  float tail[16];
+  std::memcpy(tail, &lane, sizeof(tail));
   for (; h < H; ++h) {
     const float gh = widen(g[h]);
     gy[h] = narrow<Y>(w * gh);
-    lane[0] = lane[0] + gh * widen(y[h]);
+    tail[0] = tail[0] + gh * widen(y[h]);
   }
   float dot = 0.0f;
-  for (int i = 0; i < 16; ++i) dot = dot + lane[i];
+  for (int i = 0; i < 16; ++i) dot = dot + tail[i];
   return dot;
 }
 
