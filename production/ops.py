@@ -16,7 +16,7 @@ Two layers of ``torch.library`` ops, all in the ``epkit`` namespace:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -149,12 +149,12 @@ def _(x):
 
 
 @torch.library.register_fake("epkit::gather_slot_values")
-def _(values, recv_map):
-    return values.new_empty(recv_map.shape, dtype=torch.float32)
+def _(values, recv_map, first, out_rows):
+    return values.new_empty((out_rows,), dtype=torch.float32)
 
 
 @torch.library.register_fake("epkit::scatter_slot_values")
-def _(back, send_map, topk_idx, num_experts, num_ranks, transport):
+def _(back, send_map, topk_idx, first, num_experts, num_ranks, transport):
     return back.new_empty(topk_idx.shape, dtype=torch.float32)
 
 
@@ -302,6 +302,23 @@ def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, c
     return torch.where(i < u.unsqueeze(1), base.unsqueeze(1) + i, -1), per_chunk
 
 
+def _send_row_slots(kept_idx: torch.Tensor, send_map: torch.Tensor, L: int, S: int,
+                    pairs: bool = False) -> torch.Tensor:
+    """``[S] int64``: the kept slots of each send row, 0 for the rows ``send_map`` names not (a
+    static chunk's header). dedup: token row ``(t, d)``, the row ``send_map [T, R]`` names, with
+    the kept routing ``kept_idx [T, K]`` (dropped slots -1); ``pairs``: one slot per row that
+    ``send_map [T, K]`` names."""
+    if pairs:
+        n = (send_map >= 0).to(torch.int64)
+    else:
+        T, R = send_map.shape
+        kept = kept_idx >= 0
+        n = torch.zeros((T, R), dtype=torch.int64, device=kept.device).scatter_add_(
+            1, torch.where(kept, kept_idx // L, 0), kept.to(torch.int64))
+    return torch.zeros(S + 1, dtype=torch.int64, device=n.device).index_add_(
+        0, torch.where(send_map >= 0, send_map, S).reshape(-1), n.reshape(-1))[:S]
+
+
 def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Tensor,
                      send_map: torch.Tensor, kept_idx: torch.Tensor, plan: torch.Tensor,
                      group_name: str, async_op: bool, what: str):
@@ -322,13 +339,8 @@ def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Ten
     buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
                     rows.view(dtype).reshape(N * per, H))
     # source side: the rows each of its token rows gets back
-    T, S = send_map.shape[0], int(hp[SEND_ROWS])
-    kept = kept_idx >= 0
-    n = torch.zeros((T, R), dtype=torch.int64, device=kept.device).scatter_add_(
-        1, torch.where(kept, kept_idx // L, 0), kept.to(torch.int64))
-    u_td = torch.where(send_map >= 0, n.clamp(max=per), 0)
-    u_row = torch.zeros(S + 1, dtype=torch.int64, device=kept.device).index_add_(
-        0, torch.where(send_map >= 0, send_map, S).reshape(-1), u_td.reshape(-1))[:S]
+    S = int(hp[SEND_ROWS])
+    u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
     at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, per, chunk,
                                hdr)
     group = group_from_name(group_name)
@@ -368,6 +380,70 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
     if async_op:
         return lambda: (moved(), kept_idx)
     return moved, kept_idx
+
+
+# ---- the weight gradients' way back: one float32 per kept slot -------------------------------
+
+class SlotPlaces(NamedTuple):
+    """Where the weight gradients' way back puts each value (:func:`slot_places`).
+
+    first [N] int64: the place of received row n's first value in the expert side's buffer (-1:
+    none); rows: that buffer's length; first_src [S] int64: the place of send row r's first value
+    in what the source gets back; send / recv: rows to / from each peer; fixed: the chunks are
+    of one size (moved split-free)."""
+    first: torch.Tensor
+    rows: int
+    first_src: torch.Tensor
+    send: list
+    recv: list
+    fixed: bool
+
+
+def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.Tensor,
+                transport: int) -> SlotPlaces:
+    """The weight gradients' way back along the dispatch's slot section (pairs' rows, dedup's
+    slot rows), transposed: one float32 per kept slot, in slot-row order (dedup: a token row's n
+    values k ascending). Ragged: chunks of the plan's slot counts; padded and equal: the section's
+    chunk (its largest count); static: its ``1 + cap`` rows, the first a zero row; so pairs' own
+    chunks. Each side counts the values of its rows itself (the expert side its received rows'
+    kept slots, ``recv_map >= 0``; the source its kept routing's ``idx``): sizes from the host
+    plan ``hp``, places as device tensors, nothing read back."""
+    R, E, L, S = (int(hp[f]) for f in (RANKS, EXPERTS, LOCAL_EXPERTS, SEND_ROWS))
+    dedup = transport == DEDUP
+    variant = VARIANT_NAMES[int(hp[VARIANT])]
+    chunk = None if variant == "ragged" else int(hp[SLOT_CAP if dedup else TOK_CAP])
+    front = 1 if variant == "static" else 0
+    u = (recv_map >= 0).sum(1)
+    first, _ = _unit_positions(u, _row_chunks(hp, recv_map.shape[0], True).to(u.device), R, 1,
+                               chunk, front)
+    u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
+    first_src, _ = _unit_positions(u_src, _row_chunks(hp, S, False).to(u_src.device), R, 1,
+                                   chunk, front)
+    if chunk is None:
+        sl = plan_slices(R, E)
+        send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else
+                                                   ("recv_counts", "send_counts")))
+    else:
+        send = recv = [chunk] * R
+    return SlotPlaces(first.view(-1), sum(send), first_src.view(-1), send, recv,
+                      chunk is not None)
+
+
+def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
+                     idx: torch.Tensor, plan: torch.Tensor, group_name: str, transport: int,
+                     what: str) -> torch.Tensor:
+    """The weight gradients' way back (the gradient of ``row_weight``): ``values [M] float32``
+    on the expert side, one per expert-major row -> ``[T, K] float32`` on the source, 0 for
+    unused and dropped slots. ``idx [T, K]``: the source's routing (dedup: the kept routing,
+    :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels
+    (:func:`slot_places`; docs/design.md, wire format)."""
+    hp = host_plan(plan)
+    at = slot_places(hp, recv_map, send_map, idx, transport)
+    vals = C.gather_slot_values(values, recv_map, at.first, at.rows)
+    back = all_to_all(vals, at.send, at.recv, group_from_name(group_name),
+                      "equal" if at.fixed else "ragged", at.send[0] if at.fixed else 0, what=what)
+    return C.scatter_slot_values(back, send_map, idx, at.first_src, int(hp[EXPERTS]),
+                                 int(hp[RANKS]), transport)
 
 
 # ---- count exchange: the plan and the collective error --------------------------------------
@@ -572,10 +648,9 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
                              ranks_per_node(plan))
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-    vals = C.gather_slot_values(grad_row_weight.contiguous(), recv_map)
-    back_w = _move(vals, plan, group_name, reverse=True,
-                   what="epkit.dispatch backward (weight gradients)")
-    return grad_x, C.scatter_slot_values(back_w, send_map, topk_idx, E, R, transport)
+    return grad_x, move_slot_values(grad_row_weight.contiguous(), send_map, recv_map, idx, plan,
+                                    group_name, transport,
+                                    "epkit.dispatch backward (weight gradients)")
 
 
 @dispatch_tokens_backward.register_fake

@@ -60,10 +60,16 @@ The way back (combine, dispatch backward) is the exchange with the counts transp
            from the plan alone, never above pairs' chunk.
 
 Combine backward sends the gradient rows forward like a dispatch (pairs: one per kept slot;
-dedup: one per token row, no meta: the destination knows the layout), and when weighted the
-weight gradients back as float32 (pairs: 4 bytes per row; dedup: 4K bytes per token row). The
-gradient rows forward and the weight gradients back move one section (the pairs rows, the dedup
-token rows) with the dispatch's variant and that section's ``cap``.
+dedup: one per token row, no meta: the destination knows the layout), and when weighted (K > 0)
+the weight gradients back, one float32 per kept slot in the order of the dispatch's slot rows:
+pairs one per row; dedup, per token row (t, d) with n kept slots, its n values k ascending
+(4n bytes: pairs' 4 bytes per kept slot). The gradient rows move along the first section (pairs'
+rows, dedup's token rows), the weight gradients along the slot section transposed (pairs' rows,
+dedup's slot rows), each with the dispatch's variant and its section's ``cap``; both sides know
+the counts (the expert side from its received rows, the source from its kept routing), so none
+is exchanged. Per (s, d) and variant, dedup's gradient rows are never more than pairs' (fewer
+exactly where pairs' count is larger: ragged / equal where a token row has n >= 2), its weight
+gradients exactly pairs' bytes (``combine_backward_bytes_of``).
 """
 
 from __future__ import annotations
@@ -490,7 +496,8 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
     """Combine backward through the transport of ``res``.
 
     Returns (gys: R arrays [M_d, H] in y's dtype, gws: R arrays [T_s, K] float32, moved: list of
-    the [R, R] byte matrices of each exchange run).
+    the [R, R] byte matrices of each exchange run: the gradient rows, then (weighted, K > 0)
+    the weight gradients; ``combine_backward_bytes_of`` says the same without moving).
     """
     group = _group_of(res)
     R, K, H = group.num_ranks, group.topk, group.hidden
@@ -509,33 +516,43 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
         g = received[d].copy().view(grad_outs[0].dtype).reshape(len(received[d]), H)
         gy = np.zeros(y.shape, y.dtype)
         slot_rows = wire.recv_rows.reshape(len(wire.recv_rows), 1 if pairs else K)   # pairs: one slot a row
-        gw = np.zeros(slot_rows.shape, FLOAT32)
+        gw = []                                         # one float32 per kept slot, slot-row order
         for n, ms in enumerate(slot_rows):
-            for i, m in enumerate(ms):
+            for m in ms:                                # dedup: k ascending, as the slot rows came
                 if m >= 0:
                     gy[m] = scaled(c[m] if weighted else 1, g[n], y.dtype)
-                    gw[n, i] = weight_grad_dot(g[n], y[m]) if weighted else 0
+                    gw.append(weight_grad_dot(g[n], y[m]) if weighted else 0)
         gys.append(gy)
-        back.append(_rows_of(gw))
+        back.append(_rows_of(np.array(gw, FLOAT32).reshape(len(gw), 1)))
     gws = [np.zeros((r.num_tokens, K), FLOAT32) for r in res]
     if not weighted or K == 0:
         return gys, gws, [moved]
-    received, moved_back = exchange_rows(back, p.rows.T, p.variant, p.cap)
+    counts, cap = _slot_section(p)
+    received, moved_back = exchange_rows(back, counts.T, p.variant, cap)
     for s in range(R):
-        send = res[s].wire.send
-        start = np.concatenate([[0], np.cumsum(p.rows.T[:, s])])
+        start = np.concatenate([[0], np.cumsum(counts.T[:, s])])
         for d in range(R):
-            vals = received[s][start[d]:start[d + 1]].copy().view(FLOAT32).reshape(
-                start[d + 1] - start[d], 1 if pairs else K)
-            for i, entry in enumerate(send[d]):
-                if pairs:
-                    t, k = entry
-                    gws[s][t, k] = vals[i, 0]
-                else:
-                    for k in range(K):      # slot k of token t lives on d and was kept
-                        if res[s].kept[entry, k] and res[s].topk_idx[entry, k] // group.num_local_experts == d:
-                            gws[s][entry, k] = vals[i, k]
+            vals = received[s][start[d]:start[d + 1]].copy().view(FLOAT32).reshape(-1)
+            for v, (t, k) in zip(vals, _kept_slots(res[s], d, pairs), strict=True):
+                gws[s][t, k] = v
     return gys, gws, [moved, moved_back]
+
+
+def _slot_section(p: Plan) -> Tuple[np.ndarray, Optional[int]]:
+    """``(counts [R, R] s -> d, static cap)`` of the kept slots: pairs' rows, dedup's slot
+    rows; the weight gradients come back along it (transposed), one float32 per slot."""
+    return (p.slots, p.slot_cap) if p.slots is not None else (p.rows, p.cap)
+
+
+def _kept_slots(res_s, d: int, pairs: bool) -> List[Tuple[int, int]]:
+    """Rank s's kept slots ``(t, k)`` on d in the order they were sent: pairs' rows; dedup's
+    slot rows (its token rows' order, each token's kept slots on d k ascending)."""
+    send = res_s.wire.send[d]
+    if pairs:
+        return list(send)
+    K, L = res_s.topk, res_s.num_local_experts
+    return [(t, k) for t in send for k in range(K)
+            if res_s.kept[t, k] and res_s.topk_idx[t, k] // L == d]
 
 
 # --- byte accounting -----------------------------------------------------------------------
@@ -584,6 +601,20 @@ def combine_bytes_of(group: Group, p: Plan) -> np.ndarray:
     per = back_per(group.x_dtype.itemsize)
     variant, cap = back_exchange(p, per)
     return exchange_bytes(back_units(p, per).T, row_bytes, variant, cap)
+
+
+def combine_backward_bytes_of(group: Group, p: Plan, weighted: bool) -> List[np.ndarray]:
+    """The combine backward's [R, R] byte matrices for a plan, one per exchange, as
+    ``combine_backward`` moves them (``group.x_dtype`` = the gradient's dtype): the gradient
+    rows forward, ``H * itemsize`` bytes per row of the dispatch's first section (pairs' rows,
+    dedup's token rows); then, when weighted and K > 0, the weight gradients back, 4 bytes per
+    kept slot along the slot section (pairs' rows, dedup's slot rows) with its cap."""
+    row_bytes = group.hidden * group.x_dtype.itemsize
+    out = [exchange_bytes(p.rows, row_bytes, p.variant, p.cap)]
+    if weighted and group.topk > 0:
+        counts, cap = _slot_section(p)
+        out.append(exchange_bytes(counts.T, FLOAT32.itemsize, p.variant, cap))
+    return out
 
 
 def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",

@@ -428,29 +428,36 @@ inline void check_quantize_fp8_block128_args(const Tensor& x) {
   check_quantize_args("epkit.quantize_fp8_block128", x, kFp8Block128Block);
 }
 
-inline void check_gather_slot_values_args(const Tensor& values, const Tensor& recv_map) {
+// first: [rows] int64 on `dev` (a position per row, -1: none), the weight gradients' layout.
+inline void check_first(const char* op, const Tensor& first, int64_t rows, const char* what,
+                        at::Device dev) {
+  check_map(op, "first", first, 1);
+  check_device(op, "first", first, dev);
+  check_size(op, "first", first, 0, rows, what);
+}
+
+inline void check_gather_slot_values_args(const Tensor& values, const Tensor& recv_map,
+                                          const Tensor& first, int64_t out_rows) {
   constexpr const char* op = "epkit.gather_slot_values";
   check_dim(op, "values", values, 1);
   check_dtype(op, "values", values, at::kFloat);
   check_map(op, "recv_map", recv_map);
   check_device(op, "recv_map", recv_map, values.device());
+  check_first(op, first, recv_map.size(0), "rows of recv_map", values.device());
+  check_nonneg(op, "out_rows", out_rows);
 }
 
 inline void check_scatter_slot_values_args(const Tensor& back, const Tensor& send_map,
-                                           const Tensor& topk_idx, int64_t E, int64_t R,
-                                           int64_t transport) {
+                                           const Tensor& topk_idx, const Tensor& first,
+                                           int64_t E, int64_t R, int64_t transport) {
   constexpr const char* op = "epkit.scatter_slot_values";
   check_experts_ranks(op, E, R);
   check_transport(op, transport);
-  check_dim(op, "back", back, 2);
+  check_dim(op, "back", back, 1);
   check_dtype(op, "back", back, at::kFloat);
   check_send_map_args(op, back, send_map, topk_idx, R, transport);
-  if (transport == kPairs) {
-    TORCH_CHECK(back.size(1) >= 1, op, ": back must have a column (pairs), got shape ",
-                back.sizes());
-  } else {
-    check_size(op, "back", back, 1, topk_idx.size(1), "dedup: one column per slot k");
-  }
+  check_map(op, "first", first, 1);  // [S]: one per row of the send row space
+  check_device(op, "first", first, back.device());
 }
 
 // ---- map ranges (host data: the CPU kernels) ----------------------------------------------

@@ -100,6 +100,16 @@ EPKIT_HD inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int6
   return (k + align - 1) / align * align;
 }
 
+// The weight gradients' way back (scatter_slot_values, CPU and CUDA): the place of slot k
+// among its token's kept slots on rank d, k ascending (the slots before it there), i.e. after
+// its token row's first value. idx: the token's kept routing [K] (dropped, unused: -1).
+EPKIT_HD inline int64_t slot_rank(const int64_t* idx, int64_t k, int64_t d, int64_t E,
+                                  int64_t L) {
+  int64_t r = 0;
+  for (int64_t j = 0; j < k; ++j) r += idx[j] >= 0 && idx[j] < E && idx[j] / L == d;
+  return r;
+}
+
 // Step 5 of the plan, shared by the CPU kernel and the CUDA kernel (one thread): the exchange
 // that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4.
 EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
@@ -179,9 +189,11 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const T
                                                      const Tensor& expert_y, bool weighted);
 std::tuple<Tensor, Tensor> quantize_mxfp8_cpu(const Tensor& x);
 std::tuple<Tensor, Tensor> quantize_fp8_block128_cpu(const Tensor& x);
-Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map);
+Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map, const Tensor& first,
+                              c10::SymInt out_rows);
 Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
-                               int64_t num_experts, int64_t num_ranks, int64_t transport);
+                               const Tensor& first, int64_t num_experts, int64_t num_ranks,
+                               int64_t transport);
 
 // ---- helpers -----------------------------------------------------------------------------
 // Rows are moved as bytes: a copy is bit for bit whatever the dtype.

@@ -22,11 +22,11 @@ TORCH_LIBRARY(epkit, m) {
   m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
   m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
         "bool weighted) -> (Tensor, Tensor)");
-  m.def("gather_slot_values(Tensor values, Tensor recv_map) -> Tensor");
+  m.def("gather_slot_values(Tensor values, Tensor recv_map, Tensor first, SymInt out_rows) -> Tensor");
   m.def("quantize_mxfp8(Tensor x) -> (Tensor, Tensor)");
   m.def("quantize_fp8_block128(Tensor x) -> (Tensor, Tensor)");
-  m.def("scatter_slot_values(Tensor back, Tensor send_map, Tensor topk_idx, int num_experts, "
-        "int num_ranks, int transport) -> Tensor");
+  m.def("scatter_slot_values(Tensor back, Tensor send_map, Tensor topk_idx, Tensor first, "
+        "int num_experts, int num_ranks, int transport) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(epkit, CPU, m) {

@@ -172,11 +172,13 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     gbacks = _move_rows(grows, hps, R, E, True)
     out["grad_x"] = [C.reduce_tokens(back_of(gbacks[s], gexs[s].dtype), smaps[s], kidx[s],
                                      empty, E, R, tr, False, xs[s].dtype) for s in range(R)]
-    vals = [C.gather_slot_values(gws[d], ups[d][3]) for d in range(R)]
+    # (one float32 per kept slot, placed by ops.slot_places: both sides from their own maps)
+    at = [ops.slot_places(hps[r], ups[r][3], smaps[r], kidx[r], tr) for r in range(R)]
+    vals = [C.gather_slot_values(gws[d], ups[d][3], at[d].first, at[d].rows) for d in range(R)]
     out["slot_values"] = vals
-    vbacks = _move_rows(vals, hps, R, E, True)
-    out["grad_w_dispatch"] = [C.scatter_slot_values(vbacks[s], smaps[s], idxs[s], E, R, tr)
-                              for s in range(R)]
+    vbacks = [torch.cat([_chunks(vals[d], at[d].send)[s] for d in range(R)]) for s in range(R)]
+    out["grad_w_dispatch"] = [C.scatter_slot_values(vbacks[s], smaps[s], kidx[s], at[s].first_src,
+                                                    E, R, tr) for s in range(R)]
     # combine backward
     srows = [C.scatter_rows(gouts[s], smaps[s], int(hps[s][ops.SEND_ROWS])) for s in range(R)]
     out["scatter_rows"] = srows

@@ -38,38 +38,63 @@ def _run_isolated(body: str, timeout=240):
 
 def test_scatter_slot_values_bounds_every_index(cuda_ext):
     """dedup: an expert >= E (the CUDA static exchange defers that error and backward still
-    runs) read send_map at column e / L, far outside it; pairs / dedup: a row beyond back."""
+    runs) read send_map at column e / L, far outside it; pairs / dedup: a send row beyond
+    first, a place beyond back; gather_slot_values: a map entry beyond values, a place beyond
+    out_rows. Each is skipped (0), never read or written out of bounds."""
     _run_isolated("""
         E, R, T, K = 8, 2, 6, 3
+        L = E // R
         idx = torch.tensor([[0, 5, -1], [7, 8, 1], [2**40, 3, 6], [4, -1, -1], [1, 2, 3],
                             [6, 2**40 + 5, 0]])
-        back = torch.rand(5, K)
+        back = torch.rand(9)
+        first = torch.tensor([0, 2, 4, 8, -1])           # row 3: its second value lies past back
         smap = torch.tensor([[0, 1], [2, -1], [3, 4], [-1, 7], [1, 2**40], [4, 3]])
+
+        def rank(t, k, d):
+            return sum(1 for j in range(k) if 0 <= int(idx[t, j]) < E and int(idx[t, j]) // L == d)
+
         want = torch.zeros(T, K)
-        L = E // R
         for t in range(T):
             for k in range(K):
                 e = int(idx[t, k])
                 if 0 <= e < E:
                     r = int(smap[t, e // L])
-                    if 0 <= r < back.shape[0]:
-                        want[t, k] = back[r, k]
-        got = C.scatter_slot_values(back.cuda(), smap.cuda(), idx.cuda(), E, R, 1)
+                    if 0 <= r < first.shape[0] and int(first[r]) >= 0:
+                        at = int(first[r]) + rank(t, k, e // L)
+                        if at < back.shape[0]:
+                            want[t, k] = back[at]
+        got = C.scatter_slot_values(back.cuda(), smap.cuda(), idx.cuda(), first.cuda(), E, R, 1)
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want), (got.cpu(), want)
-        # pairs: send_map [T, K], rows of back [S, 1]
+        # pairs: send_map [T, K], one value per row
         pm = torch.tensor([[0, 1, -1], [2, 2**40, 3], [4, -1, 0], [2**40, -1, -1],
                            [9, -1, -1], [0, 0, 0]])
-        pb = torch.rand(5, 1)
+        pb, pf = torch.rand(5), torch.tensor([0, 1, 2, 7, -1])
         want = torch.zeros(T, K)
         for t in range(T):
             for k in range(K):
                 e, r = int(idx[t, k]), int(pm[t, k])
-                if 0 <= e < E and 0 <= r < 5:
-                    want[t, k] = pb[r, 0]
-        got = C.scatter_slot_values(pb.cuda(), pm.cuda(), idx.cuda(), E, R, 0)
+                if 0 <= e < E and 0 <= r < 5 and 0 <= int(pf[r]) < 5:
+                    want[t, k] = pb[int(pf[r])]
+        got = C.scatter_slot_values(pb.cuda(), pm.cuda(), idx.cuda(), pf.cuda(), E, R, 0)
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), want)
+        # gather_slot_values: values [6], rows whose entries name past values or land past out
+        vals = torch.rand(6)
+        rm = torch.tensor([[0, 2**40, 1], [5, -1, 6], [2, 3, 4], [-1, -1, -1]])
+        fr = torch.tensor([0, 2, 3, -1])
+        want = torch.zeros(5)
+        for n in range(4):
+            at = int(fr[n])
+            for c in range(3):
+                m = int(rm[n, c])
+                if 0 <= m < 6:
+                    if 0 <= at < 5:
+                        want[at] = vals[m]
+                    at += 1
+        got = C.gather_slot_values(vals.cuda(), rm.cuda(), fr.cuda(), 5)
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want), (got.cpu(), want)
         print("ok")
     """)
 

@@ -54,6 +54,33 @@ def forward_backward(group, rank, x, idx, w, grad_out, opts):
     }
 
 
+def weight_grad_bytes(group, rank, x, idx, w, grad_out, opts):
+    """forward_backward, returning the bytes this rank sent each peer in the weight gradients'
+    exchange ([R] int64, as handed to all_to_all_single: splits, or equal chunks)."""
+    import math
+
+    from epkit import collectives
+
+    seen, orig = [], collectives._collective
+
+    def spy(what, fn, *args, **kw):
+        if "weight gradients" in what:
+            inp, R = args[1], torch.distributed.get_world_size(group)
+            row = inp.element_size() * math.prod(inp.shape[1:])
+            splits = kw.get("input_split_sizes")
+            seen.append([n * row for n in splits] if splits is not None else
+                        [inp.numel() * inp.element_size() // R] * R)
+        return orig(what, fn, *args, **kw)
+
+    collectives._collective = spy
+    try:
+        forward_backward(group, rank, x, idx, w, grad_out, opts)
+    finally:
+        collectives._collective = orig
+    assert len(seen) == 1, seen
+    return np.array(seen[0], np.int64)
+
+
 def dispatch_only(group, rank, x, idx, w, opts):
     d = epkit.dispatch(to_torch(x), to_torch(idx), to_torch(w), group=group, **opts)
     return to_numpy(d.expert_x), to_numpy(d.bytes_sent)
@@ -94,6 +121,11 @@ def opcheck_all(group, rank):
         ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, N, M)
         y = torch.randn(M, H)
         back = C.gather_rows(y, recv_map, rw, transport, True)
+        u = (recv_map >= 0).sum(1)  # the weight gradients' places (R = 1, ragged)
+        first = (torch.arange(N) if transport == ops.PAIRS else
+                 torch.where(u > 0, torch.cumsum(u, 0) - u, -1))
+        slots = N if transport == ops.PAIRS else int(u.sum())
+        vals = C.gather_slot_values(rw, recv_map, first, slots)
         calls = [
             (C.layout, (idx, E, 1)),
             (C.prepare, (x, idx, w, E, 1, [0, 0, 0, 1], 0)),
@@ -106,12 +138,12 @@ def opcheck_all(group, rank):
             (C.reduce_tokens, (back, send_map, idx, w, E, 1, transport, True, x.dtype)),
             (C.scatter_rows, (x, send_map, S)),
             (C.combine_backward_dest, (send_rows_like(x, send_map, S), recv_map, rw, y, True)),
-            (C.gather_slot_values, (rw, recv_map)),
+            (C.gather_slot_values, (rw, recv_map, first, slots)),
             (C.quantize_mxfp8, (torch.randn(3, 64),)),
             (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
             (C.quantize_fp8_block128, (torch.randn(3, 256),)),
             (C.quantize_fp8_block128, (torch.randn(2, 128).to(torch.bfloat16),)),
-            (C.scatter_slot_values, (C.gather_slot_values(rw, recv_map), send_map, idx, E, 1, transport)),
+            (C.scatter_slot_values, (vals, send_map, idx, first, E, 1, transport)),
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
             (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
                                   gname, 0, E, 2, -1, transport, 0, [0, 0, 0, 1], 0)),

@@ -126,3 +126,43 @@ def test_equal_exchange_on_a_uniform_plan(group_pool, transport):
         opts = dict(E=E, align=1, capacity=None, transport=transport, exchange=exchange,
                     y_dtype="float32", weighted=True)
         check_case(group_pool, (R, xs, idxs, ws, gouts, opts))
+
+
+@pytest.mark.parametrize("exchange", ["ragged", "padded", "static"])
+def test_weight_gradients_move_pairs_bytes(group_pool, exchange):
+    """The weight gradients come back one float32 per kept slot, dedup as pairs (issue 16): per
+    peer exactly the reference's bytes (combine_backward_bytes_of), capacity dropping slots
+    and tokens with two kept slots on one rank included; static chunks carry one zero front
+    row where the reference counts a two-row in-band header (docs/design.md)."""
+    from epkit import reference as ref
+    from epkit.reference import transport as tp
+    from epkit.reference.common import Group
+
+    rng = np.random.default_rng(5)
+    R, E, H, K, T = 3, 6, 8, 3, 5
+    idxs = [np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(R)]
+    xs = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(R)]
+    ws = [rng.random((T, K)).astype(np.float32) for _ in range(R)]
+    gouts = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(R)]
+    got = {}
+    for tr in ("pairs", "dedup"):
+        opts = dict(E=E, align=1, capacity=4, transport=tr, exchange=exchange,
+                    y_dtype="float32", weighted=True)
+        if exchange == "static":
+            opts["max_tokens_per_rank"] = T
+        got[tr] = np.stack(group_pool.run(rank_fns.weight_grad_bytes, R, xs, idxs, ws, gouts,
+                                          [opts] * R))
+        group = Group(R, E, H, K, np.dtype(np.float32), 1, 4, None, tr, exchange,
+                      opts.get("max_tokens_per_rank"))
+        kept = ref.capacity.kept_mask(idxs, E, 4)
+        p = tp.wire_plan(group, idxs, kept)
+        want = tp.combine_backward_bytes_of(group, p, True)[1]
+        if exchange == "static":
+            want = want - 4                     # one front row of 4 bytes, not two
+        assert np.array_equal(got[tr], want), (tr, got[tr], want)
+    assert np.array_equal(got["dedup"], got["pairs"])
+    # the case drops slots and has token rows with fewer than K kept slots (where 4K bytes per
+    # token row moved more than pairs) and with two or more (more slots than token rows)
+    assert p.dropped and (p.slots < K * p.rows).any() and (p.slots > p.rows).any()
+    if exchange == "ragged":
+        assert (got["dedup"] < 4 * K * p.rows.T).any()

@@ -76,11 +76,16 @@ class Ctx:
         ex, src, rw, recv_map = C.unpack(send, plan, tr, self.H, x.dtype, self.K, N, M)
         y = torch.randn(M, self.H)
         rows = C.gather_rows(y, recv_map, rw, tr, True)  # R = 1: the rows come straight back
-        vals = C.gather_slot_values(rw, recv_map)
+        # the weight gradients' places (epkit.ops.move_slot_values), R = 1 ragged: one per kept
+        # slot, compact; the received rows are the sent ones, so both sides' firsts are the same
+        u = (recv_map >= 0).sum(1)
+        first = torch.arange(N) if tr == 0 else torch.where(u > 0, torch.cumsum(u, 0) - u, -1)
+        slots = N if tr == 0 else int(u.sum())
+        vals = C.gather_slot_values(rw, recv_map, first, slots)
         grad_rows = C.scatter_rows(x, send_map, S)
         return dict(tr=tr, plan=plan, SB=SB, S=S, N=N, M=M, send=send, send_map=send_map,
                     rw=rw, recv_map=recv_map, y=y, rows=rows, vals=vals, grad_rows=grad_rows,
-                    o=offsets(1, self.E))
+                    first=first, slots=slots, o=offsets(1, self.E))
 
     def chain(self, tr, static=False):
         return self.chains[(tr, static)]
@@ -498,11 +503,13 @@ for name, bad in [
     simple("quantize_fp8_block128", name, QB_OK, bad)
 
 
-# gather_slot_values(values, recv_map)
-def gsv(c, tr, vals=None, rmap=None):
+# gather_slot_values(values, recv_map, first, out_rows)
+def gsv(c, tr, vals=None, rmap=None, first=None, rows=None):
     ch = c.chain(tr)
     return c.C.gather_slot_values(ch["rw"] if vals is None else vals,
-                                  ch["recv_map"] if rmap is None else rmap)
+                                  ch["recv_map"] if rmap is None else rmap,
+                                  ch["first"] if first is None else first,
+                                  ch["slots"] if rows is None else rows)
 
 
 for name, bad in [
@@ -513,17 +520,27 @@ for name, bad in [
     ("values_2d", lambda c, tr: gsv(c, tr, vals=c.chain(tr)["rw"].view(1, -1))),
     ("values_double", lambda c, tr: gsv(c, tr, vals=c.chain(tr)["rw"].double())),
     ("map_int32", lambda c, tr: gsv(c, tr, rmap=c.chain(tr)["recv_map"].int())),
+    ("first_int32", lambda c, tr: gsv(c, tr, first=c.chain(tr)["first"].int())),
+    ("first_2d", lambda c, tr: gsv(c, tr, first=c.chain(tr)["first"].view(1, -1))),
+    ("first_rows", lambda c, tr: gsv(c, tr, first=c.chain(tr)["first"][:-1])),
+    ("first_past_out_rows", lambda c, tr: gsv(c, tr, first=tampered(c.chain(tr)["first"], 0,
+                                                                    c.chain(tr)["slots"]))),
+    ("first_none_for_a_named_row", lambda c, tr: gsv(c, tr, first=tampered(
+        c.chain(tr)["first"], 0, -1))),
+    ("out_rows_short", lambda c, tr: gsv(c, tr, rows=c.chain(tr)["slots"] - 1)),
+    ("out_rows_negative", lambda c, tr: gsv(c, tr, rows=-1)),
 ]:
     simple("gather_slot_values", name, lambda c, tr: gsv(c, tr), bad, BOTH)
 
 
-# scatter_slot_values(back, send_map, topk_idx, E, R, transport)
-def ssv(c, tr, back=None, smap=None, idx=None, E=None, R=1, tr_arg=None):
+# scatter_slot_values(back, send_map, topk_idx, first, E, R, transport)
+def ssv(c, tr, back=None, smap=None, idx=None, E=None, R=1, tr_arg=None, first=None):
     ch = c.chain(tr)
     return c.C.scatter_slot_values(ch["vals"] if back is None else back,
                                    ch["send_map"] if smap is None else smap,
-                                   c.idx if idx is None else idx, c.E if E is None else E, R,
-                                   tr if tr_arg is None else tr_arg)
+                                   c.idx if idx is None else idx,
+                                   ch["first"] if first is None else first,
+                                   c.E if E is None else E, R, tr if tr_arg is None else tr_arg)
 
 
 for name, bad in [
@@ -531,14 +548,21 @@ for name, bad in [
     ("zero_ranks", lambda c, tr: ssv(c, tr, R=0)),
     ("experts_not_multiple", lambda c, tr: ssv(c, tr, E=6, R=4)),
     ("map_equal_rows", lambda c, tr: ssv(c, tr, smap=map_entry(c, tr, "send_map",
-                                                              c.chain(tr)["vals"].shape[0]))),
+                                                              c.chain(tr)["first"].shape[0]))),
     ("map_below_minus_one", lambda c, tr: ssv(c, tr, smap=map_entry(c, tr, "send_map", -2))),
     ("index_equal_E", lambda c, tr: ssv(c, tr, idx=tampered(c.idx, 0, c.E))),
     ("index_below_minus_one", lambda c, tr: ssv(c, tr, idx=tampered(c.idx, 0, -5))),
     ("map_columns", lambda c, tr: ssv(c, tr, smap=c.chain(tr)["send_map"][:, :1].repeat(1, 3))),
     ("map_rows", lambda c, tr: ssv(c, tr, smap=c.chain(tr)["send_map"][:2])),
-    ("back_no_columns", lambda c, tr: ssv(c, tr, back=c.chain(tr)["vals"][:, :0])),
+    ("back_2d", lambda c, tr: ssv(c, tr, back=c.chain(tr)["vals"].view(-1, 1))),
+    ("back_short", lambda c, tr: ssv(c, tr, back=c.chain(tr)["vals"][:-1])),
     ("back_double", lambda c, tr: ssv(c, tr, back=c.chain(tr)["vals"].double())),
+    ("first_int32", lambda c, tr: ssv(c, tr, first=c.chain(tr)["first"].int())),
+    ("first_2d", lambda c, tr: ssv(c, tr, first=c.chain(tr)["first"].view(1, -1))),
+    ("first_none_for_a_sent_row", lambda c, tr: ssv(c, tr, first=tampered(
+        c.chain(tr)["first"], 0, -1))),
+    ("first_past_back", lambda c, tr: ssv(c, tr, first=tampered(c.chain(tr)["first"], 0,
+                                                                c.chain(tr)["slots"]))),
     ("transport_code", lambda c, tr: ssv(c, tr, tr_arg=-1)),
 ]:
     simple("scatter_slot_values", name, lambda c, tr: ssv(c, tr), bad, BOTH)

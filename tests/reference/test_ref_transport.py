@@ -102,6 +102,13 @@ def test_transports_equal_canonical(case, tr, weighted):
         assert np.array_equal(moved, ref.dispatch_bytes(case.idx, dtype=case.dtype, **bkw))
         _, moved_back = transport.reduce_back(res, ys, weighted)
         assert np.array_equal(moved_back, ref.combine_bytes(case.idx, dtype=ys[0].dtype, **bkw))
+        _, _, moved_cb = transport.combine_backward(res, go, ys, weighted)
+        group = Group(case.R, case.E, case.H, case.K, go[0].dtype, case.align, case.capacity,
+                      case.payload, tr, ex, args["max_tokens_per_rank"])
+        want_cb = transport.combine_backward_bytes_of(group, res[0].wire.plan, weighted)
+        assert len(moved_cb) == len(want_cb) == (2 if weighted and case.K else 1)
+        for got_m, want_m in zip(moved_cb, want_cb):
+            assert np.array_equal(got_m, want_m), (tr, ex, got_m, want_m)
         tok, slots, _ = wire_counts(case, [r.kept for r in res])
         sections = (slots,) if tr == "pairs" else (tok, slots)
         variant = res[0].wire.plan.variant
@@ -187,6 +194,52 @@ def test_dedup_never_sends_more_bytes_than_pairs(case, ex):
             assert np.array_equal(cd < cp, more.T)
         if variant in ("ragged", "equal"):
             assert np.array_equal(cp, slots.T * case.H * ydt.itemsize)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.sampled_from(EXCHANGES))
+def test_dedup_combine_backward_never_moves_more_bytes_than_pairs(case, ex):
+    """Capacity or not, per (s, d): the combine backward's gradient rows forward are dedup's
+    token rows against pairs' kept slots, ``H * itemsize(g)`` bytes each, so never more, and
+    fewer exactly where pairs' count is larger (ragged / equal: where a token row has n >= 2;
+    padded: when the token section's max is below the slot section's; static: whenever
+    ``min(K, L) >= 2`` and the chunk holds a token); its weight gradients back are one float32
+    per kept slot in the slot rows' order, exactly pairs' bytes in every variant."""
+    max_t = max(x.shape[0] for x in case.xs) + case.seed % 2
+    kept = kept_mask(case.idx, case.E, case.capacity)
+    tok, slots, shared, _ = kept_per_token_row(case, kept)
+    moved = {}
+    for tr in ("pairs", "dedup"):
+        group = Group(case.R, case.E, case.H, case.K, case.dtype, case.align, case.capacity,
+                      None, tr, ex, max_t)
+        try:
+            p = transport.wire_plan(group, case.idx, kept)
+        except ref.InputError as err:       # equal: pairs needs its rows uniform, dedup both sections
+            assert ex == "equal" and err.code == ref.Reason.EQUAL_NONUNIFORM
+            assert not (uniform(tok) and uniform(slots))
+            return
+        moved[tr] = transport.combine_backward_bytes_of(group, p, weighted=True)
+        variant = p.variant
+        unweighted = transport.combine_backward_bytes_of(group, p, weighted=False)
+        assert len(unweighted) == 1 and np.array_equal(unweighted[0], moved[tr][0])
+        if case.K == 0:                     # no slot, no weight gradient
+            assert len(moved[tr]) == 1
+            moved[tr].append(np.zeros((case.R, case.R), np.int64))
+    (grad_p, wgrad_p), (grad_d, wgrad_d) = moved["pairs"], moved["dedup"]
+    B = case.H * case.dtype.itemsize
+    assert (grad_d <= grad_p).all(), (grad_d, grad_p)
+    assert np.array_equal(wgrad_d, wgrad_p), (wgrad_d, wgrad_p)
+    if variant in ("ragged", "equal"):
+        assert np.array_equal(grad_d, tok * B) and np.array_equal(grad_p, slots * B)
+        assert np.array_equal(grad_d < grad_p, shared)
+        assert np.array_equal(wgrad_d, slots.T * 4)
+    elif variant == "padded":
+        assert (grad_d < grad_p).all() == (tok.max() < slots.max())
+        assert (wgrad_d == slots.max() * 4).all()
+    else:
+        per = min(case.K, case.L)
+        assert (grad_d < grad_p).all() == (per >= 2 and max_t >= 1)
+        assert (wgrad_d == (case.K > 0) * (2 + max_t * per) * 4).all()  # 8-byte count: 2 rows
 
 
 def test_dedup_fewer_bytes_when_experts_share_a_rank():

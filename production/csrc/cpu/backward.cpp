@@ -5,28 +5,65 @@
 
 namespace epkit {
 
+// 16 float32 lanes and their bit patterns as one GCC / Clang vector: on the AVX-512 clone one
+// register, on AVX2 two, on the baseline four. Element-wise IEEE operations only (no FMA:
+// -ffp-contract=off), so every width gives the same bits.
+typedef float V16f __attribute__((vector_size(64)));
+typedef uint32_t V16u __attribute__((vector_size(64)));
+typedef uint16_t V16h __attribute__((vector_size(32)));
+typedef uint16_t V32h __attribute__((vector_size(64)));  // a V16u's halves, low half first
+
+// 16 consecutive values widened to float32 (bfloat16: its bits as the high half, a zero low
+// half: exact), one shuffle.
+inline void load16(const float* p, V16f& v) { std::memcpy(&v, p, sizeof(v)); }
+inline void load16(const at::BFloat16* p, V16f& v) {
+  V16h h;
+  std::memcpy(&h, p, sizeof(h));
+  const V32h w = __builtin_shufflevector(V16h{}, h, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0,
+                                         22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0,
+                                         30, 0, 31);
+  v = reinterpret_cast<V16f>(w);
+}
+// 16 float32 stored narrowed: float32 as is; bfloat16 by narrow<BFloat16>'s rule, lane by lane
+// (NaN -> 0x7FC0, else round to nearest even: the high half of u + 0x7FFF + its last bit).
+inline void store16(float* p, const V16f& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store16(at::BFloat16* p, const V16f& v) {
+  const V16u u = reinterpret_cast<V16u>(v);
+  const V16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // all ones where NaN
+  const V16u sum = u + (((u >> 16) & 1u) + 0x7FFFu);
+  const V32h halves = reinterpret_cast<V32h>((sum & ~nan) | (0x7FC00000u & nan));
+  const V16h h = __builtin_shufflevector(halves, halves, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                         23, 25, 27, 29, 31);
+  std::memcpy(p, &h, sizeof(h));
+}
+
 // One slot row of the combine backward: gy = cast_y(w * g) and (returned) <g, y> in 16 float32
 // lanes, lane i summing h = i (mod 16) in ascending h, the tail h >= 16 * (H / 16) in lane 0,
-// then the lanes added 0..15. Both in the single pass that reads y; the inner loop has no
-// branch (narrow is branch-free), so it vectorises without reordering any float32 operation.
+// then the lanes added 0..15. Both in the single pass that reads y; the 16 lanes are one vector
+// (each step one element-wise multiply and add, in that order), so no float32 operation is
+// reordered whatever the vector width.
 template <typename Y, typename G>
 EPKIT_ROW_CLONES float weighted_row(const G* __restrict g, const Y* __restrict y,
                                     Y* __restrict gy, float w, int64_t H) {
-  float lane[16] = {0};
+  V16f lane = {};
+  const V16f wv = V16f{} + w;
   int64_t h = 0;
-  for (; h + 16 <= H; h += 16)
-    for (int i = 0; i < 16; ++i) {
-      const float gh = widen(g[h + i]);
-      gy[h + i] = narrow<Y>(w * gh);
-      lane[i] = lane[i] + gh * widen(y[h + i]);
-    }
+  for (; h + 16 <= H; h += 16) {
+    V16f gh, yh;
+    load16(g + h, gh);
+    load16(y + h, yh);
+    store16(gy + h, wv * gh);
+    lane = lane + gh * yh;
+  }
+  float tail[16];
+  std::memcpy(tail, &lane, sizeof(tail));
   for (; h < H; ++h) {
     const float gh = widen(g[h]);
     gy[h] = narrow<Y>(w * gh);
-    lane[0] = lane[0] + gh * widen(y[h]);
+    tail[0] = tail[0] + gh * widen(y[h]);
   }
   float dot = 0.0f;
-  for (int i = 0; i < 16; ++i) dot = dot + lane[i];
+  for (int i = 0; i < 16; ++i) dot = dot + tail[i];
   return dot;
 }
 
@@ -86,39 +123,60 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
   return {grad_y, grad_w};
 }
 
-// values [M] float32 (one per expert-major row) -> [N, K'] in received-row order, 0 where none.
-Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map_in) {
-  check_gather_slot_values_args(values, recv_map_in);
+// The weight gradients' way back, expert side: values [M] float32 (one per expert-major row)
+// -> out [out_rows], one float32 per kept slot in the dispatch's slot-row order. Received row
+// n's entries that name a row (recv_map[n, c] >= 0, c ascending: k ascending for dedup, one
+// for pairs) go to first[n], first[n] + 1, ... (epkit.ops.move_slot_values places the rows:
+// compact chunks, or fixed ones); every other entry is 0 (a fixed chunk's padding, a static
+// chunk's front row).
+Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map_in,
+                              const Tensor& first_in, c10::SymInt out_rows) {
+  const int64_t B = out_rows.expect_int();
+  check_gather_slot_values_args(values, recv_map_in, first_in, B);
+  constexpr const char* name = "epkit.gather_slot_values";
   const Tensor v = values.contiguous(), recv_map = recv_map_in.contiguous();
-  Tensor out = at::zeros(recv_map.sizes(), at::kFloat);
-  const int64_t n = recv_map.numel(), M = v.numel();
+  const Tensor first = first_in.contiguous();
+  Tensor out = at::zeros({B}, at::kFloat);
+  const int64_t N = recv_map.size(0), C = recv_map.size(1), M = v.numel();
   const int64_t* mp = recv_map.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t m = mp[i];
-    if (m >= 0 && m < M) op[i] = vp[m];
-    else if (m != -1) report_map_range("epkit.gather_slot_values", "recv_map", mp, n, M,
-                                       "entries of values");
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t at = fp[n];
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t m = mp[n * C + c];
+      if (m == -1) continue;
+      if (m < 0 || m >= M)
+        report_map_range(name, "recv_map", mp, N * C, M, "entries of values");
+      TORCH_CHECK(at >= 0 && at < B, name, ": first[", n, "] = ", fp[n], " places entry ", c,
+                  " of row ", n, " at ", at, ", outside [0, ", B, ") (out_rows)");
+      op[at++] = vp[m];
+    }
   }
   return out;
 }
 
-// back [S, K'] float32 in send-row order -> per-slot values [T, K], 0 for unused/dropped slots.
+// The source side: back [B] float32 as it came back (gather_slot_values' layout) -> per-slot
+// values [T, K], 0 for unused and dropped slots. topk_idx is the kept routing (dedup: dropped
+// slots -1, epkit.ops.kept_routing); first [S]: where send row r's first value lies in back.
+// Slot (t, k) to rank d = e / L reads back[first[r] + rank], r = send_map[t, k] (pairs, rank
+// 0) or send_map[t, d] (dedup, rank = slot_rank: its place among t's kept slots on d).
 Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map_in,
-                               const Tensor& topk_idx, int64_t E, int64_t R, int64_t transport) {
-  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, E, R, transport);
+                               const Tensor& topk_idx, const Tensor& first_in, int64_t E,
+                               int64_t R, int64_t transport) {
+  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, first_in, E, R, transport);
   constexpr const char* name = "epkit.scatter_slot_values";
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
-  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const Tensor idx = topk_idx.to(at::kLong).contiguous(), first = first_in.contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), L = E / R, C = send_map.size(1);
-  const int64_t S = back.size(0);
+  const int64_t S = first.size(0), B = back.size(0);
   Tensor out = at::zeros({T, K}, at::kFloat);
   const int64_t* mp = send_map.data_ptr<int64_t>();
   const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t* fp = first.data_ptr<int64_t>();
   const float* bp = back.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t BW = back.size(1);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t k = 0; k < K; ++k) {
       const int64_t e = ip[t * K + k];
@@ -126,13 +184,17 @@ Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map_in,
         if (e != -1) check_expert_range(name, ip, T * K, E);
         continue;
       }
-      const int64_t i = transport == kPairs ? t * K + k : t * C + e / L, r = mp[i];
+      const bool pairs = transport == kPairs;
+      const int64_t i = pairs ? t * K + k : t * C + e / L, r = mp[i];
       if (r < 0 || r >= S) {
         TORCH_CHECK(r == -1, name, ": send_map entry ", i, " is ", r, ", outside [-1, ", S,
-                    ") (rows of back)");
+                    ") (rows of first)");
         continue;
       }
-      op[t * K + k] = bp[r * BW + (transport == kPairs ? 0 : k)];
+      const int64_t at = fp[r] + (pairs ? 0 : slot_rank(ip + t * K, k, e / L, E, L));
+      TORCH_CHECK(fp[r] >= 0 && at < B, name, ": first[", r, "] = ", fp[r], " places slot (",
+                  t, ", ", k, ") at ", at, ", outside [0, ", B, ") (rows of back)");
+      op[t * K + k] = bp[at];
     }
   return out;
 }

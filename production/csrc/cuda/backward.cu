@@ -48,31 +48,40 @@ __global__ void combine_backward_kernel(const G* rp, const int64_t* mp, const fl
   }
 }
 
-__global__ void gather_slot_values_kernel(const float* vp, const int64_t* mp, float* op,
-                                          int64_t n, int64_t M) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  const int64_t m = mp[i];
-  op[i] = m >= 0 && m < M ? vp[m] : 0.0f;
+// One thread per received row n: its named entries (c ascending) at first[n], first[n] + 1,
+// ... (cpu/backward.cpp); out starts zeroed. Every write is bounded (< B); a map entry outside
+// [0, M) names nothing.
+__global__ void gather_slot_values_kernel(const float* vp, const int64_t* mp, const int64_t* fp,
+                                          float* op, int64_t N, int64_t C, int64_t M,
+                                          int64_t B) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  int64_t at = fp[n];
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t m = mp[n * C + c];
+    if (m < 0 || m >= M) continue;
+    if (at >= 0 && at < B) op[at] = vp[m];
+    ++at;
+  }
 }
 
 // Every index is bounded (issue 12): the expert (0 <= e < E: on CUDA static a bad index is a
-// deferred error and this pass still runs on the caller's topk_idx), the send_map column e / L
-// (< C) and the returned row (< S); a slot that fails any reads nothing and gets 0.
+// deferred error and this pass still runs on the caller's routing), the send_map column e / L
+// (< C), the send row (< S) and the place in back (< B); a slot that fails any reads nothing
+// and gets 0. ip is the kept routing (dedup: dropped slots -1); slot_rank is epkit.h's.
 __global__ void scatter_slot_values_kernel(const float* bp, const int64_t* mp, const int64_t* ip,
-                                           float* op, int64_t T, int64_t K, int64_t E, int64_t L,
-                                           int64_t C, int64_t S, int64_t BW, bool pairs) {
+                                           const int64_t* fp, float* op, int64_t T, int64_t K,
+                                           int64_t E, int64_t L, int64_t C, int64_t S,
+                                           int64_t B, bool pairs) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * K) return;
   const int64_t t = i / K, k = i % K, e = ip[i];
   float v = 0.0f;
-  if (e >= 0 && e < E) {
-    if (pairs) {
-      const int64_t r = mp[t * K + k];  // C == K (host check)
-      if (r >= 0 && r < S) v = bp[r * BW];
-    } else if (e / L < C && k < BW) {
-      const int64_t r = mp[t * C + e / L];
-      if (r >= 0 && r < S) v = bp[r * BW + k];
+  if (e >= 0 && e < E && (pairs || e / L < C)) {
+    const int64_t r = pairs ? mp[t * K + k] : mp[t * C + e / L];  // pairs: C == K (host check)
+    if (r >= 0 && r < S && fp[r] >= 0) {
+      const int64_t at = fp[r] + (pairs ? 0 : slot_rank(ip + t * K, k, e / L, E, L));
+      if (at < B) v = bp[at];
     }
   }
   op[i] = v;
@@ -116,33 +125,38 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv_in,
   return {grad_y, grad_w};
 }
 
-Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map_in) {
-  check_gather_slot_values_args(values, recv_map_in);
+Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map_in,
+                               const Tensor& first_in, c10::SymInt out_rows) {
+  const int64_t B = out_rows.expect_int();
+  check_gather_slot_values_args(values, recv_map_in, first_in, B);
   const c10::cuda::CUDAGuard guard(values.device());
   const Tensor v = values.contiguous(), recv_map = recv_map_in.contiguous();
-  Tensor out = at::empty(recv_map.sizes(), v.options().dtype(at::kFloat));
-  const int64_t n = recv_map.numel();
-  if (n > 0) {
-    gather_slot_values_kernel<<<ceil_div(n, 256), 256, 0, stream()>>>(
-        v.data_ptr<float>(), recv_map.data_ptr<int64_t>(), out.data_ptr<float>(), n, v.numel());
+  const Tensor first = first_in.contiguous();
+  Tensor out = at::zeros({B}, v.options().dtype(at::kFloat));
+  const int64_t N = recv_map.size(0), C = recv_map.size(1);
+  if (N > 0 && C > 0 && B > 0) {
+    gather_slot_values_kernel<<<ceil_div(N, 256), 256, 0, stream()>>>(
+        v.data_ptr<float>(), recv_map.data_ptr<int64_t>(), first.data_ptr<int64_t>(),
+        out.data_ptr<float>(), N, C, v.numel(), B);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
 }
 
 Tensor scatter_slot_values_cuda(const Tensor& back_in, const Tensor& send_map_in,
-                                const Tensor& topk_idx, int64_t E, int64_t R, int64_t transport) {
-  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, E, R, transport);
+                                const Tensor& topk_idx, const Tensor& first_in, int64_t E,
+                                int64_t R, int64_t transport) {
+  check_scatter_slot_values_args(back_in, send_map_in, topk_idx, first_in, E, R, transport);
   const c10::cuda::CUDAGuard guard(back_in.device());
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
-  const Tensor idx = topk_idx.to(at::kLong).contiguous();
+  const Tensor idx = topk_idx.to(at::kLong).contiguous(), first = first_in.contiguous();
   const int64_t T = idx.size(0), K = idx.size(1), L = E / R, C = send_map.size(1);
   Tensor out = at::empty({T, K}, back.options().dtype(at::kFloat));
   if (T * K > 0) {
-    const int64_t BW = back.dim() > 1 ? back.size(1) : 1, S = back.size(0);
     scatter_slot_values_kernel<<<ceil_div(T * K, 256), 256, 0, stream()>>>(
         back.data_ptr<float>(), send_map.data_ptr<int64_t>(), idx.data_ptr<int64_t>(),
-        out.data_ptr<float>(), T, K, E, L, C, S, BW, transport == kPairs);
+        first.data_ptr<int64_t>(), out.data_ptr<float>(), T, K, E, L, C, first.size(0),
+        back.size(0), transport == kPairs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;

@@ -51,10 +51,12 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv, const 
                                                       const Tensor& expert_y, bool weighted);
 std::tuple<Tensor, Tensor> quantize_mxfp8_cuda(const Tensor& x);
 std::tuple<Tensor, Tensor> quantize_fp8_block128_cuda(const Tensor& x);
-Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map);
-Tensor unpack_status_word(const Tensor& like);
+Tensor gather_slot_values_cuda(const Tensor& values, const Tensor& recv_map, const Tensor& first,
+                               c10::SymInt out_rows);
 Tensor scatter_slot_values_cuda(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
-                                int64_t num_experts, int64_t num_ranks, int64_t transport);
+                                const Tensor& first, int64_t num_experts, int64_t num_ranks,
+                                int64_t transport);
+Tensor unpack_status_word(const Tensor& like);
 
 // ---- launch helpers ---------------------------------------------------------------------
 inline cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
