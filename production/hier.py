@@ -535,7 +535,9 @@ def weight_grads_back(st: HierState, grad_row_weight) -> torch.Tensor:
     if grad_row_weight is None:
         return torch.zeros((T, K), dtype=torch.float32, device=st.kept.device)
     me = st.topo.me
-    vals = C.gather_slot_values(grad_row_weight.contiguous(), st.recv_map)[st.to_dedup]
+    rm = st.recv_map  # [N, K] values in received-row order, 0 where a slot names no row
+    g = grad_row_weight.contiguous()
+    vals = torch.where(rm >= 0, g[rm.clamp(min=0)], g.new_zeros(()))[st.to_dedup]
     got2 = move(vals[st.recv_map[st.to_dedup] >= 0], st.section("w2"), me, "weight gradients 2")
     arrival = torch.empty_like(got2)
     arrival[st.order2] = got2

@@ -4,7 +4,7 @@
 """
 from types import SimpleNamespace
 
-from .adapt import FullTopK, exchange_row_src, offsets_of
+from epkit.verify.adapt import FullTopK, exchange_row_src, offsets_of
 from epkit.baselines.megatron_style import A2ADispatcher
 
 
