@@ -80,7 +80,7 @@ def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, exper
         rows = payload.to_rows(x) if payload.quantized else x
         send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
                                 int(hp[ops.RANKS]), int(hp[ops.SEND_BYTES]))
-        finish = ops._move_dispatch(send, plan, group_name, async_op=True)
+        finish = ops.move_dispatch(send, plan, group_name, async_op=True)
     state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
                  topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
                  group_name=group_name, payload=payload)

@@ -71,7 +71,7 @@ class KernelRecorder:
                 return call
 
         # modules holding ``C`` as a global; epkit.payloads reads ``ops.C`` at call time
-        names = ("epkit.ops", "epkit.lazy", "epkit.api")
+        names = ("epkit.ops", "epkit.moves", "epkit.lazy", "epkit.api", "epkit.hier")
         mods = [m for m in (sys.modules.get(n) for n in names)
                 if m is not None and getattr(m, "C", None) is real]
         proxy = _Proxy()

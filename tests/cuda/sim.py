@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from epkit import ops, payloads
+from epkit import moves, ops, payloads
 from epkit.collectives import dtype_code
 from epkit.collectives import CODES
 
@@ -105,7 +105,7 @@ def _dispatch(case, align, capacity, transport, exchange, max_tokens, device, pa
         # count_exchange's second all-gather: every rank's kept token rows, and the plans again
         words = words.clone()
         words[:, ops.WORD_HEADER + E:] = torch.stack(
-            [ops.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
+            [moves.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
         plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
                  for r in range(R)]
     hps = [p.cpu() for p in plans]
@@ -173,7 +173,7 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     out["grad_x"] = [C.reduce_tokens(back_of(gbacks[s], gexs[s].dtype), smaps[s], kidx[s],
                                      empty, E, R, tr, False, xs[s].dtype) for s in range(R)]
     # (one float32 per kept slot, placed by ops.slot_places: both sides from their own maps)
-    at = [ops.slot_places(hps[r], ups[r][3], smaps[r], kidx[r], tr) for r in range(R)]
+    at = [moves.slot_places(hps[r], ups[r][3], smaps[r], kidx[r], tr) for r in range(R)]
     vals = [C.gather_slot_values(gws[d], ups[d][3], at[d].first, at[d].rows) for d in range(R)]
     out["slot_values"] = vals
     vbacks = [torch.cat([_chunks(vals[d], at[d].send)[s] for d in range(R)]) for s in range(R)]

@@ -1,0 +1,93 @@
+"""Fake kernels of the C++ ops (``csrc/``): output shapes and dtypes for ``torch.compile`` and
+meta tensors. Every routing-dependent size arrives as a SymInt argument; none is guessed."""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import PAIRS, WORD_HEADER, plan_size
+from epkit.reference import abi
+
+@torch.library.register_fake("epkit::layout")
+def _(topk_idx, num_experts, num_ranks):
+    T = topk_idx.shape[0]
+    long = dict(dtype=torch.int64, device=topk_idx.device)
+    return (topk_idx.new_empty((num_experts,), **long), topk_idx.new_empty((num_ranks,), **long),
+            topk_idx.new_empty((num_ranks,), **long),
+            topk_idx.new_empty((T, num_ranks), dtype=torch.bool))
+
+
+@torch.library.register_fake("epkit::prepare")
+def _(x, topk_idx, topk_weights, num_experts, num_ranks, pre_error, payload):
+    return topk_idx.new_empty((WORD_HEADER + num_experts + num_ranks,), dtype=torch.int64)
+
+
+@torch.library.register_fake("epkit::plan")
+def _(words, rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank):
+    return words.new_empty((plan_size(words.shape[0], num_experts),))
+
+
+@torch.library.register_fake("epkit::pack")
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes):
+    T, K = topk_idx.shape
+    cols = K if transport == PAIRS else num_ranks
+    return x.new_empty((send_bytes,), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
+
+
+@torch.library.register_fake("epkit::unpack")
+def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
+    cols = 1 if transport == PAIRS else topk
+    return (recv.new_empty((expert_rows, hidden), dtype=dtype),
+            recv.new_empty((expert_rows, 3), dtype=torch.int64),
+            recv.new_empty((expert_rows,), dtype=torch.float32),
+            recv.new_empty((recv_rows, cols), dtype=torch.int64))
+
+
+@torch.library.register_fake("epkit::gather_rows")
+def _(expert_y, recv_map, row_weight, transport, weighted):
+    dtype = expert_y.dtype if transport == PAIRS else torch.float32
+    return expert_y.new_empty((recv_map.shape[0], expert_y.shape[1]), dtype=dtype)
+
+
+@torch.library.register_fake("epkit::reduce_tokens")
+def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype,
+      ranks_per_node=1):
+    # dedup: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
+    H = back.shape[1] if transport == PAIRS else back.shape[1] * back.element_size() // 4
+    return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
+
+
+@torch.library.register_fake("epkit::scatter_rows")
+def _(src, send_map, send_rows):
+    return src.new_empty((send_rows, src.shape[1]))
+
+
+@torch.library.register_fake("epkit::combine_backward_dest")
+def _(recv, recv_map, row_weight, expert_y, weighted):
+    return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
+
+
+@torch.library.register_fake("epkit::quantize_mxfp8")
+def _(x):
+    T, H = x.shape
+    return (x.new_empty((T, H), dtype=torch.float8_e4m3fn),
+            x.new_empty((T, H // abi.MXFP8_BLOCK), dtype=torch.uint8))
+
+
+@torch.library.register_fake("epkit::quantize_fp8_block128")
+def _(x):
+    T, H = x.shape
+    return (x.new_empty((T, H), dtype=torch.float8_e4m3fn),
+            x.new_empty((T, H // abi.FP8_BLOCK128_BLOCK), dtype=torch.float32))
+
+
+@torch.library.register_fake("epkit::gather_slot_values")
+def _(values, recv_map, first, out_rows):
+    return values.new_empty((out_rows,), dtype=torch.float32)
+
+
+@torch.library.register_fake("epkit::scatter_slot_values")
+def _(back, send_map, topk_idx, first, num_experts, num_ranks, transport):
+    return back.new_empty(topk_idx.shape, dtype=torch.float32)
+
+

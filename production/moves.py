@@ -1,0 +1,310 @@
+"""The exchanges inside the ops: the dispatch's token exchange, the way back of combine and the
+dispatch backward (pairs' rows; dedup's raw rows or float32 partials, moved as only the rows
+used), dedup's kept routing and the count exchange's second all-gather, and the weight
+gradients' way back (one float32 per kept slot). Collective calls go through
+:func:`epkit.collectives.all_to_all` (the variant table); sizes come from the plan's host
+mirror, so nothing here waits for the device."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _build
+from .collectives import all_gather, all_to_all, group_from_name
+from .device import host_plan
+from .plan import *  # noqa: F401,F403  (the plan's word positions)
+from .plan import _F
+
+_build.load()
+C = torch.ops.epkit  # the kernel bench swaps this module's C to record the calls
+
+# ---- the exchange inside the ops ----------------------------------------------------------
+
+def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
+          async_op: bool = False, what: str = "epkit"):
+    """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
+    ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
+    and returns the rows."""
+    plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
+    R = int(plan[RANKS])
+    variant = VARIANT_NAMES[int(plan[VARIANT])]
+    cap = int(plan[STATIC_CAP])
+    if variant == "static":  # fixed chunks of 1 + cap rows, counts in-band
+        send = recv = [1 + cap] * R
+        variant = "equal"
+    else:
+        sl = plan_slices(R, int(plan[EXPERTS]))
+        send = plan[sl["send_counts"]].tolist()
+        recv = plan[sl["recv_counts"]].tolist()
+        if reverse:
+            send, recv = recv, send
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
+                      async_op=async_op, what=what)
+
+
+def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False):
+    """The dispatch exchange: ``buf`` holds this rank's chunks back to back as bytes, already in
+    the variant's layout (pack pads), so only ragged needs split sizes."""
+    plan = host_plan(plan)
+    R = int(plan[RANKS])
+    sl = plan_slices(R, int(plan[EXPERTS]))
+    send = plan[sl["send_bytes"]].tolist()
+    recv = plan[sl["recv_bytes"]].tolist()
+    variant = "ragged" if int(plan[VARIANT]) == 0 else "equal"
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant, send[0] if R else 0,
+                      async_op=async_op, what="epkit.dispatch (token exchange)")
+
+
+# ---- dedup: the kept routing, and the way back of raw rows or partials -----------------------
+
+def may_drop(plan: torch.Tensor) -> bool:
+    """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
+    ``DROPPED_ANY``; under the static exchange on CUDA, whose host mirror is a routing-free
+    template (epkit/device.py), whether a capacity is set at all."""
+    hp = host_plan(plan)
+    if plan.is_cuda and int(hp[STATIC_CAP]) >= 0:
+        return int(hp[_F["capacity"]]) >= 0
+    return bool(int(hp[DROPPED_ANY]))
+
+
+def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``topk_idx [T, K]`` as int64 with the slots capacity dropped set to -1 (``topk_idx``
+    itself, as int64, when the plan dropped nothing). The rule is pack's: of this rank's slots to
+    expert ``e`` in token order, the first ``own_kept[e]`` are kept. Torch ops on the plan's
+    device, no host read (:func:`may_drop` reads the host mirror); values outside ``[0, E)``
+    count as unused."""
+    idx = topk_idx.to(torch.int64)
+    hp = host_plan(plan)
+    if not may_drop(plan):
+        return idx
+    E = int(hp[EXPERTS])
+    own_kept = plan[plan_slices(int(hp[RANKS]), E)["own_kept"]].to(idx.device)
+    flat = idx.reshape(-1)
+    e = torch.where((flat >= 0) & (flat < E), flat, E)             # E: not a kept candidate
+    order = torch.sort(e, stable=True).indices
+    sorted_e = e[order]
+    used = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).index_add_(
+        0, e, torch.ones_like(e))
+    start = torch.cumsum(used, 0) - used
+    rank_in_e = torch.arange(flat.numel(), device=idx.device) - start[sorted_e]
+    limit = torch.cat([own_kept, own_kept.new_zeros(1)])
+    keep = torch.empty_like(flat, dtype=torch.bool).scatter_(0, order, rank_in_e < limit[sorted_e])
+    return torch.where(keep, flat, -1).view(idx.shape)
+
+
+def kept_token_rows(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+    """``[R] int64``: this rank's tokens with a kept slot on each rank (dedup's token rows, what
+    the count exchange's second all-gather carries)."""
+    hp = host_plan(plan)
+    R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
+    kept = kept_routing(topk_idx, plan)
+    T = kept.shape[0]
+    t = torch.arange(T, device=kept.device).unsqueeze(1).expand_as(kept)
+    at = torch.where(kept >= 0, t * R + kept // L, T * R)          # T * R: no row
+    hit = torch.zeros(T * R + 1, dtype=torch.int64, device=kept.device).index_add_(
+        0, at.reshape(-1), torch.ones_like(at).reshape(-1))
+    return (hit[:T * R].view(T, R) > 0).sum(0)
+
+
+def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, topk_idx, group, R: int,
+                      num_experts: int) -> torch.Tensor:
+    """The count exchange's second all-gather (dedup, when capacity dropped a slot anywhere):
+    every rank's kept token rows (R words) replace the words' tokens_per_rank, so the plan made
+    from the result has the token rows that really travel. Returns the new words ``[R, W]``.
+    A rank without its routing contributes -1 words, and every rank then raises."""
+    rows = (kept_token_rows(topk_idx, plan) if topk_idx is not None else
+            torch.full((R,), -1, dtype=torch.int64, device=gathered.device))
+    got = gathered.new_empty((R * R,))
+    all_gather(got, rows.to(gathered.device).contiguous(), group,
+               "epkit.dispatch (count exchange: token rows)")
+    if not got.is_cuda:  # (on CUDA a host read; there the plan kernel sees negative words)
+        if bool((got < 0).any()):
+            raise ValueError("epkit.count_exchange: capacity dropped slots and a rank gave no "
+                             "topk_idx, which the dedup transport's token rows need")
+    words = gathered.view(R, -1).clone()
+    words[:, WORD_HEADER + num_experts:] = got.view(R, R)
+    return words
+
+
+def _back_layout(hp, per: int):
+    """dedup's way back: ``(chunk rows, header rows)`` of a fixed-chunk variant (padded and equal:
+    ``min(max slots, per * max token rows)``; static: ``1 + min(slot cap, per * token cap)``),
+    ``(None, 0)`` for ragged. Caps from the plan alone, never above pairs' chunk."""
+    variant = VARIANT_NAMES[int(hp[VARIANT])]
+    if variant == "ragged":
+        return None, 0
+    tok, slot = int(hp[TOK_CAP]), int(hp[SLOT_CAP])
+    if variant == "static":  # the caps count the header row
+        return 1 + min(slot - 1, per * (tok - 1)), 1
+    return min(slot, per * tok), 0
+
+
+def _row_chunks(hp, n: int, recv: bool) -> torch.Tensor:
+    """``[n] int64``: the peer (chunk) of each row of the dispatch's row space (``recv``: the
+    received rows, else the sent ones): compact along the plan's counts, or static chunks."""
+    R = int(hp[RANKS])
+    if int(hp[STATIC_CAP]) >= 0:
+        return torch.arange(n) // (1 + int(hp[STATIC_CAP]))
+    counts = hp[plan_slices(R, int(hp[EXPERTS]))["recv_counts" if recv else "send_counts"]]
+    return torch.repeat_interleave(torch.arange(R), counts.cpu(), output_size=n)
+
+
+def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
+    """Where the way back puts each token row's rows. ``u [n]``: rows of each token row (row
+    space order, chunk-major), ``chunk_of [n]``: its peer. Returns ``(pos [n, per] int64``: the
+    way-back row of its i-th row, -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
+    per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
+    base = torch.cumsum(u, 0) - u                                    # compact: rows before it
+    if chunk is not None:                                            # fixed chunks
+        first = torch.cumsum(per_chunk, 0) - per_chunk
+        base = chunk_of * chunk + hdr + base - first[chunk_of]
+    i = torch.arange(per, device=u.device)
+    return torch.where(i < u.unsqueeze(1), base.unsqueeze(1) + i, -1), per_chunk
+
+
+def _send_row_slots(kept_idx: torch.Tensor, send_map: torch.Tensor, L: int, S: int,
+                    pairs: bool = False) -> torch.Tensor:
+    """``[S] int64``: the kept slots of each send row, 0 for the rows ``send_map`` names not (a
+    static chunk's header). dedup: token row ``(t, d)``, the row ``send_map [T, R]`` names, with
+    the kept routing ``kept_idx [T, K]`` (dropped slots -1); ``pairs``: one slot per row that
+    ``send_map [T, K]`` names."""
+    if pairs:
+        n = (send_map >= 0).to(torch.int64)
+    else:
+        T, R = send_map.shape
+        kept = kept_idx >= 0
+        n = torch.zeros((T, R), dtype=torch.int64, device=kept.device).scatter_add_(
+            1, torch.where(kept, kept_idx // L, 0), kept.to(torch.int64))
+    return torch.zeros(S + 1, dtype=torch.int64, device=n.device).index_add_(
+        0, torch.where(send_map >= 0, send_map, S).reshape(-1), n.reshape(-1))[:S]
+
+
+def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Tensor,
+                     send_map: torch.Tensor, kept_idx: torch.Tensor, plan: torch.Tensor,
+                     group_name: str, async_op: bool, what: str):
+    """dedup's way back. ``rows [N, H]`` float32 from gather_rows (a token row's 4H bytes: its
+    n rows of ``dtype`` when n <= per, else its float32 partial); only the ``min(n, per)`` rows
+    of ``dtype`` each token row uses travel. Returns ``back [S, per * H]`` in ``dtype`` for
+    reduce_tokens (or, with ``async_op``, a callable that waits and returns it)."""
+    hp = host_plan(plan)
+    R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
+    per = 4 // dtype.itemsize
+    N, H = rows.shape
+    chunk, hdr = _back_layout(hp, per)
+    # expert side: its received token rows' rows, laid out for the variant
+    u = (recv_map >= 0).sum(1).clamp(max=per)
+    pos, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, per, chunk, hdr)
+    total = int(send.sum()) if chunk is None else R * chunk
+    buf = rows.new_zeros((total + 1, H), dtype=dtype)               # row `total`: discarded
+    buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
+                    rows.view(dtype).reshape(N * per, H))
+    # source side: the rows each of its token rows gets back
+    S = int(hp[SEND_ROWS])
+    u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
+    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, per, chunk,
+                               hdr)
+    group = group_from_name(group_name)
+    sizes = ([send.tolist(), recv.tolist()] if chunk is None else [[chunk] * R] * 2)
+    move = all_to_all(buf[:total], *sizes, group, "ragged" if chunk is None else "equal",
+                      chunk or 0, async_op=async_op, what=what)
+
+    def finish() -> torch.Tensor:
+        got = move() if async_op else move
+        back = got.new_zeros((S * per + 1, H))                       # row S * per: discarded
+        if got.shape[0]:
+            dst = torch.where(at >= 0, torch.arange(S * per, device=at.device).view(S, per),
+                              S * per)
+            back.index_copy_(0, dst.reshape(-1), got[at.clamp(min=0).reshape(-1)])
+        return back[:S * per].view(S, per * H)
+
+    return finish if async_op else finish()
+
+
+def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
+              send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
+              group_name: str, transport: int, weighted: bool, async_op: bool = False,
+              what: str = "epkit.combine"):
+    """The way back of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
+    gather_rows on the expert side and the exchange. Returns ``(back, idx)`` for
+    ``reduce_tokens(back, send_map, idx, ...)`` (``idx``: dedup's kept routing, pairs'
+    topk_idx), or with ``async_op`` a callable that waits and returns them."""
+    rows = C.gather_rows(expert_y, recv_map, row_weight, transport, weighted)
+    if transport == PAIRS:
+        moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what)
+        if async_op:
+            return lambda: (moved(), topk_idx)
+        return moved, topk_idx
+    kept_idx = kept_routing(topk_idx, plan)
+    moved = _dedup_move_back(rows, expert_y.dtype, recv_map, send_map, kept_idx, plan,
+                             group_name, async_op, what)
+    if async_op:
+        return lambda: (moved(), kept_idx)
+    return moved, kept_idx
+
+
+# ---- the weight gradients' way back: one float32 per kept slot -------------------------------
+
+class SlotPlaces(NamedTuple):
+    """Where the weight gradients' way back puts each value (:func:`slot_places`).
+
+    first [N] int64: the place of received row n's first value in the expert side's buffer (-1:
+    none); rows: that buffer's length; first_src [S] int64: the place of send row r's first value
+    in what the source gets back; send / recv: rows to / from each peer; fixed: the chunks are
+    of one size (moved split-free)."""
+    first: torch.Tensor
+    rows: int
+    first_src: torch.Tensor
+    send: list
+    recv: list
+    fixed: bool
+
+
+def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.Tensor,
+                transport: int) -> SlotPlaces:
+    """The weight gradients' way back along the dispatch's slot section (pairs' rows, dedup's
+    slot rows), transposed: one float32 per kept slot, in slot-row order (dedup: a token row's n
+    values k ascending). Ragged: chunks of the plan's slot counts; padded and equal: the section's
+    chunk (its largest count); static: its ``1 + cap`` rows, the first a zero row; so pairs' own
+    chunks. Each side counts the values of its rows itself (the expert side its received rows'
+    kept slots, ``recv_map >= 0``; the source its kept routing's ``idx``): sizes from the host
+    plan ``hp``, places as device tensors, nothing read back."""
+    R, E, L, S = (int(hp[f]) for f in (RANKS, EXPERTS, LOCAL_EXPERTS, SEND_ROWS))
+    dedup = transport == DEDUP
+    variant = VARIANT_NAMES[int(hp[VARIANT])]
+    chunk = None if variant == "ragged" else int(hp[SLOT_CAP if dedup else TOK_CAP])
+    front = 1 if variant == "static" else 0
+    u = (recv_map >= 0).sum(1)
+    first, _ = _unit_positions(u, _row_chunks(hp, recv_map.shape[0], True).to(u.device), R, 1,
+                               chunk, front)
+    u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
+    first_src, _ = _unit_positions(u_src, _row_chunks(hp, S, False).to(u_src.device), R, 1,
+                                   chunk, front)
+    if chunk is None:
+        sl = plan_slices(R, E)
+        send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else
+                                                   ("recv_counts", "send_counts")))
+    else:
+        send = recv = [chunk] * R
+    return SlotPlaces(first.view(-1), sum(send), first_src.view(-1), send, recv,
+                      chunk is not None)
+
+
+def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
+                     idx: torch.Tensor, plan: torch.Tensor, group_name: str, transport: int,
+                     what: str) -> torch.Tensor:
+    """The weight gradients' way back (the gradient of ``row_weight``): ``values [M] float32``
+    on the expert side, one per expert-major row -> ``[T, K] float32`` on the source, 0 for
+    unused and dropped slots. ``idx [T, K]``: the source's routing (dedup: the kept routing,
+    :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels
+    (:func:`slot_places`; docs/design.md, wire format)."""
+    hp = host_plan(plan)
+    at = slot_places(hp, recv_map, send_map, idx, transport)
+    vals = C.gather_slot_values(values, recv_map, at.first, at.rows)
+    back = all_to_all(vals, at.send, at.recv, group_from_name(group_name),
+                      "equal" if at.fixed else "ragged", at.send[0] if at.fixed else 0, what=what)
+    return C.scatter_slot_values(back, send_map, idx, at.first_src, int(hp[EXPERTS]),
+                                 int(hp[RANKS]), transport)
+
+

@@ -1,0 +1,61 @@
+"""The plan as Python reads it: its words' positions (reference/abi.py, the one definition the
+kernels' csrc/abi.h is generated from), the transport codes, and the few plan words Python
+writes or derives. ``plan`` is the int64 tensor ``epkit::plan`` computes from the gathered
+count words (docs/design.md, "The plan"); on CUDA its host mirror (:func:`epkit.device.host_plan`)
+is what these read."""
+
+from __future__ import annotations
+
+import torch
+
+from .device import host_plan
+from epkit.reference import abi
+
+__all__ = ['TRANSPORTS', 'PAIRS', 'DEDUP', 'ERR_CODE', 'ERR_A', 'ERR_B', 'ERR_RANK', 'SEND_ROWS',
+           'RECV_ROWS', 'EXPERT_ROWS', 'UNIFORM', 'MAX_CHUNK', 'RANKS', 'LOCAL_EXPERTS', 'EXPERTS',
+           'STATIC_CAP', 'VARIANT', 'PAYLOAD_BYTES', 'TOK_CAP', 'SLOT_CAP', 'SEND_BYTES',
+           'RECV_BYTES', 'NONUNIFORM_RANK', 'DROPPED_ANY', 'RANKS_PER_NODE', 'PLAN_HEADER',
+           'VARIANT_NAMES', 'WORD_HEADER', 'plan_size', 'plan_slices', 'ranks_per_node',
+           'stamp_ranks_per_node', 'dispatch_chunk_bytes']
+
+TRANSPORTS = dict(abi.TRANSPORT_CODES)
+PAIRS, DEDUP = TRANSPORTS["pairs"], TRANSPORTS["dedup"]
+_F = {name: i for i, name in enumerate(abi.PLAN_FIELDS)}
+ERR_CODE, ERR_A, ERR_B, ERR_RANK = (_F[n] for n in ("err_code", "err_a", "err_b", "err_rank"))
+SEND_ROWS, RECV_ROWS, EXPERT_ROWS, UNIFORM, MAX_CHUNK = (
+    _F[n] for n in ("send_rows", "recv_rows", "expert_rows", "uniform", "max_chunk"))
+RANKS, LOCAL_EXPERTS, EXPERTS = _F["ranks"], _F["local_experts"], _F["experts"]
+(STATIC_CAP, VARIANT, PAYLOAD_BYTES, TOK_CAP, SLOT_CAP, SEND_BYTES, RECV_BYTES,
+ NONUNIFORM_RANK, DROPPED_ANY, RANKS_PER_NODE) = (
+    _F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap", "slot_cap", "send_bytes",
+                    "recv_bytes", "nonuniform_rank", "dropped_any", "ranks_per_node"))
+PLAN_HEADER = abi.PLAN_HEADER
+VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}
+WORD_HEADER = abi.WORD_HEADER
+plan_size = abi.plan_size
+plan_slices = abi.plan_slices
+
+
+def ranks_per_node(plan: torch.Tensor) -> int:
+    """The plan's ``G``, the nodes of the combine's summation order (a plan word that
+    :func:`count_exchange` writes; a plan made by ``epkit::plan`` alone reads as 1)."""
+    return max(1, int(host_plan(plan)[RANKS_PER_NODE]))
+
+
+def stamp_ranks_per_node(plan: torch.Tensor, G: int) -> torch.Tensor:
+    """Write ``G`` into the plan and its host mirror (on CUDA a fill, no host wait)."""
+    plan[RANKS_PER_NODE] = G
+    mirror = host_plan(plan)
+    if mirror is not plan:
+        mirror[RANKS_PER_NODE] = G
+    return plan
+
+
+def dispatch_chunk_bytes(transport: int, P: int, rows: int, slots: int) -> int:
+    """Bytes of one dispatch chunk (docs/design.md wire format): pairs rows of ``P + 16``;
+    dedup token rows of ``P + 8`` plus slot rows of 8."""
+    if transport == PAIRS:
+        return rows * (P + abi.PAIRS_META_BYTES)
+    return rows * (P + abi.DEDUP_TOKEN_META_BYTES) + slots * abi.SLOT_ROW_BYTES
+
+
