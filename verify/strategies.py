@@ -40,6 +40,9 @@ def cases(
     (two-level nodes first, so a case shrinks to one with nodes of several ranks). Without a
     mode, payload and plan shape are drawn too.
 
+    (About 70 lines, most of them the Case's fields: the draws' order is what hypothesis
+    replays and shrinks by, so it reads here in one place.)
+
     About one draw in ``wide_every`` (0: never) is a wide top-k case: ``K`` in 129..255 (within
     ``max_topk`` of the capabilities) and up to 512 experts, with few tokens and a narrow hidden
     size; it shrinks to an ordinary draw.

@@ -23,6 +23,7 @@ namespace epkit {
 // expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
 // partial P_d(t) (its K slots summed); pairs: each received slot's row of expert_y, copied as
 // is (the source multiplies).
+// (About 70 lines: both transports' expert-side passes under one dtype dispatch.)
 Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
                        int64_t transport, bool weighted) {
   check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
@@ -123,6 +124,9 @@ inline void partial_of(float* part, int64_t H, const Bt* const* rows, const floa
 
 }  // namespace
 
+// One body (about 90 lines) on purpose: the source's sum is the spec's order (docs/semantics.md,
+// "Combine": slots k ascending per rank, then ranks, grouped by node) and reads here in one
+// place, under one dtype dispatch, for both transports.
 Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                          const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
                          bool weighted, at::ScalarType out_dtype, int64_t G) {

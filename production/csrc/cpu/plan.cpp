@@ -14,6 +14,9 @@ using reason::kDtypeMismatch, reason::kHiddenMismatch, reason::kTopkMismatch;
 constexpr int64_t kMaxWordCount = int64_t(1) << 48;  // a count beyond this overflows the sums
 }
 
+// One function (about 100 lines) on purpose: it writes the plan's words in layout order
+// (header, kept counts, sections, offsets, chunks), each block reading the running sums of
+// the ones before; split, a dozen of those values would travel between the pieces.
 Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
                 int64_t capacity, int64_t transport, int64_t exchange, int64_t max_tokens) {
   check_plan_args(words_in, rank, E, transport, exchange);
