@@ -197,9 +197,12 @@ def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Ten
     u = (recv_map >= 0).sum(1).clamp(max=per)
     pos, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, per, chunk, hdr)
     total = int(send.sum()) if chunk is None else R * chunk
-    buf = rows.new_zeros((total + 1, H), dtype=dtype)               # row `total`: discarded
-    buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
-                    rows.view(dtype).reshape(N * per, H))
+    if chunk is None:  # ragged: the used rows in row order, compact (one masked gather)
+        buf = rows.view(dtype).reshape(N, per, H)[pos >= 0]
+    else:              # fixed chunks: placed, the gaps zero
+        buf = rows.new_zeros((total + 1, H), dtype=dtype)           # row `total`: discarded
+        buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
+                        rows.view(dtype).reshape(N * per, H))
     # source side: the rows each of its token rows gets back
     S = int(hp[SEND_ROWS])
     u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
@@ -212,6 +215,10 @@ def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Ten
 
     def finish() -> torch.Tensor:
         got = move() if async_op else move
+        if chunk is None:  # ragged: compact in row order, so one masked scatter
+            back = got.new_zeros((S, per, H))
+            back[at >= 0] = got
+            return back.view(S, per * H)
         back = got.new_zeros((S * per + 1, H))                       # row S * per: discarded
         if got.shape[0]:
             dst = torch.where(at >= 0, torch.arange(S * per, device=at.device).view(S, per),
