@@ -26,7 +26,7 @@ import numpy as np
 
 from . import transports
 from .arith import scaled, weight_grad_dot
-from .combine import ordered_sums
+from .combine import sums_back
 from .common import DispatchResult
 from .validate import check_results, check_rows
 
@@ -43,11 +43,7 @@ def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[Dispat
     """
     check_results(res)
     gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
-    carried = transports.of_results(res)
-    if carried is not None:
-        sums, _ = carried.reduce_back(res, gs, weighted=False)
-    else:
-        sums = ordered_sums(gs, res, weighted=False)
+    sums = sums_back(gs, res, weighted=False)
     return [s.astype(r.x_dtype) for s, r in zip(sums, res)]
 
 

@@ -62,6 +62,15 @@ def ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weight
     return outs
 
 
+def sums_back(rows, res, weighted: bool) -> List[np.ndarray]:
+    """The way back of combine (and, unweighted, of the dispatch backward): R float32 [T_s, H]
+    sums, through the transport the dispatch came by (its bytes), else the spec's order."""
+    carried = transports.of_results(res)
+    if carried is not None:
+        return carried.reduce_back(res, rows, weighted)[0]
+    return ordered_sums(rows, res, weighted)
+
+
 def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weighted: bool = True
             ) -> List[np.ndarray]:
     """Combine expert outputs back to their tokens.
@@ -75,9 +84,5 @@ def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weig
     """
     check_results(res)
     ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    carried = transports.of_results(res)
-    if carried is not None:
-        sums, _ = carried.reduce_back(res, ys, weighted)
-    else:
-        sums = ordered_sums(ys, res, weighted)
+    sums = sums_back(ys, res, weighted)
     return [s.astype(r.x_dtype) for s, r in zip(sums, res)]

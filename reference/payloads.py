@@ -34,19 +34,11 @@ from .errors import Reason
 Triple = Tuple[int, int, int]
 
 
-@dataclass(frozen=True)
-class Payload:
-    """One row of the table (module docstring).
-
-    name: the ``payload=`` value; scale_dtype: the scales' dtype (None: no scales);
-    encode: x [T, H] -> (q [T, H] float8_e4m3fn, scale [T, H / block] scale_dtype);
-    decode: (q, scale) -> [T, H] float32.
-    """
+class Codes:
+    """What every tier's table row derives from its ``name`` alone, through abi.py (the
+    reference's rows and epkit.payloads' share it)."""
 
     name: Optional[str]
-    scale_dtype: Optional[np.dtype] = None
-    encode: Optional[Callable] = None
-    decode: Optional[Callable] = None
 
     @property
     def code(self) -> int:
@@ -61,6 +53,22 @@ class Payload:
     @property
     def quantized(self) -> bool:
         return self.block > 0
+
+
+@dataclass(frozen=True)
+class Payload(Codes):
+    """One row of the table (module docstring).
+
+    name: the ``payload=`` value; scale_dtype: the scales' dtype (None: no scales);
+    encode: x [T, H] -> (q [T, H] float8_e4m3fn, scale [T, H / block] scale_dtype);
+    decode: (q, scale) -> [T, H] float32.
+    """
+
+    name: Optional[str]
+    scale_dtype: Optional[np.dtype] = None
+    encode: Optional[Callable] = None
+    decode: Optional[Callable] = None
+
 
     def row_dtype(self, x_dtype) -> np.dtype:
         """dtype of the dispatched rows: x's, or E4M3."""

@@ -22,32 +22,21 @@ import torch
 
 from .. import ops
 from . import fp8_block128, mxfp8
-from epkit.reference.abi import PAYLOAD_BLOCKS, PAYLOAD_CODES, payload_bytes
+from epkit.reference.abi import PAYLOAD_CODES, payload_bytes
+from epkit.reference.payloads import Codes
 
 __all__ = ["Payload", "TABLE", "NAMES", "of", "dispatch_quantized", "round_trip"]
 
 
 @dataclass(frozen=True)
-class Payload:
-    """One row of the table. ``quantize``: x [T, H] float32/bfloat16 -> (q [T, H] float8_e4m3fn,
+class Payload(Codes):
+    """One row of the table (code, block, quantized: the reference's :class:`Codes`). ``quantize``: x [T, H] float32/bfloat16 -> (q [T, H] float8_e4m3fn,
     scale [T, H / block] scale_dtype); ``dequantize``: (q, scale) -> [T, H] float32."""
 
     name: Optional[str]
     scale_dtype: Optional[torch.dtype] = None
     quantize: Optional[Callable] = None
     dequantize: Optional[Callable] = None
-
-    @property
-    def code(self) -> int:
-        return PAYLOAD_CODES[self.name]
-
-    @property
-    def block(self) -> int:
-        return PAYLOAD_BLOCKS[self.name]
-
-    @property
-    def quantized(self) -> bool:
-        return self.block > 0
 
     def row_bytes(self, hidden: int, itemsize: int) -> int:
         """``P``: bytes of one token's payload on the wire (abi.payload_bytes)."""
