@@ -89,8 +89,8 @@ _TOPOLOGIES: dict = {}  # (group name, G) -> (process groups of every subgroup, 
 def _subgroup_sets(R: int, G: int) -> list:
     """Every subgroup, in the order every rank creates them: the inter-node ones by local
     index, then the intra-node ones by node."""
-    return ([("inter", tuple(range(i, R, G))) for i in range(G)]
-            + [("intra", tuple(range(n * G, n * G + G))) for n in range(R // G)])
+    return ([("inter", tuple(r)) for r in spec.inter_subgroups(R, G)]
+            + [("intra", tuple(r)) for r in spec.intra_subgroups(R, G)])
 
 
 def _process_groups(group, G: int) -> dict:

@@ -43,6 +43,37 @@ def dtype_code(dt) -> int:
         return 0
 
 
+E4M3_MAX = np.float32(448.0)  # the largest finite E4M3: quantized payloads saturate to it
+
+
+def e4m3_blocks(x: np.ndarray, block: int, payload: str) -> np.ndarray:
+    """A quantized payload's input ``x [T, H]`` float32 / bfloat16 as float32 blocks
+    ``[T, H / block, block]`` (bfloat16 widened exactly); ValueError unless 2-D, ``H % block
+    == 0`` and finite."""
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"epkit.reference: {payload} quantizes a 2-D [T, H] array")
+    T, H = x.shape
+    if H % block != 0:
+        raise ValueError(f"epkit.reference: {payload} needs H % {block} == 0, got H = {H}")
+    v = x.astype(FLOAT32).reshape(T, H // block, block)
+    if not np.isfinite(v).all():
+        raise ValueError(f"epkit.reference: {payload} input holds a non-finite value")
+    return v
+
+
+def e4m3_dequantized(q: np.ndarray, scale: np.ndarray, block: int, payload: str) -> np.ndarray:
+    """``float32(q) * scale`` per block, one float32 multiply: ``q [T, H]`` E4M3, ``scale
+    [T, H / block]`` float32 -> ``[T, H]`` float32 (exact for MXFP8's powers of two)."""
+    q = np.asarray(q)
+    scale = np.asarray(scale, FLOAT32)
+    T, H = q.shape
+    if scale.shape != (T, H // block) or H % block != 0:
+        raise ValueError(f"epkit.reference: {payload}'s scales must have shape "
+                         f"[T, H // {block}]")
+    return (q.astype(FLOAT32).reshape(T, H // block, block) * scale[:, :, None]).reshape(T, H)
+
+
 def padded(n: int, align: int) -> int:
     """``n`` rounded up to a multiple of ``align`` (0 stays 0)."""
     return -(-n // align) * align

@@ -30,18 +30,9 @@ from typing import Tuple
 import numpy as np
 
 from .abi import FP8_BLOCK128_BLOCK as BLOCK
-from .common import E4M3, FLOAT32
+from .common import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
 
-E4M3_MAX = np.float32(448.0)
 AMAX_MIN = np.float32(1e-4)   # DeepEP's clamp of the block maximum
-
-
-def _blocks(x: np.ndarray) -> np.ndarray:
-    """[T, H] -> [T, H/128, 128] float32."""
-    T, H = x.shape
-    if H % BLOCK != 0:
-        raise ValueError(f"epkit.reference: fp8_block128 needs H % {BLOCK} == 0, got H = {H}")
-    return x.astype(FLOAT32).reshape(T, H // BLOCK, BLOCK)
 
 
 def quantize_fp8_block128(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -52,16 +43,11 @@ def quantize_fp8_block128(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     Returns:
         q: [T, H] float8_e4m3fn; scale: [T, H // 128] float32.
     """
-    x = np.asarray(x)
-    if x.ndim != 2:
-        raise ValueError("epkit.reference: quantize_fp8_block128 takes a 2-D [T, H] array")
-    v = _blocks(x)
-    if not np.isfinite(v).all():
-        raise ValueError("epkit.reference: fp8_block128 input holds a non-finite value")
+    v = e4m3_blocks(x, BLOCK, "fp8_block128")
     amax = np.abs(v).max(axis=2, initial=np.float32(0))               # [T, H/128] float32
     scale = (np.maximum(amax, AMAX_MIN) / E4M3_MAX).astype(FLOAT32)   # float32 / float32
     u = np.clip(v / scale[:, :, None], -E4M3_MAX, E4M3_MAX)          # float32 / float32
-    return u.astype(E4M3).reshape(x.shape), scale
+    return u.astype(E4M3).reshape(v.shape[0], v.shape[1] * v.shape[2]), scale
 
 
 def dequantize_fp8_block128(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -72,9 +58,4 @@ def dequantize_fp8_block128(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     Returns:
         [T, H] float32.
     """
-    q = np.asarray(q)
-    scale = np.asarray(scale, FLOAT32)
-    T, H = q.shape
-    if scale.shape != (T, H // BLOCK) or H % BLOCK != 0:
-        raise ValueError(f"epkit.reference: scale must have shape [T, H // {BLOCK}]")
-    return (q.astype(FLOAT32).reshape(T, H // BLOCK, BLOCK) * scale[:, :, None]).reshape(T, H)
+    return e4m3_dequantized(q, scale, BLOCK, "fp8_block128")

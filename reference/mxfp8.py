@@ -31,19 +31,10 @@ from typing import Tuple
 import numpy as np
 
 from .abi import MXFP8_BLOCK as BLOCK
-from .common import E4M3, FLOAT32
+from .common import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
 
-E4M3_MAX = np.float32(448.0)
 E4M3_EMAX = 8          # floor(log2(448))
 SCALE_BIAS = 127       # E8M0 code = e + 127
-
-
-def _blocks(x: np.ndarray) -> np.ndarray:
-    """[T, H] -> [T, H/32, 32] float32."""
-    T, H = x.shape
-    if H % BLOCK != 0:
-        raise ValueError(f"epkit.reference: MXFP8 needs H % 32 == 0, got H = {H}")
-    return x.astype(FLOAT32).reshape(T, H // BLOCK, BLOCK)
 
 
 def quantize_mxfp8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -54,12 +45,7 @@ def quantize_mxfp8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     Returns:
         q: [T, H] float8_e4m3fn; codes: [T, H // 32] uint8 (E8M0 codes ``e + 127``).
     """
-    x = np.asarray(x)
-    if x.ndim != 2:
-        raise ValueError("epkit.reference: quantize_mxfp8 takes a 2-D [T, H] array")
-    v = _blocks(x)
-    if not np.isfinite(v).all():
-        raise ValueError("epkit.reference: MXFP8 input holds a non-finite value")
+    v = e4m3_blocks(x, BLOCK, "MXFP8")
     amax = np.abs(v).max(axis=2, initial=np.float32(0))          # [T, H/32]
     _, ex = np.frexp(amax)                                        # amax = m * 2**ex, m in [0.5, 1)
     e = np.clip(ex.astype(np.int64) - 1 - E4M3_EMAX, -127, 127)
@@ -68,7 +54,7 @@ def quantize_mxfp8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     scale = np.ldexp(np.ones_like(amax, dtype=FLOAT32), e.astype(np.int32))  # 2**e, exact in float32
     u = np.clip(v / scale[:, :, None], -E4M3_MAX, E4M3_MAX)
     u = np.where(zero[:, :, None], np.float32(0), u)             # amax == 0: elements +0
-    q = u.astype(E4M3).reshape(x.shape)
+    q = u.astype(E4M3).reshape(v.shape[0], v.shape[1] * v.shape[2])
     return q, (e + SCALE_BIAS).astype(np.uint8)
 
 
@@ -80,11 +66,6 @@ def dequantize_mxfp8(q: np.ndarray, codes: np.ndarray) -> np.ndarray:
     Returns:
         [T, H] float32.
     """
-    q = np.asarray(q)
     codes = np.asarray(codes)
-    T, H = q.shape
-    if codes.shape != (T, H // BLOCK) or H % BLOCK != 0:
-        raise ValueError("epkit.reference: codes must have shape [T, H // 32]")
     scale = np.ldexp(np.ones(codes.shape, FLOAT32), codes.astype(np.int32) - SCALE_BIAS)
-    return (q.astype(FLOAT32).reshape(T, H // BLOCK, BLOCK) * scale[:, :, None]).reshape(T, H)
-
+    return e4m3_dequantized(q, scale, BLOCK, "MXFP8")
