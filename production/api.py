@@ -27,6 +27,7 @@ from .agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, he
                          serial, tensor_error)
 from .collectives import CODES as EXCHANGE_CODES
 from .collectives import dtype_code, group_name, is_group, resolve_group
+from .workspace import Workspace
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
 from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError,
@@ -172,6 +173,12 @@ class Dispatcher:
             launcher's local world size (``LOCAL_WORLD_SIZE``, as torchrun sets it) when it is
             set and divides the group size, else 1. Agreed between ranks like every option (a
             mismatch is an InputError on every rank).
+        workspace: keep the buffers that never leave an op (every exchange's receive buffer,
+            the combine's and the dispatch backward's send buffer) from call to call
+            (epkit/workspace.py; DeepEP's ``Buffer``): allocated on first use, grown when a
+            call needs more, reported by :attr:`workspace_bytes`, freed by :meth:`release`.
+            Outputs and saved tensors never live there. ``False``: every buffer fresh (the
+            functional ``epkit.dispatch``, whose Dispatcher lasts one step).
     """
 
     def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
@@ -179,7 +186,7 @@ class Dispatcher:
                  exchange: str = "auto", payload: Optional[str] = None,
                  max_tokens_per_rank: Optional[int] = None,
                  capacity_factor: Optional[float] = None,
-                 ranks_per_node: Optional[int] = None):
+                 ranks_per_node: Optional[int] = None, workspace: bool = True):
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
         # in the call header of every dispatch (epkit/agree.py).
@@ -196,6 +203,23 @@ class Dispatcher:
         self.payload = payload
         self.max_tokens_per_rank = max_tokens_per_rank
         self.ranks_per_node = ranks_per_node
+        self._workspace = Workspace() if workspace else None
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of this Dispatcher's workspace now held (0 after :meth:`release`)."""
+        return self._workspace.nbytes if self._workspace is not None else 0
+
+    def release(self) -> None:
+        """Free the workspace's buffers; the next call allocates them again. Safe at any time
+        between calls: no output, saved tensor or pending lazy call uses them."""
+        if self._workspace is not None:
+            self._workspace.release()
+
+    @property
+    def _ws(self) -> int:
+        """The workspace's key for the ops (-1: none)."""
+        return self._workspace.key if self._workspace is not None else -1
 
     def resolved_ranks_per_node(self):
         """``ranks_per_node`` as given, or (None) the default of the class docstring."""
@@ -331,7 +355,7 @@ class Dispatcher:
             # The eager path: one fused op, no host read here at all.
             *outs, plan = ops.prepare_dispatch(
                 x, topk_idx, topk_weights, group_name(self.group), rank, E, align, cap, transport,
-                EXCHANGE_CODES[self.exchange], pre_error, 0, factor, G)
+                EXCHANGE_CODES[self.exchange], pre_error, 0, factor, G, self._ws)
             return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
         max_tokens = int(self.max_tokens_per_rank) if static else -1
         words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
@@ -369,7 +393,7 @@ class Dispatcher:
             return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
         return build(*ops.dispatch_tokens(
             x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-            EXCHANGE_CODES[self.exchange], SB, N, M))
+            EXCHANGE_CODES[self.exchange], SB, N, M, self._ws))
 
     def _result(self, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
                 send_map, recv_map, expert_scale=None, expert_x_hp=None, hier=None,
@@ -457,7 +481,7 @@ class Dispatcher:
         return ops.combine_tokens(
             expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
             d._plan, group_name(self.group), transport, EXCHANGE_CODES[cfg.exchange],
-            bool(weighted), d._x_dtype, check)
+            bool(weighted), d._x_dtype, check, cfg._ws)
 
 
 def _seal_of(d: Dispatch) -> tuple:
@@ -513,8 +537,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     return Dispatcher(group, num_experts, align=align, capacity=capacity, transport=transport,
                       exchange=exchange, payload=payload,
                       max_tokens_per_rank=max_tokens_per_rank,
-                      capacity_factor=capacity_factor,
-                      ranks_per_node=ranks_per_node).dispatch(x, topk_idx, topk_weights)
+                      capacity_factor=capacity_factor, ranks_per_node=ranks_per_node,
+                      workspace=False).dispatch(x, topk_idx, topk_weights)
 
 
 def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -> torch.Tensor:
@@ -532,7 +556,7 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
     """
     config = getattr(dispatch, "_config", None)
     if not isinstance(config, Dispatcher):  # not a Dispatch: refused over the default group
-        config = Dispatcher()
+        config = Dispatcher(workspace=False)
     return config.combine(expert_y, dispatch, weighted)
 
 

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from epkit.reference import abi
 from epkit.reference.errors import DTYPE_CODES, Reason, error
 
+from . import workspace
+
 
 class PeerError(RuntimeError):
     """A collective of an epkit operation failed: a peer died, stalled past the process group's
@@ -117,8 +119,9 @@ def small_device(group) -> torch.device:
 @dataclass(frozen=True)
 class Variant:
     """How one exchange variant (reference/exchange.py) runs on ``all_to_all_single``:
-    ``stage(buf, send_counts, recv_counts, P)`` -> ``(out, inp, out_splits, in_splits)`` (None
-    splits: equal-length chunks), and ``unstage(out, recv_counts, P)`` -> the received rows.
+    ``stage(buf, send_counts, recv_counts, P, alloc)`` -> ``(out, inp, out_splits, in_splits)``
+    (None splits: equal-length chunks; ``out`` from ``alloc``, epkit/workspace.py, or fresh),
+    and ``unstage(out, recv_counts, P)`` -> the received rows.
     ``P`` is the group-wide largest count (the padded chunk, the equal count). ``static`` is
     not here: pack writes its fixed chunks and in-band headers, so its rows move as ``equal``.
     A new variant is one entry here and one in the reference's table."""
@@ -127,19 +130,23 @@ class Variant:
     unstage: Callable
 
 
-def _ragged_stage(buf, send, recv, P):
-    return buf.new_empty((sum(recv),) + tuple(buf.shape[1:])), buf, list(recv), list(send)
+def _recv_buffer(buf, rows, alloc):
+    return workspace.empty(alloc, (rows,) + tuple(buf.shape[1:]), buf.dtype, buf.device)
 
 
-def _equal_stage(buf, send, recv, P):
-    return buf.new_empty((len(send) * P,) + tuple(buf.shape[1:])), buf, None, None
+def _ragged_stage(buf, send, recv, P, alloc=None):
+    return _recv_buffer(buf, sum(recv), alloc), buf, list(recv), list(send)
 
 
-def _padded_stage(buf, send, recv, P):
+def _equal_stage(buf, send, recv, P, alloc=None):
+    return _recv_buffer(buf, len(send) * P, alloc), buf, None, None
+
+
+def _padded_stage(buf, send, recv, P, alloc=None):
     src = buf.new_zeros((len(send) * P,) + tuple(buf.shape[1:]))
     for d, chunk in enumerate(torch.split(buf, list(send))):
         src[d * P : d * P + chunk.shape[0]] = chunk
-    return _equal_stage(buf, send, recv, P)[0], src, None, None
+    return _equal_stage(buf, send, recv, P, alloc)[0], src, None, None
 
 
 def _as_is(staged, recv, P):
@@ -164,17 +171,21 @@ def all_to_all(
     max_chunk: int,
     async_op: bool = False,
     what: str = "epkit exchange",
+    alloc=None,
 ):
     """Move rows of ``buf [sum(send_counts), ...]``; returns ``[sum(recv_counts), ...]``.
 
     ``max_chunk`` is the group-wide largest count (the padded chunk, the equal count).
     ``async_op`` is the lazy schedule: returns ``finish``, which waits and returns the rows.
+    ``alloc`` (epkit/workspace.py): where the receive buffer comes from (None: fresh); the
+    rows returned may then be a view of it, to be read before the op returns.
     """
     if variant not in VARIANTS:
         raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from "
                          f"{tuple(VARIANTS)})")
     v, P = VARIANTS[variant], int(max_chunk)
-    staged, src, out_splits, in_splits = v.stage(buf.contiguous(), send_counts, recv_counts, P)
+    staged, src, out_splits, in_splits = v.stage(buf.contiguous(), send_counts, recv_counts, P,
+                                                 alloc)
     splits = {} if out_splits is None else {"output_split_sizes": out_splits,
                                             "input_split_sizes": in_splits}
     work = _collective(what, dist.all_to_all_single, staged, src, group=group,

@@ -49,11 +49,17 @@ def _(expert_y, recv_map, row_weight, transport, weighted):
     return expert_y.new_empty((recv_map.shape[0], expert_y.shape[1]), dtype=dtype)
 
 
+@torch.library.register_fake("epkit::gather_units")
+def _(expert_y, recv_map, row_weight, transport, weighted, first, out):
+    return None  # writes out (the way back's send buffer) in place
+
+
 @torch.library.register_fake("epkit::reduce_tokens")
 def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype,
-      ranks_per_node=1):
-    # dedup: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
-    H = back.shape[1] if transport == PAIRS else back.shape[1] * back.element_size() // 4
+      ranks_per_node=1, first=None):
+    # dedup without first: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
+    compact = transport == PAIRS or first is not None
+    H = back.shape[1] if compact else back.shape[1] * back.element_size() // 4
     return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
 
 

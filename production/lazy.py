@@ -90,13 +90,10 @@ def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, exper
 class _CombineWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, row_weight, state):
-        (back, idx), state["finish"] = state["finish"](), None  # the work is done: let it go
+        back, state["finish"] = state["finish"](), None  # the work is done: let it go
         d = state["dispatch"]
-        out = C.reduce_tokens(back, d._send_map, idx, d._topk_weights,
-                              int(ops.host_plan(d._plan)[ops.EXPERTS]),
-                              int(ops.host_plan(d._plan)[ops.RANKS]),
-                              state["transport"], state["weighted"], d._x_dtype,
-                              ops.ranks_per_node(d._plan))
+        out = ops.reduce_back(back, d._send_map, d._topk_weights, d._plan, state["transport"],
+                              state["weighted"], d._x_dtype)
         ctx.save_for_backward(expert_y, row_weight, d._send_map, d._recv_map, d._plan)
         ctx.meta = (state["group_name"], state["weighted"])
         return out

@@ -7,11 +7,11 @@ mirror, so nothing here waits for the device."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
-from . import _build
+from . import _build, workspace
 from .collectives import all_gather, all_to_all, group_from_name
 from .device import host_plan
 from .plan import *  # noqa: F401,F403  (the plan's word positions)
@@ -23,10 +23,10 @@ C = torch.ops.epkit  # the kernel bench swaps this module's C to record the call
 # ---- the exchange inside the ops ----------------------------------------------------------
 
 def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
-          async_op: bool = False, what: str = "epkit"):
+              async_op: bool = False, what: str = "epkit", alloc=None):
     """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
     ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
-    and returns the rows."""
+    and returns the rows. ``alloc``: the receive buffer's workspace (epkit/workspace.py)."""
     plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
     R = int(plan[RANKS])
     variant = VARIANT_NAMES[int(plan[VARIANT])]
@@ -41,12 +41,14 @@ def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: b
         if reverse:
             send, recv = recv, send
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
-                      async_op=async_op, what=what)
+                      async_op=async_op, what=what, alloc=alloc)
 
 
-def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False):
+def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False,
+                  alloc=None):
     """The dispatch exchange: ``buf`` holds this rank's chunks back to back as bytes, already in
-    the variant's layout (pack pads), so only ragged needs split sizes."""
+    the variant's layout (pack pads), so only ragged needs split sizes. ``alloc``: the receive
+    buffer's workspace."""
     plan = host_plan(plan)
     R = int(plan[RANKS])
     sl = plan_slices(R, int(plan[EXPERTS]))
@@ -54,7 +56,7 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
     recv = plan[sl["recv_bytes"]].tolist()
     variant = "ragged" if int(plan[VARIANT]) == 0 else "equal"
     return all_to_all(buf, send, recv, group_from_name(group_name), variant, send[0] if R else 0,
-                      async_op=async_op, what="epkit.dispatch (token exchange)")
+                      async_op=async_op, what="epkit.dispatch (token exchange)", alloc=alloc)
 
 
 # ---- dedup: the kept routing, and the way back of raw rows or partials -----------------------
@@ -181,74 +183,89 @@ def _send_row_slots(kept_idx: torch.Tensor, send_map: torch.Tensor, L: int, S: i
         0, torch.where(send_map >= 0, send_map, S).reshape(-1), n.reshape(-1))[:S]
 
 
-def _dedup_move_back(rows: torch.Tensor, dtype: torch.dtype, recv_map: torch.Tensor,
-                     send_map: torch.Tensor, kept_idx: torch.Tensor, plan: torch.Tensor,
-                     group_name: str, async_op: bool, what: str):
-    """dedup's way back. ``rows [N, H]`` float32 from gather_rows (a token row's 4H bytes: its
-    n rows of ``dtype`` when n <= per, else its float32 partial); only the ``min(n, per)`` rows
-    of ``dtype`` each token row uses travel. Returns ``back [S, per * H]`` in ``dtype`` for
-    reduce_tokens (or, with ``async_op``, a callable that waits and returns it)."""
+class Back(NamedTuple):
+    """What the way back delivers to the source (:func:`move_back`), the arguments of
+    :func:`reduce_back`. rows: pairs' ``[S, H]`` slot rows; dedup's received units ``[U, H]`` in
+    y's dtype (a token row's ``min(n, per)`` units: its n rows, or its float32 partial's bytes).
+    idx ``[T, K]``: dedup's kept routing, pairs' topk_idx. first ``[S] int64``: dedup, where send
+    row r's units start in ``rows`` (-1: none); None for pairs."""
+    rows: torch.Tensor
+    idx: torch.Tensor
+    first: Optional[torch.Tensor]
+
+
+def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted: bool,
+                     recv_map: torch.Tensor, send_map: torch.Tensor, kept_idx: torch.Tensor,
+                     plan: torch.Tensor, group_name: str, async_op: bool, what: str,
+                     ws: int, role: str):
+    """dedup's way back: gather_units writes the units the exchange sends (a token row with n
+    kept slots: its n rows of y when ``n <= per = 4 / itemsize``, else its float32 partial, as
+    ``min(n, per)`` units of H elements), placed along the variant's chunks; the source reads
+    the received buffer in place. Both buffers from workspace ``ws`` (roles ``role.send`` /
+    ``role.recv``). Returns a :class:`Back` (or, with ``async_op``, a callable that waits and
+    returns it)."""
     hp = host_plan(plan)
     R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
-    per = 4 // dtype.itemsize
-    N, H = rows.shape
+    per = 4 // expert_y.dtype.itemsize
+    N = recv_map.shape[0]
     chunk, hdr = _back_layout(hp, per)
-    # expert side: its received token rows' rows, laid out for the variant
+    # expert side: each received token row's first unit, laid out for the variant
     u = (recv_map >= 0).sum(1).clamp(max=per)
-    pos, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, per, chunk, hdr)
+    first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1, chunk, hdr)
     total = int(send.sum()) if chunk is None else R * chunk
-    if chunk is None:  # ragged: the used rows in row order, compact (one masked gather)
-        buf = rows.view(dtype).reshape(N, per, H)[pos >= 0]
-    else:              # fixed chunks: placed, the gaps zero
-        buf = rows.new_zeros((total + 1, H), dtype=dtype)           # row `total`: discarded
-        buf.index_copy_(0, torch.where(pos >= 0, pos, total).reshape(-1),
-                        rows.view(dtype).reshape(N * per, H))
-    # source side: the rows each of its token rows gets back
+    buf = workspace.empty(workspace.allocator(ws, role + ".send"), (total, expert_y.shape[1]),
+                          expert_y.dtype, expert_y.device)
+    C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
+    # source side: where each of its token rows' units arrive
     S = int(hp[SEND_ROWS])
     u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
-    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, per, chunk,
+    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, 1, chunk,
                                hdr)
-    group = group_from_name(group_name)
     sizes = ([send.tolist(), recv.tolist()] if chunk is None else [[chunk] * R] * 2)
-    move = all_to_all(buf[:total], *sizes, group, "ragged" if chunk is None else "equal",
-                      chunk or 0, async_op=async_op, what=what)
-
-    def finish() -> torch.Tensor:
-        got = move() if async_op else move
-        if chunk is None:  # ragged: compact in row order, so one masked scatter
-            back = got.new_zeros((S, per, H))
-            back[at >= 0] = got
-            return back.view(S, per * H)
-        back = got.new_zeros((S * per + 1, H))                       # row S * per: discarded
-        if got.shape[0]:
-            dst = torch.where(at >= 0, torch.arange(S * per, device=at.device).view(S, per),
-                              S * per)
-            back.index_copy_(0, dst.reshape(-1), got[at.clamp(min=0).reshape(-1)])
-        return back[:S * per].view(S, per * H)
-
-    return finish if async_op else finish()
+    move = all_to_all(buf, *sizes, group_from_name(group_name),
+                      "ragged" if chunk is None else "equal", chunk or 0, async_op=async_op,
+                      what=what, alloc=workspace.allocator(ws, role + ".recv"))
+    if async_op:
+        return lambda: Back(move(), kept_idx, at.view(-1))
+    return Back(move, kept_idx, at.view(-1))
 
 
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
               send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
               group_name: str, transport: int, weighted: bool, async_op: bool = False,
-              what: str = "epkit.combine"):
+              what: str = "epkit.combine", ws: int = -1, role: str = "combine"):
     """The way back of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
-    gather_rows on the expert side and the exchange. Returns ``(back, idx)`` for
-    ``reduce_tokens(back, send_map, idx, ...)`` (``idx``: dedup's kept routing, pairs'
-    topk_idx), or with ``async_op`` a callable that waits and returns them."""
-    rows = C.gather_rows(expert_y, recv_map, row_weight, transport, weighted)
-    if transport == PAIRS:
-        moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what)
-        if async_op:
-            return lambda: (moved(), topk_idx)
-        return moved, topk_idx
-    kept_idx = kept_routing(topk_idx, plan)
-    moved = _dedup_move_back(rows, expert_y.dtype, recv_map, send_map, kept_idx, plan,
-                             group_name, async_op, what)
+    gather_units on the expert side and the exchange. Returns a :class:`Back` for
+    :func:`reduce_back`, or with ``async_op`` a callable that waits and returns it. ``ws``:
+    the Dispatcher's workspace key (-1: none; the lazy schedule, ``async_op``, takes none: its
+    buffers may be in flight together), ``role``: the pass, naming its buffers there."""
     if async_op:
-        return lambda: (moved(), kept_idx)
-    return moved, kept_idx
+        ws = -1
+    if transport == PAIRS:
+        rows = workspace.empty(workspace.allocator(ws, role + ".send"),
+                               (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype,
+                               expert_y.device)
+        C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)
+        moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what,
+                          alloc=workspace.allocator(ws, role + ".recv"))
+        if async_op:
+            return lambda: Back(moved(), topk_idx, None)
+        return Back(moved, topk_idx, None)
+    return _dedup_move_back(expert_y, row_weight, weighted, recv_map, send_map,
+                            kept_routing(topk_idx, plan), plan, group_name, async_op, what, ws,
+                            role)
+
+
+def reduce_back(back: Back, send_map: torch.Tensor, topk_weights: torch.Tensor,
+                plan: torch.Tensor, transport: int, weighted: bool,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """The source side of the way back: ``[T, H] out_dtype``, each token's sum in the spec's
+    order (reduce_tokens; ``ranks_per_node`` from the plan). ``topk_weights [T, K] float32``:
+    the source's weights (unread unweighted)."""
+    hp = host_plan(plan)
+    return C.reduce_tokens(back.rows, send_map, back.idx, topk_weights, int(hp[EXPERTS]),
+                           int(hp[RANKS]), transport, weighted, out_dtype, ranks_per_node(plan),
+                           back.first)
 
 
 # ---- the weight gradients' way back: one float32 per kept slot -------------------------------

@@ -24,6 +24,7 @@ from . import _build
 from .device import host_plan
 from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
 from .collectives import all_gather, dtype_code, group_from_name
+from .workspace import allocator
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
@@ -33,7 +34,7 @@ C = torch.ops.epkit
 from . import fakes  # noqa: F401  (registers the fake kernels)
 from .plan import *  # noqa: F401,F403  (ops.RANKS, ops.PAIRS, ... as before)
 from .moves import (kept_routing, move_back, move_dispatch, move_rows,  # noqa: F401
-                    move_slot_values, token_rows_gather)
+                    move_slot_values, reduce_back, token_rows_gather)
 
 # ---- count exchange: the plan and the collective error --------------------------------------
 
@@ -119,12 +120,13 @@ def _(words, group_name, rank, num_experts, align, capacity, transport, exchange
 @torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
 def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     plan: torch.Tensor, group_name: str, transport: int, exchange: int,
-                    send_bytes: int, recv_rows: int, expert_rows: int
+                    send_bytes: int, recv_rows: int, expert_rows: int, workspace: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``."""
+    """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
+    ``workspace``: the Dispatcher's (epkit/workspace.py; -1: none), the receive buffer's home."""
     send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport,
                             int(host_plan(plan)[RANKS]), send_bytes)
-    recv = move_dispatch(send, plan, group_name)
+    recv = move_dispatch(send, plan, group_name, alloc=allocator(workspace, "dispatch.recv"))
     del send  # exchanged: freed before unpack allocates expert_x (a lower peak per step)
     expert_x, row_src, row_weight, recv_map = C.unpack(
         recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
@@ -133,7 +135,7 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
 
 @dispatch_tokens.register_fake
 def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_bytes, recv_rows,
-      expert_rows):
+      expert_rows, workspace=-1):
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
@@ -152,7 +154,8 @@ def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_byt
 def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                      group_name: str, rank: int, num_experts: int, align: int, capacity: int,
                      transport: int, exchange: int, pre_error: list[int], payload: int,
-                     capacity_factor: float = -1.0, ranks_per_node: int = 1
+                     capacity_factor: float = -1.0, ranks_per_node: int = 1,
+                     workspace: int = -1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor, torch.Tensor]:
     """Layout, count exchange, allocation and token exchange in one call.
@@ -172,7 +175,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = hp[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
     return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
-                             SB, N, M), plan)
+                             SB, N, M, workspace), plan)
 
 
 def _world(group_name: str) -> int:
@@ -183,7 +186,7 @@ def _world(group_name: str) -> int:
 
 @prepare_dispatch.register_fake
 def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity, transport,
-      exchange, pre_error, payload, capacity_factor=-1.0, ranks_per_node=1):
+      exchange, pre_error, payload, capacity_factor=-1.0, ranks_per_node=1, workspace=-1):
     ctx = torch.library.get_ctx()
     N, M = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     R = _world(group_name)
@@ -199,13 +202,13 @@ def _fused_setup(ctx, inputs, output):
     x, topk_idx, _, group_name, _, _, _, _, transport, exchange, *_ = inputs
     _, _, _, send_map, recv_map, plan = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
-    ctx.meta = (group_name, transport, exchange, x.dtype)
+    ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
 
 
 def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
     grad_x, _, grad_w, *_rest = _dispatch_backward(ctx, grad_expert_x, None, grad_row_weight,
                                                     None, None)
-    return grad_x, None, grad_w, *([None] * 11)
+    return grad_x, None, grad_w, *([None] * 12)
 
 
 def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
@@ -220,8 +223,8 @@ def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> 
 def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
                              send_map: torch.Tensor, recv_map: torch.Tensor,
                              topk_idx: torch.Tensor, plan: torch.Tensor, group_name: str,
-                             transport: int, exchange: int, x_dtype: torch.dtype
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             transport: int, exchange: int, x_dtype: torch.dtype,
+                             workspace: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
 
     grad_x[t] is combine's sum (k ascending per rank, the ranks' partials into node partials
@@ -229,12 +232,12 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
     _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
-    R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
     empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
-    back, idx = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
-                          transport, False, what="epkit.dispatch backward")
-    grad_x = C.reduce_tokens(back, send_map, idx, empty_w, E, R, transport, False, x_dtype,
-                             ranks_per_node(plan))
+    back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
+                     transport, False, what="epkit.dispatch backward", ws=workspace,
+                     role="dispatch backward")
+    grad_x = reduce_back(back, send_map, empty_w, plan, transport, False, x_dtype)
+    idx = back.idx
     if grad_row_weight is None:
         return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
     return grad_x, move_slot_values(grad_row_weight.contiguous(), send_map, recv_map, idx, plan,
@@ -244,7 +247,7 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
 
 @dispatch_tokens_backward.register_fake
 def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, group_name, transport,
-      exchange, x_dtype):
+      exchange, x_dtype, workspace=-1):
     T, K = topk_idx.shape
     return (grad_expert_x.new_empty((T, grad_expert_x.shape[1]), dtype=x_dtype),
             grad_expert_x.new_empty((T, K), dtype=torch.float32))
@@ -254,16 +257,16 @@ def _dispatch_setup(ctx, inputs, output):
     x, topk_idx, topk_weights, plan, group_name, transport, exchange, *_ = inputs
     _, _, _, send_map, recv_map = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
-    ctx.meta = (group_name, transport, exchange, x.dtype)
+    ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
 
 
 def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
     send_map, recv_map, topk_idx, plan = ctx.saved_tensors
-    group_name, transport, exchange, x_dtype = ctx.meta
+    group_name, transport, exchange, x_dtype, ws = ctx.meta
     grad_x, grad_w = dispatch_tokens_backward(
         grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
-        group_name, transport, exchange, x_dtype)
-    return grad_x, None, grad_w, *([None] * 7)
+        group_name, transport, exchange, x_dtype, ws)
+    return grad_x, None, grad_w, *([None] * 8)
 
 
 dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -276,7 +279,8 @@ prepare_dispatch.register_autograd(_fused_backward, setup_context=_fused_setup)
 def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
                    topk_weights: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
                    plan: torch.Tensor, group_name: str, transport: int, exchange: int,
-                   weighted: bool, out_dtype: torch.dtype, check: list[int]) -> torch.Tensor:
+                   weighted: bool, out_dtype: torch.dtype, check: list[int],
+                   workspace: int = -1) -> torch.Tensor:
     """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
 
     dedup: per token row with n kept slots the expert side sends its n rows of expert_y when
@@ -291,16 +295,14 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     """
     if check:
         agree(group_from_name(group_name), check, "epkit.combine (call header)")
-    R, E = int(host_plan(plan)[RANKS]), int(host_plan(plan)[EXPERTS])
-    back, idx = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
-                          group_name, transport, weighted)
-    return C.reduce_tokens(back, send_map, idx, topk_weights, E, R, transport, weighted,
-                           out_dtype, ranks_per_node(plan))
+    back = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
+                     group_name, transport, weighted, ws=workspace, role="combine")
+    return reduce_back(back, send_map, topk_weights, plan, transport, weighted, out_dtype)
 
 
 @combine_tokens.register_fake
 def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, group_name,
-      transport, exchange, weighted, out_dtype, check):
+      transport, exchange, weighted, out_dtype, check, workspace=-1):
     return expert_y.new_empty((topk_idx.shape[0], expert_y.shape[1]), dtype=out_dtype)
 
 
@@ -308,7 +310,8 @@ def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, gr
 def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
                             row_weight: torch.Tensor, send_map: torch.Tensor,
                             recv_map: torch.Tensor, plan: torch.Tensor, group_name: str,
-                            exchange: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                            exchange: int, weighted: bool, workspace: int = -1
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``.
 
     grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
@@ -316,28 +319,30 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     """
     _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
     recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(host_plan(plan)[SEND_ROWS]))
-    recv = move_rows(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward")
+    recv = move_rows(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward",
+                     alloc=allocator(workspace, "combine backward.recv"))
     del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y
     return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 
 @combine_tokens_backward.register_fake
-def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, exchange, weighted):
+def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, exchange, weighted,
+      workspace=-1):
     return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
     expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, exchange, weighted, *_ = inputs
     ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan)
-    ctx.meta = (group_name, exchange, weighted)
+    ctx.meta = (group_name, exchange, weighted, inputs[-1])
 
 
 def _combine_backward(ctx, grad_out):
     expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
-    group_name, exchange, weighted = ctx.meta
+    group_name, exchange, weighted, ws = ctx.meta
     grad_y, grad_w = combine_tokens_backward(grad_out, expert_y, row_weight, send_map, recv_map,
-                                             plan, group_name, exchange, weighted)
-    return grad_y, (grad_w if weighted else None), *([None] * 11)
+                                             plan, group_name, exchange, weighted, ws)
+    return grad_y, (grad_w if weighted else None), *([None] * 12)
 
 
 combine_tokens.register_autograd(_combine_backward, setup_context=_combine_setup)

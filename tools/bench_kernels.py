@@ -1,7 +1,7 @@
 """The local-kernel part of ``epkit bench``: epkit's C++ kernels timed alone, in one process.
 
 During one real epkit step (forward and backward, on the bench's group) every call to a C++
-kernel (``torch.ops.epkit.*``: ``pack``, ``unpack``, ``gather_rows``, ``reduce_tokens``,
+kernel (``torch.ops.epkit.*``: ``pack``, ``unpack``, ``gather_units``, ``reduce_tokens``,
 ``scatter_rows``, ``combine_backward_dest``, ...) is recorded on rank 0 with its real arguments.
 Then, while the other ranks wait at a barrier, rank 0 replays each call on its own (median of
 ``reps`` calls) and times ``memcpy`` in the same process: so the kernels see exactly the
@@ -18,8 +18,9 @@ that copy at the size of the kernel's first output (glibc maps a buffer over 32 
 every allocation): the part of the kernel's time that allocating and writing its output costs
 at the least, so a kernel whose time is close to it is bound by first touch, not by its loops.
 
-A kernel called more than once in a step is listed by call: ``gather_rows`` (combine) and
-``gather_rows #2`` (dispatch backward), ``reduce_tokens`` likewise.
+A kernel called more than once in a step is listed by call: ``gather_units`` (combine) and
+``gather_units #2`` (dispatch backward), ``reduce_tokens`` likewise. ``gather_units`` writes
+into a buffer it is given (the Dispatcher's workspace), so it has no fresh output to touch.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 import torch
 
 # The kernels of a step; prepare and plan (count words, the plan) are host-side bookkeeping.
-KERNELS = ("pack", "unpack", "gather_rows", "reduce_tokens", "scatter_rows",
+KERNELS = ("pack", "unpack", "gather_rows", "gather_units", "reduce_tokens", "scatter_rows",
            "combine_backward_dest", "gather_slot_values", "scatter_slot_values")
 
 

@@ -322,9 +322,20 @@ inline PlanOffsets check_unpack_plan(const int64_t* p, int64_t n, int64_t transp
   return o;
 }
 
+// dedup's unit places (cpu/combine.cpp): first [rows] int64 on `dev`.
+inline void check_first(const char* op, const std::optional<Tensor>& first, int64_t transport,
+                        int64_t rows, const char* what, c10::Device dev) {
+  if (!first.has_value()) return;
+  TORCH_CHECK(transport == kDedup, op, ": first (the way back's unit places) is dedup's only");
+  check_dim(op, "first", *first, 1);
+  check_dtype(op, "first", *first, at::kLong);
+  check_device(op, "first", *first, dev);
+  if (rows >= 0) check_size(op, "first", *first, 0, rows, what);  // (reduce_tokens: any rows)
+}
+
 inline void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_map,
-                                   const Tensor& row_weight, int64_t transport, bool weighted) {
-  constexpr const char* op = "epkit.gather_rows";
+                                   const Tensor& row_weight, int64_t transport, bool weighted,
+                                   const char* op = "epkit.gather_rows") {
   check_dim(op, "expert_y", expert_y, 2);
   check_map(op, "recv_map", recv_map);
   check_device(op, "recv_map", recv_map, expert_y.device());
@@ -340,6 +351,27 @@ inline void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_ma
     check_device(op, "row_weight", row_weight, expert_y.device());
     check_size(op, "row_weight", row_weight, 0, expert_y.size(0), "rows of expert_y");
   }
+}
+
+// gather_units: gather_rows' arguments, and the buffer it writes: out [units, H] (pairs: [N, H])
+// in expert_y's dtype, contiguous, on its device; dedup places its units by first [N].
+inline void check_gather_units_args(const Tensor& expert_y, const Tensor& recv_map,
+                                    const Tensor& row_weight, int64_t transport, bool weighted,
+                                    const std::optional<Tensor>& first, const Tensor& out) {
+  constexpr const char* op = "epkit.gather_units";
+  check_gather_rows_args(expert_y, recv_map, row_weight, transport, weighted, op);
+  check_dim(op, "out", out, 2);
+  check_dtype(op, "out", out, expert_y.scalar_type());
+  check_device(op, "out", out, expert_y.device());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_size(op, "out", out, 1, expert_y.size(1), "hidden of expert_y");
+  if (transport == kPairs) {
+    TORCH_CHECK(!first.has_value(), op, ": pairs' rows are placed one per row (no first)");
+    check_size(op, "out", out, 0, recv_map.size(0), "pairs: rows of recv_map");
+    return;
+  }
+  TORCH_CHECK(first.has_value(), op, ": dedup places its units by first");
+  check_first(op, first, transport, recv_map.size(0), "rows of recv_map", expert_y.device());
 }
 
 // The source side's send_map [T, C] (C = R for dedup, K for pairs) and topk_idx [T, K] of an
@@ -361,7 +393,8 @@ inline void check_send_map_args(const char* op, const Tensor& back, const Tensor
 inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
                                      const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
                                      int64_t R, int64_t transport, bool weighted,
-                                     at::ScalarType out_dtype, int64_t G) {
+                                     at::ScalarType out_dtype, int64_t G,
+                                     const std::optional<Tensor>& first = std::nullopt) {
   constexpr const char* op = "epkit.reduce_tokens";
   check_experts_ranks(op, E, R);
   TORCH_CHECK(G >= 1 && R % G == 0, op, ": ranks_per_node ", G, " must be >= 1 and divide ", R);
@@ -370,8 +403,10 @@ inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
   check_float_dtype(op, "back", back.scalar_type());
   check_float_dtype(op, "out_dtype", out_dtype);
   check_send_map_args(op, back, send_map, topk_idx, R, transport);
-  // dedup: rows of 4H bytes, per = 4 / itemsize(y) rows of y each (see cpu/combine.cpp)
-  TORCH_CHECK(transport == kPairs || back.size(1) % (4 / back.element_size()) == 0, op,
+  check_first(op, first, transport, -1, "", back.device());
+  // dedup without first: rows of 4H bytes, per = 4 / itemsize(y) rows of y each
+  TORCH_CHECK(transport == kPairs || first.has_value() ||
+                  back.size(1) % (4 / back.element_size()) == 0, op,
               ": dedup's back must be [S, 4 H / itemsize] (a float32 row per token row), got ",
               back.sizes(), " of ", back.scalar_type());
   if (weighted) {  // the source's own weights (dedup: for the rows that come back raw)

@@ -17,8 +17,11 @@ TORCH_LIBRARY(epkit, m) {
   m.def("unpack(Tensor recv, Tensor plan, int transport, int hidden, ScalarType dtype, int topk, "
         "SymInt recv_rows, SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted) -> Tensor");
+  m.def("gather_units(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted, "
+        "Tensor? first, Tensor(a!) out) -> ()");
   m.def("reduce_tokens(Tensor back, Tensor send_map, Tensor topk_idx, Tensor topk_weights, int num_experts, "
-        "int num_ranks, int transport, bool weighted, ScalarType out_dtype, int ranks_per_node=1) -> Tensor");
+        "int num_ranks, int transport, bool weighted, ScalarType out_dtype, int ranks_per_node=1, "
+        "Tensor? first=None) -> Tensor");
   m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
   m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
         "bool weighted) -> (Tensor, Tensor)");
@@ -36,6 +39,7 @@ TORCH_LIBRARY_IMPL(epkit, CPU, m) {
   m.impl("pack", &epkit::pack_cpu);
   m.impl("unpack", &epkit::unpack_cpu);
   m.impl("gather_rows", &epkit::gather_rows_cpu);
+  m.impl("gather_units", &epkit::gather_units_cpu);
   m.impl("reduce_tokens", &epkit::reduce_tokens_cpu);
   m.impl("scatter_rows", &epkit::scatter_rows_cpu);
   m.impl("combine_backward_dest", &epkit::combine_backward_dest_cpu);

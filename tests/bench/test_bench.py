@@ -57,7 +57,7 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     ov = res["overlap"]
     assert ov["available"] in (True, False) and "dispatch then compute" in ov["rows"]
     kern = res["kernels"][0]["rows"]
-    assert {"pack", "unpack", "gather_rows", "reduce_tokens"} <= set(kern)
+    assert {"pack", "unpack", "gather_units", "reduce_tokens"} <= set(kern)
     assert all(_number(k["out_fresh_ms"]) for k in kern.values())
     text = capsys.readouterr().out
     assert "speedup_vs_naive" in text

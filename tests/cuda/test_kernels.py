@@ -173,3 +173,49 @@ def test_layout_equal_cpu(cuda_ext):
     bad[7, 2] = 12
     with pytest.raises(RuntimeError, match="outside"):
         cuda_ext.layout(bad.cuda(), 12, 3)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("H", [3, 37, 1024])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_way_back_units_equal_cpu(cuda_ext, dtype, H, gaps):
+    """dedup's way back as it travels: gather_units (units placed by first, the gaps zero; odd H
+    in bfloat16 puts float32 partials at unaligned units) and reduce_tokens reading them in
+    place, bit for bit the CPU kernels."""
+    C = torch.ops.epkit
+    g = torch.Generator().manual_seed(H + gaps)
+    N, K, M = 40, 6, 150
+    rmap = torch.full((N * K,), -1, dtype=torch.int64)
+    pick = torch.randperm(N * K, generator=g)[:M]
+    rmap[pick] = torch.randperm(M, generator=g)
+    rmap = rmap.view(N, K)
+    y = torch.randn((M, H), generator=g).to(dtype)
+    w = torch.rand(M, generator=g)
+    per = 4 // y.element_size()
+    u = (rmap >= 0).sum(1).clamp(max=per)
+    pad = torch.randint(0, 3, (N,), generator=g) if gaps else torch.zeros(N, dtype=torch.int64)
+    base = torch.cumsum(u + pad, 0) - u
+    first = torch.where(u > 0, base, -1)
+    units = int((u + pad).sum()) + (2 if gaps else 0)
+    for weighted in (True, False):
+        cpu = torch.empty((units, H), dtype=dtype)
+        gpu = torch.full((units, H), float("nan"), dtype=dtype, device="cuda")  # gaps: zeroed
+        C.gather_units(y, rmap, w, 1, weighted, first, cpu)
+        C.gather_units(y.cuda(), rmap.cuda(), w.cuda(), 1, weighted, first.cuda(), gpu)
+        assert torch.equal(cpu.view(torch.uint8), gpu.cpu().view(torch.uint8))
+    # the source side: R = 2 ranks of L = K experts, token rows (t, d) in order
+    T, R = 30, 2
+    idx = torch.stack([torch.randperm(R * K, generator=g)[:K] for _ in range(T)])
+    idx[torch.rand((T, K), generator=g) < 0.3] = -1
+    n = torch.stack([((idx >= 0) & (idx // K == d)).sum(1) for d in range(R)], 1)  # [T, R]
+    send_map = torch.where(n > 0, torch.cumsum((n > 0).view(-1), 0).view(T, R) - 1, -1)
+    un = n[n > 0].clamp(max=per)
+    sfirst = torch.cumsum(un, 0) - un
+    back = torch.randn((int(un.sum()), H), generator=g).to(dtype)
+    tw = torch.rand((T, K), generator=g)
+    for G in (1, 2):
+        for weighted in (True, False):
+            a = C.reduce_tokens(back, send_map, idx, tw, R * K, R, 1, weighted, dtype, G, sfirst)
+            b = C.reduce_tokens(back.cuda(), send_map.cuda(), idx.cuda(), tw.cuda(), R * K, R, 1,
+                                weighted, dtype, G, sfirst.cuda())
+            assert torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))

@@ -102,7 +102,7 @@ def raises_input_error(group, rank, x, idx, w, opts):
 
 def opcheck_all(group, rank):
     """torch.library.opcheck on every epkit op, with arguments taken from a real dispatch."""
-    from epkit import agree, ops
+    from epkit import agree, ops, workspace
     from epkit.collectives import group_name
 
     C = torch.ops.epkit
@@ -126,6 +126,11 @@ def opcheck_all(group, rank):
                  torch.where(u > 0, torch.cumsum(u, 0) - u, -1))
         slots = N if transport == ops.PAIRS else int(u.sum())
         vals = C.gather_slot_values(rw, recv_map, first, slots)
+        # the way back's units (dedup: min(n, per) per token row, compact; pairs: a row each)
+        un = u.clamp(max=4 // y.element_size())
+        ufirst = None if transport == ops.PAIRS else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
+        units = torch.empty((N if transport == ops.PAIRS else int(un.sum()), H))
+        ws = workspace.Workspace()  # the ops' workspace key: buffers reused from call to call
         calls = [
             (C.layout, (idx, E, 1)),
             (C.prepare, (x, idx, w, E, 1, [0, 0, 0, 1], 0)),
@@ -136,6 +141,7 @@ def opcheck_all(group, rank):
             (C.unpack, (send, plan, transport, H, x.dtype, K, N, M)),
             (C.gather_rows, (y, recv_map, rw, transport, True)),
             (C.reduce_tokens, (back, send_map, idx, w, E, 1, transport, True, x.dtype)),
+            (C.gather_units, (y, recv_map, rw, transport, True, ufirst, units)),
             (C.scatter_rows, (x, send_map, S)),
             (C.combine_backward_dest, (send_rows_like(x, send_map, S), recv_map, rw, y, True)),
             (C.gather_slot_values, (rw, recv_map, first, slots)),
@@ -158,11 +164,31 @@ def opcheck_all(group, rank):
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
                                          plan, gname, 0, True)),
         ]
+        if transport == ops.DEDUP:  # the units read in place
+            C.gather_units(y, recv_map, rw, transport, True, ufirst, units)
+            S_rows = int(send_map.max()) + 1
+            calls.append((C.reduce_tokens, (units, send_map, ops.kept_routing(idx, plan), w, E, 1,
+                                            transport, True, x.dtype, 1,
+                                            first_of_rows(send_map, idx, S_rows, un))))
+        calls += [  # the collective ops with a workspace
+            (C.dispatch_tokens, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
+                                 plan, gname, transport, 0, SB, N, M, ws.key)),
+            (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
+                                         plan, gname, 0, True, ws.key)),
+            (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
+                                          gname, transport, 0, x.dtype, ws.key)),
+        ]
         for op, args in calls:
             torch.library.opcheck(op, args)
             checked.append(str(op))
         x, w = x.detach(), w.detach()
     return sorted(set(checked))
+
+
+def first_of_rows(send_map, idx, S, un):
+    """R = 1: send row r is token r's row, its units where the expert side put them (recv row
+    r is send row r, so the same compact places)."""
+    return torch.where(un[:S] > 0, torch.cumsum(un[:S], 0) - un[:S], -1)
 
 
 def send_rows_like(x, send_map, S):

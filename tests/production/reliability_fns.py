@@ -274,3 +274,67 @@ def variants(group, rank, x, idx, w, gout, opts, combos):
         res.pop("bytes_sent")
         out[(transport, exchange)] = res
     return out
+
+
+# ---- the Dispatcher's workspace (issue 17): reused buffers never reach a caller ----------------
+
+def _dispatcher(group, opts, **kw):
+    return epkit.Dispatcher(group, opts["E"], align=opts["align"], capacity=opts["capacity"],
+                            transport=opts["transport"], exchange=opts["exchange"],
+                            payload=opts.get("payload"),
+                            max_tokens_per_rank=opts.get("max_tokens_per_rank"), **kw)
+
+
+def _forward(disp, xt, it, wt, opts):
+    xt = xt.detach().requires_grad_(True)
+    wt = wt.detach().requires_grad_(True)
+    d = disp.dispatch(xt, it, wt)
+    if opts["exchange"] == "lazy":
+        d = d.wait()
+    y = y_of(d, opts["y_dtype"], False)
+    y.retain_grad()
+    out = disp.combine(y, d, weighted=opts["weighted"])
+    if opts["exchange"] == "lazy":
+        out = out.wait()
+    return d, xt, wt, y, out
+
+
+def workspace_rounds(group, rank, x, idx, w, gout, opts):
+    """Two steps through one Dispatcher with its workspace, interleaved the way activation
+    checkpointing or pipelining does: forward A, forward B, backward A, backward B. Both equal
+    a workspace-free Dispatcher's results bit for bit; no output, gradient or saved tensor
+    shares storage with a workspace buffer; release() frees it all and the next step agrees.
+    Returns step A's results (for the reference)."""
+    xt, it, wt, gt = make_inputs(x, idx, w, gout, False)
+    xb = (xt.float() * -3.0).to(xt.dtype)  # step B: other tokens, the same routing
+    plain = _dispatcher(group, opts, workspace=False)
+    want_a, _ = round_trip(group, rank, xt, it, wt, gt, opts, dispatcher=plain, check=False)
+    want_b, _ = round_trip(group, rank, xb, it, wt, gt, opts, dispatcher=plain, check=False)
+    assert plain.workspace_bytes == 0
+    disp = _dispatcher(group, opts)
+    a = _forward(disp, xt, it, wt, opts)
+    b = _forward(disp, xb, it, wt, opts)
+    g = gt.to(a[4].dtype)
+    a[4].backward(g)
+    b[4].backward(g)
+    held = disp._workspace.buffers() if disp._workspace is not None else []
+    if opts["exchange"] != "lazy":  # the lazy schedule's buffers are always fresh
+        assert disp.workspace_bytes > 0 and held, f"rank {rank}: the workspace was not used"
+    for name, (d, xg, wg, y, out) in (("A", a), ("B", b)):
+        outs = {f"{name} {k}": v for k, v in dispatch_outputs(d).items()}
+        outs.update({f"{name} out": out, f"{name} grad_x": xg.grad, f"{name} grad_w": wg.grad,
+                     f"{name} grad_y": y.grad, f"{name} send_map": d._send_map,
+                     f"{name} recv_map": d._recv_map, f"{name} plan": d._plan})
+        assert_disjoint(rank, "outputs and the workspace",
+                        {**outs, **{f"workspace {i}": t for i, t in enumerate(held)}})
+        want = want_a if name == "A" else want_b
+        got = {"out": out, "grad_x": xg.grad, "grad_w": wg.grad, "expert_x": d.expert_x}
+        for k, v in got.items():
+            assert _bits(to_numpy(v)) == _bits(want[k]), (
+                f"rank {rank}: step {name}'s {k} differs with the workspace")
+    disp.release()
+    assert disp.workspace_bytes == 0
+    again, _ = round_trip(group, rank, xt, it, wt, gt, opts, dispatcher=disp, check=False)
+    for k, v in again.items():
+        assert _bits(v) == _bits(want_a[k]), f"rank {rank}: {k} differs after release()"
+    return want_a

@@ -1,41 +1,10 @@
 // Backward kernels. Gradients travel the reverse way of their forward and reuse its maps.
 #include "../checks.h"
+#include "../lanes.h"
 
 #include <vector>
 
 namespace epkit {
-
-// 16 float32 lanes and their bit patterns as one GCC / Clang vector: on the AVX-512 clone one
-// register, on AVX2 two, on the baseline four. Element-wise IEEE operations only (no FMA:
-// -ffp-contract=off), so every width gives the same bits.
-typedef float V16f __attribute__((vector_size(64)));
-typedef uint32_t V16u __attribute__((vector_size(64)));
-typedef uint16_t V16h __attribute__((vector_size(32)));
-typedef uint16_t V32h __attribute__((vector_size(64)));  // a V16u's halves, low half first
-
-// 16 consecutive values widened to float32 (bfloat16: its bits as the high half, a zero low
-// half: exact), one shuffle.
-inline void load16(const float* p, V16f& v) { std::memcpy(&v, p, sizeof(v)); }
-inline void load16(const at::BFloat16* p, V16f& v) {
-  V16h h;
-  std::memcpy(&h, p, sizeof(h));
-  const V32h w = __builtin_shufflevector(V16h{}, h, 0, 16, 0, 17, 0, 18, 0, 19, 0, 20, 0, 21, 0,
-                                         22, 0, 23, 0, 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0,
-                                         30, 0, 31);
-  v = reinterpret_cast<V16f>(w);
-}
-// 16 float32 stored narrowed: float32 as is; bfloat16 by narrow<BFloat16>'s rule, lane by lane
-// (NaN -> 0x7FC0, else round to nearest even: the high half of u + 0x7FFF + its last bit).
-inline void store16(float* p, const V16f& v) { std::memcpy(p, &v, sizeof(v)); }
-inline void store16(at::BFloat16* p, const V16f& v) {
-  const V16u u = reinterpret_cast<V16u>(v);
-  const V16u nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // all ones where NaN
-  const V16u sum = u + (((u >> 16) & 1u) + 0x7FFFu);
-  const V32h halves = reinterpret_cast<V32h>((sum & ~nan) | (0x7FC00000u & nan));
-  const V16h h = __builtin_shufflevector(halves, halves, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
-                                         23, 25, 27, 29, 31);
-  std::memcpy(p, &h, sizeof(h));
-}
 
 // One slot row of the combine backward: gy = cast_y(w * g) and (returned) <g, y> in 16 float32
 // lanes, lane i summing h = i (mod 16) in ascending h, the tail h >= 16 * (H / 16) in lane 0,

@@ -8,10 +8,14 @@
 //
 // dedup's way back (docs/design.md): a token row with n kept slots returns its n rows of y
 // themselves when n * itemsize(y) <= 4 (n <= per = 4 / itemsize), else its float32 partial
-// P_d(t). Both kernels hold a token row in 4H bytes (one float32 row): gather_rows' output
-// [N, H] float32, reduce_tokens' input [S, per * H] in y's dtype (the same bytes); the ops
-// in Python move only the min(n, per) rows of y each token row uses.
+// P_d(t): u = min(n, per) units of H elements of y's dtype (a float32 partial is per units).
+// With `first` (the way back as it travels): token row n's units start at unit first[n] of a
+// [units, H] buffer in y's dtype, so gather_rows writes the exchange's send buffer itself and
+// reduce_tokens reads the received buffer in place (no repacking pass on either side). Without
+// it, a token row holds 4H bytes (one float32 row, the unused bytes zero): gather_rows' output
+// [N, H] float32, reduce_tokens' input [S, per * H] (the form hier forwards and re-reduces).
 #include "../checks.h"
+#include "../lanes.h"
 
 #include <algorithm>
 #include <atomic>
@@ -19,15 +23,17 @@
 
 namespace epkit {
 
-// Expert side. dedup: per received row with n kept slots, its 4H bytes: the n rows of
-// expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
+namespace {
+
+// Expert side. dedup: per received row with n kept slots, its u = min(n, per) units: the n rows
+// of expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
 // partial P_d(t) (its K slots summed); pairs: each received slot's row of expert_y, copied as
 // is (the source multiplies).
-// (About 70 lines: both transports' expert-side passes under one dtype dispatch.)
-Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
-                       int64_t transport, bool weighted) {
-  check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
-  const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
+// (About 80 lines: both transports' expert-side passes under one dtype dispatch.)
+// The pass into `ob`, the output's bytes: pairs, row n at n; dedup, token row n's units at unit
+// fp[n] of U (fp null: at n * per, its 4H bytes, the unused bytes zero).
+void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weight,
+                 int64_t transport, bool weighted, const int64_t* fp, int64_t U, uint8_t* ob) {
   const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
   const int64_t* mp = recv_map.data_ptr<int64_t>();
   std::atomic<bool> bad{false};  // a map entry outside [-1, M): raised after the loop
@@ -35,10 +41,9 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
     report_map_range("epkit.gather_rows", "recv_map", mp, N * C, M, "rows of expert_y");
   };
   if (transport == kPairs) {
-    Tensor out = at::empty({N, H}, y.options());
     const int64_t nbytes = H * y.element_size();
     const uint8_t* yp = static_cast<const uint8_t*>(y.data_ptr());
-    uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
+    uint8_t* op = ob;
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const int64_t m = mp[n];
@@ -48,22 +53,37 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
       }
     });
     if (bad.load()) report();
-    return out;
+    return;
   }
-  Tensor out = at::empty({N, H}, at::kFloat);
-  float* op = out.data_ptr<float>();
-  const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
   const int64_t per = 4 / y.element_size(), rb = H * y.element_size();
+  auto kept_of = [&](int64_t n) {
+    int64_t kept = 0;
+    for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
+    return kept;
+  };
+  const bool compact = fp != nullptr;
+  if (compact) {  // the units must lie inside the buffer; gaps (fixed chunks' padding) are zero
+    int64_t used = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t u = std::min(kept_of(n), per);
+      TORCH_CHECK(u == 0 || (fp[n] >= 0 && fp[n] + u <= U), "epkit.gather_units: first[", n, "] = ",
+                  fp[n], " puts its ", u, " unit(s) outside the ", U, " units");
+      used += u;
+    }
+    if (used != U) std::memset(ob, 0, static_cast<size_t>(U * rb));
+  }
+  const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
   dispatch_float_types(y.scalar_type(), "epkit.gather_rows", [&](auto tag) {
     using T = decltype(tag);
     const T* yp = y.data_ptr<T>();
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
+      std::vector<const T*> rows(C);
+      std::vector<float> w(C);
       for (int64_t n = n0; n < n1; ++n) {
-        float* acc = op + n * H;
-        int64_t kept = 0;
-        for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
-        if (kept <= per) {  // the rows themselves, k ascending; the unused bytes zero
-          uint8_t* raw = reinterpret_cast<uint8_t*>(acc);
+        const int64_t kept = kept_of(n);
+        uint8_t* raw = ob + (compact ? fp[n] : n * per) * rb;
+        if (kept <= per) {  // the rows themselves, k ascending
+          if (compact && kept == 0) continue;
           int64_t i = 0;
           for (int64_t c = 0; c < C; ++c) {
             const int64_t m = mp[n * C + c];
@@ -73,79 +93,89 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
             }
             copy_row(raw + i++ * rb, reinterpret_cast<const uint8_t*>(yp + m * H), rb);
           }
-          std::memset(raw + i * rb, 0, (per - i) * rb);
+          if (!compact) std::memset(raw + i * rb, 0, (per - i) * rb);  // the unused bytes zero
           continue;
         }
-        std::fill(acc, acc + H, 0.0f);
+        // the float32 partial P_d(t) = +0.0 + c * y + ... over the kept slots, c order; it may
+        // start unaligned (compact units of an odd H), which sum_groups' stores allow
+        int64_t cnt = 0;
         for (int64_t c = 0; c < C; ++c) {
           const int64_t m = mp[n * C + c];
           if (m < 0 || m >= M) {
             if (m != -1) bad.store(true, std::memory_order_relaxed);
             continue;
           }
-          const T* yr = yp + m * H;
-          if (weighted) {
-            const float w = wp[m];
-            for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + w * widen(yr[h]);
-          } else {
-            for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + widen(yr[h]);
-          }
+          rows[cnt] = yp + m * H;
+          w[cnt++] = weighted ? wp[m] : 1.0f;
         }
+        const RowGroup all{cnt, nullptr, 0};
+        sum_groups(reinterpret_cast<float*>(raw), H, &all, 1, rows.data(), w.data(), weighted,
+                   false);
       }
     });
   });
   if (bad.load()) report();
-  return out;
-}
-
-// Source side, a partial per destination rank, added into its node's partial over d ascending,
-// the node partials added over nodes ascending (G = 1: the partials added over d). dedup: back
-// [S, per * H] in y's dtype, row r = token row (t, d) of send_map: its n rows of y when
-// n <= per (the partial formed here with the weights, k ascending), else the float32 partial's
-// bits; topk_idx is the *kept* routing (dropped slots -1), so n = t's slots on d.
-// pairs: back [S, H] rows of expert_y per slot; slots visited in (rank, k) order, a partial
-// per rank, as the expert side forms it for dedup: the same bits.
-namespace {
-
-// part = +0.0 + c_0 * y_0 + c_1 * y_1 + ... over the rows `rows[i]` (k ascending), c the slot's
-// weight when weighted (else the row itself: 1 * y is exact, the spec's sum either way).
-template <typename Bt>
-inline void partial_of(float* part, int64_t H, const Bt* const* rows, const float* w, int64_t n,
-                       bool weighted) {
-  std::fill(part, part + H, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const Bt* br = rows[i];
-    if (weighted)
-      for (int64_t h = 0; h < H; ++h) part[h] = part[h] + w[i] * widen(br[h]);
-    else
-      for (int64_t h = 0; h < H; ++h) part[h] = part[h] + widen(br[h]);
-  }
 }
 
 }  // namespace
 
+Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
+                       int64_t transport, bool weighted) {
+  check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
+  const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
+  const int64_t N = recv_map.size(0), H = y.size(1);
+  Tensor out = at::empty({N, H}, transport == kPairs ? y.options() : y.options().dtype(at::kFloat));
+  gather_into(y, recv_map, row_weight, transport, weighted, nullptr, N * (4 / y.element_size()),
+              static_cast<uint8_t*>(out.data_ptr()));
+  return out;
+}
+
+void gather_units_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
+                      int64_t transport, bool weighted, const std::optional<Tensor>& first,
+                      const Tensor& out) {
+  check_gather_units_args(y_in, recv_map_in, row_weight, transport, weighted, first, out);
+  const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
+  const Tensor fp = first.has_value() ? first->contiguous() : Tensor();
+  gather_into(y, recv_map, row_weight, transport, weighted,
+              fp.defined() ? fp.data_ptr<int64_t>() : nullptr, out.size(0),
+              static_cast<uint8_t*>(out.data_ptr()));
+}
+
+// Source side, a partial per destination rank, added into its node's partial over d ascending,
+// the node partials added over nodes ascending (G = 1: the partials added over d). dedup: token
+// row r = (t, d) of send_map has its units at first[r] of back [U, H] (else at r * per of back
+// [S, per * H]), in y's dtype: its n rows of y when n <= per (the partial formed here with the
+// weights, k ascending), else the float32 partial's bits; topk_idx is the *kept* routing
+// (dropped slots -1), so n = t's slots on d.
+// pairs: back [S, H] rows of expert_y per slot; slots visited in (rank, k) order, a partial
+// per rank, as the expert side forms it for dedup: the same bits.
 // One body (about 90 lines) on purpose: the source's sum is the spec's order (docs/semantics.md,
 // "Combine": slots k ascending per rank, then ranks, grouped by node) and reads here in one
 // place, under one dtype dispatch, for both transports.
 Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
                          const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
-                         bool weighted, at::ScalarType out_dtype, int64_t G) {
+                         bool weighted, at::ScalarType out_dtype, int64_t G,
+                         const std::optional<Tensor>& first_in) {
   check_reduce_tokens_args(back_in, send_map_in, topk_idx, topk_weights, E, R, transport, weighted,
-                           out_dtype, G);
+                           out_dtype, G, first_in);
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = weighted ? topk_weights.contiguous() : topk_weights;  // the source's weights
   const bool dedup = transport == kDedup;
   const int64_t T = send_map.size(0), C = send_map.size(1), L = E / R;
   const int64_t per = dedup ? 4 / back.element_size() : 1;   // y rows in one float32 row
-  const int64_t H = back.size(1) / per, BW = back.size(1);   // BW: back's row width
-  const int64_t K = idx.size(1), S = back.size(0);
+  const bool compact = first_in.has_value();                  // dedup's units at first[r]
+  const Tensor first = compact ? first_in->contiguous() : Tensor();
+  const int64_t* fp = compact ? first.data_ptr<int64_t>() : nullptr;
+  const int64_t H = compact ? back.size(1) : back.size(1) / per;
+  const int64_t K = idx.size(1), S = compact ? first.size(0) : back.size(0);  // token rows
+  const int64_t U = compact ? back.size(0) : S * per;         // units of H elements in back
   const int64_t* mp = send_map.data_ptr<int64_t>();
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = weighted ? wt.data_ptr<float>() : nullptr;
-  // A send_map entry outside [-1, S), a used slot whose expert is outside [0, E), or (dedup) a
-  // token row without a kept slot: raised after the loop.
-  std::atomic<bool> bad{false};
+  // A send_map entry outside [-1, S), a used slot whose expert is outside [0, E), (dedup) a
+  // token row without a kept slot or whose units lie outside back: raised after the loop.
+  std::atomic<bool> bad{false}, bad_first{false};
   Tensor out = at::empty({T, H}, at::TensorOptions().dtype(out_dtype));
   dispatch_float_types(out_dtype, "epkit.reduce_tokens", [&](auto otag) {
     using O = decltype(otag);
@@ -154,12 +184,11 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
       using Bt = decltype(btag);
       const Bt* bp = back.data_ptr<Bt>();
       at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
-        std::vector<float> total(H), part(H), node(G > 1 ? H : 0), w(K);
+        std::vector<float> w(K);
         std::vector<int64_t> order(K);
         std::vector<const Bt*> rows(K);
+        std::vector<RowGroup> groups(K);
         for (int64_t t = t0; t < t1; ++t) {
-          std::fill(total.begin(), total.end(), 0.0f);
-          int64_t open_node = -1;  // G > 1: the node whose partial `node` holds
           // The used slots of t with a row (pairs: the slot's; dedup: its token row's), in
           // (destination rank, k) order.
           int64_t n = 0;
@@ -176,44 +205,44 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
           std::stable_sort(order.begin(), order.begin() + n, [&](int64_t a, int64_t b) {
             return ip[t * K + a] / L < ip[t * K + b] / L;
           });
-          for (int64_t i = 0; i < n;) {  // one destination rank d at a time
+          // One group per destination rank d: its rows (pairs: the slots' rows; dedup: the
+          // token row's units) with the source's weights, or its float32 partial.
+          int64_t ng = 0, nr = 0;
+          for (int64_t i = 0; i < n;) {
             const int64_t d = ip[t * K + order[i]] / L;
-            int64_t j = i, cnt = 0;
-            for (; j < n && ip[t * K + order[j]] / L == d; ++j, ++cnt) {
-              const int64_t k = order[j];
-              const int64_t r = mp[t * C + (dedup ? d : k)];
-              rows[cnt] = dedup ? bp + r * BW + cnt * H : bp + r * BW;
-              w[cnt] = weighted ? wp[t * K + k] : 1.0f;
+            int64_t cnt = 0;
+            while (i + cnt < n && ip[t * K + order[i + cnt]] / L == d) ++cnt;
+            // dedup: the token row's first unit in back (its rows follow it, or its partial)
+            const int64_t r0 = dedup ? mp[t * C + d] : 0;
+            const int64_t at0 = !dedup ? 0 : compact ? fp[r0] : r0 * per;
+            if (dedup && (at0 < 0 || at0 + std::min(cnt, per) > U)) {
+              bad_first.store(true, std::memory_order_relaxed);
+              i += cnt;
+              continue;
             }
-            if (dedup && cnt > per)  // the float32 partial P_d(t), formed on the expert side
-              std::memcpy(part.data(), bp + mp[t * C + d] * BW, H * sizeof(float));
-            else
-              partial_of(part.data(), H, rows.data(), w.data(), cnt, weighted);
-            if (G == 1) {
-              for (int64_t h = 0; h < H; ++h) total[h] = total[h] + part[h];
-            } else {  // N_n = +0.0 + P_d + ..., added to the total when the next node opens
-              if (d / G != open_node) {
-                if (open_node >= 0)
-                  for (int64_t h = 0; h < H; ++h) total[h] = total[h] + node[h];
-                std::fill(node.begin(), node.end(), 0.0f);
-                open_node = d / G;
-              }
-              for (int64_t h = 0; h < H; ++h) node[h] = node[h] + part[h];
+            if (dedup && cnt > per) {  // the float32 partial P_d(t), formed on the expert side
+              groups[ng++] = {0, reinterpret_cast<const uint8_t*>(bp + at0 * H), d / G};
+              i += cnt;
+              continue;
             }
-            i = j;
+            for (int64_t q = 0; q < cnt; ++q, ++i, ++nr) {
+              const int64_t k = order[i];
+              rows[nr] = dedup ? bp + (at0 + q) * H : bp + mp[t * C + k] * H;
+              w[nr] = weighted ? wp[t * K + k] : 1.0f;
+            }
+            groups[ng++] = {cnt, nullptr, d / G};
           }
-          if (open_node >= 0)
-            for (int64_t h = 0; h < H; ++h) total[h] = total[h] + node[h];
-          O* orow = op + t * H;
-          for (int64_t h = 0; h < H; ++h) orow[h] = narrow<O>(total[h]);
+          sum_groups(op + t * H, H, groups.data(), ng, rows.data(), w.data(), weighted, G > 1);
         }
       });
     });
   });
-  if (bad.load()) {
+  if (bad.load() || bad_first.load()) {
     constexpr const char* op = "epkit.reduce_tokens";
     check_map_range(op, "send_map", mp, T * C, S, "rows of back");
     check_expert_range(op, ip, T * K, E);
+    TORCH_CHECK(!bad_first.load(), op, ": a token row whose units lie outside back's ", U,
+                " (first names a unit out of range)");
     TORCH_CHECK(false, op, dedup ? ": a kept slot whose token row send_map does not name"
                                  : ": send_map sends a slot whose topk_idx is -1");
   }

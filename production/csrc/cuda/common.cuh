@@ -41,10 +41,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cuda(const Tensor& recv, const
                                                        c10::SymInt expert_rows);
 Tensor gather_rows_cuda(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
                         int64_t transport, bool weighted);
+void gather_units_cuda(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
+                       int64_t transport, bool weighted, const std::optional<Tensor>& first,
+                       const Tensor& out);
 Tensor reduce_tokens_cuda(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
                           const Tensor& topk_weights, int64_t num_experts, int64_t num_ranks,
                           int64_t transport, bool weighted, at::ScalarType out_dtype,
-                          int64_t ranks_per_node);
+                          int64_t ranks_per_node, const std::optional<Tensor>& first);
 Tensor scatter_rows_cuda(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
 std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv, const Tensor& recv_map,
                                                       const Tensor& row_weight,

@@ -8,6 +8,7 @@ TORCH_LIBRARY_IMPL(epkit, CUDA, m) {
   m.impl("pack", &epkit::cuda::pack_cuda);
   m.impl("unpack", &epkit::cuda::unpack_cuda);
   m.impl("gather_rows", &epkit::cuda::gather_rows_cuda);
+  m.impl("gather_units", &epkit::cuda::gather_units_cuda);
   m.impl("reduce_tokens", &epkit::cuda::reduce_tokens_cuda);
   m.impl("scatter_rows", &epkit::cuda::scatter_rows_cuda);
   m.impl("combine_backward_dest", &epkit::cuda::combine_backward_dest_cuda);

@@ -1,0 +1,94 @@
+"""The buffers that never leave an op, owned by a :class:`epkit.Dispatcher` (DeepEP's ``Buffer``,
+TransformerEngine's ``EpBuffer``): allocated on first use, grown when a call needs more,
+reused by every later call, released on request.
+
+Why: on the CPU a buffer above glibc's mmap threshold (32 MiB at most) is fresh pages on every
+allocation, and touching them first costs about as much as the exchange that fills them
+(docs/benchmarks.md, "out fresh"). dedup's way back moves ``[units, H]`` buffers of that size
+twice a step (combine and the dispatch backward). On CUDA the caching allocator reuses memory
+already; the workspace there gives the same buffer (the same address) every call.
+
+What lives here: the receive buffer of every exchange inside an op, and the way back's send
+buffer (``gather_units`` writes it). What never does: any tensor an op returns or saves for
+backward (outputs alias nothing), and the buffers of the lazy schedule (several may be in
+flight at once; they are allocated fresh). Each use names a *role* (the pass and the side), so
+the forward and backward passes of one step, and the next step's forward before the last
+step's backward, never share a buffer: a role's buffer is read only inside the op that filled
+it, before that op returns.
+
+Ops find a Dispatcher's workspace by its key (an int, a constant under torch.compile); key -1
+is no workspace (every buffer fresh: the functional ``epkit.dispatch`` / ``epkit.combine``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+_KEYS = itertools.count()
+_LIVE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
+GROWTH = 1.125   # a grown buffer gets this much headroom: routing-dependent sizes vary per step
+ALIGN = 1 << 16  # and is rounded up to 64 KiB
+
+
+class Workspace:
+    """A Dispatcher's buffers, one per role and device: ``take`` returns a view of the role's
+    buffer (grown when too small), ``release`` frees them all, ``nbytes`` is what is held."""
+
+    def __init__(self):
+        self.key = next(_KEYS)
+        self._bufs: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._lock = threading.Lock()
+        _LIVE[self.key] = self
+
+    def take(self, role: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """``torch.empty(shape, dtype=dtype, device=device)``'s shape and dtype, in the role's
+        buffer: its contents are whatever the last call left there."""
+        device = torch.device(device)
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        need = numel * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            buf = self._bufs.get((role, device))
+            if buf is None or buf.numel() < need:
+                size = -(-int(need * GROWTH) // ALIGN) * ALIGN
+                self._bufs.pop((role, device), None)  # the old one is freed before the new one
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+                self._bufs[(role, device)] = buf
+        return buf[:need].view(dtype).view(tuple(int(s) for s in shape))
+
+    def release(self) -> None:
+        """Free every buffer (the next call allocates again)."""
+        with self._lock:
+            self._bufs.clear()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._bufs.values())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers held (for the tests that outputs alias none of them)."""
+        with self._lock:
+            return list(self._bufs.values())
+
+
+def allocator(key: int, role: str) -> Optional[Callable]:
+    """``alloc(shape, dtype, device)`` taking from workspace ``key``'s ``role`` buffer, or None
+    (key -1, or a Dispatcher already gone): the caller allocates fresh."""
+    ws = _LIVE.get(key) if key >= 0 else None
+    if ws is None:
+        return None
+    return lambda shape, dtype, device: ws.take(role, shape, dtype, device)
+
+
+def empty(alloc: Optional[Callable], shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A buffer from ``alloc`` (an :func:`allocator`), else a fresh ``torch.empty``."""
+    if alloc is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return alloc(tuple(shape), dtype, device)
