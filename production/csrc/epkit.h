@@ -199,6 +199,10 @@ Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const
                                int64_t transport);
 
 // ---- helpers -----------------------------------------------------------------------------
+// A CPU tensor for a large output or send buffer: 2 MiB-aligned on transparent huge pages when
+// it is 2 MiB or more (cpu/alloc.cpp: a fresh large buffer then faults once per 2 MiB, not per
+// 4 KiB page), else at::empty. Uninitialised, like at::empty.
+Tensor empty_large(at::IntArrayRef sizes, at::ScalarType dtype);
 // Rows are moved as bytes: a copy is bit for bit whatever the dtype.
 inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
   std::memcpy(dst, src, static_cast<size_t>(nbytes));

@@ -60,7 +60,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
   const int64_t H = y.size(1), M = y.size(0), C = recv_map.size(1);
   const std::vector<int64_t> src = source_rows(recv_map, M, "epkit.combine_backward_dest",
                                                "rows of expert_y");
-  Tensor grad_y = at::empty({M, H}, y.options());
+  Tensor grad_y = empty_large({M, H}, y.scalar_type());
   Tensor grad_w = at::empty({M}, at::kFloat);
   const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
   float* gwp = grad_w.data_ptr<float>();

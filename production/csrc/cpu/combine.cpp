@@ -124,7 +124,7 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
   check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const int64_t N = recv_map.size(0), H = y.size(1);
-  Tensor out = at::empty({N, H}, transport == kPairs ? y.options() : y.options().dtype(at::kFloat));
+  Tensor out = empty_large({N, H}, transport == kPairs ? y.scalar_type() : at::kFloat);
   gather_into(y, recv_map, row_weight, transport, weighted, nullptr, N * (4 / y.element_size()),
               static_cast<uint8_t*>(out.data_ptr()));
   return out;
@@ -176,7 +176,7 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
   // A send_map entry outside [-1, S), a used slot whose expert is outside [0, E), (dedup) a
   // token row without a kept slot or whose units lie outside back: raised after the loop.
   std::atomic<bool> bad{false}, bad_first{false};
-  Tensor out = at::empty({T, H}, at::TensorOptions().dtype(out_dtype));
+  Tensor out = empty_large({T, H}, out_dtype);
   dispatch_float_types(out_dtype, "epkit.reduce_tokens", [&](auto otag) {
     using O = decltype(otag);
     O* op = out.data_ptr<O>();

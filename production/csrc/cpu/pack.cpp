@@ -213,7 +213,8 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   const PlanOffsets o = check_pack_plan(plan, plan_t.numel(), transport, num_ranks, P, SB);
   // Static chunks have gaps (cap rows, not all used) that must be zero; else every byte is
   // written by the passes below.
-  Tensor send = plan[kTokCap] >= 0 ? at::zeros({SB}, at::kByte) : at::empty({SB}, at::kByte);
+  Tensor send = empty_large({SB}, at::kByte);
+  if (plan[kTokCap] >= 0) send.zero_();  // static: the chunks' unused rows travel as zeros
   uint8_t* sb = send.data_ptr<uint8_t>();
   const PackLayout l = layout_of(plan, o, transport, T, K, P, sb);
 
@@ -257,7 +258,7 @@ Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::Sy
                 mp[i], ", named already by token ", from[mp[i]]);
     from[mp[i]] = i / C;
   }
-  Tensor out = at::empty({S, src.size(1)}, src.options());
+  Tensor out = empty_large({S, src.size(1)}, src.scalar_type());
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, S, kRowGrain, [&](int64_t r0, int64_t r1) {

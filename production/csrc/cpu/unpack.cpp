@@ -163,7 +163,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
   const bool pairs = transport == kPairs;
 
   // Every output row is written once by the payload pass (padding rows too): no fill.
-  Tensor expert_x = at::empty({M, H}, at::TensorOptions().dtype(dtype));
+  Tensor expert_x = empty_large({M, H}, dtype);
   Tensor row_src = at::empty({M, 3}, at::kLong);
   Tensor row_weight = at::empty({M}, at::kFloat);
   Tensor recv_map = at::full({N, pairs ? 1 : K}, -1, at::kLong);
