@@ -69,10 +69,11 @@ class _Recorder:
     """Wraps ``torch.distributed.all_to_all_single`` while active; every call is noted as
     ``(send_rows, recv_rows, row_bytes, in_splits, out_splits)``."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, timeline: list = None):
         self.world = world
         self.calls: list[tuple] = []
         self.held = 0  # bytes the recorded step holds (set by interleaved)
+        self.timeline = timeline  # with a list: ("exchange", call) appended in order too
 
     @contextlib.contextmanager
     def active(self):
@@ -83,6 +84,8 @@ class _Recorder:
             ins = [int(v) for v in input_split_sizes] if input_split_sizes else None
             outs = [int(v) for v in output_split_sizes] if output_split_sizes else None
             self.calls.append((int(input.shape[0]), int(output.shape[0]), int(row), ins, outs))
+            if self.timeline is not None:
+                self.timeline.append(("exchange", self.calls[-1]))
             return real(output, input, output_split_sizes, input_split_sizes, *a, **kw)
 
         dist.all_to_all_single = wrapped
@@ -116,6 +119,35 @@ def floor_step(calls, group):
             dist.all_to_all_single(recv, send, out_s, in_s, group=group)
         if held is not None:
             held += [t for b in bufs for t in b[:2]]
+
+    return step
+
+
+def floor_kernels_step(timeline, group):
+    """The floor with epkit's local work: the bare exchanges of one recorded epkit dedup step
+    and every C++ kernel call it made (their real arguments), replayed in their order and
+    nothing else (no Python bookkeeping, no call headers, no count exchange, no index ops):
+    what this design's bytes and kernels cost on this machine, the bound epkit's step is
+    measured against (``overhead_bound``)."""
+    plan = []
+    for kind, item in timeline:
+        if kind == "exchange":
+            n_in, n_out, row, in_s, out_s = item
+            plan.append((torch.zeros((n_out, row), dtype=torch.uint8),
+                         torch.zeros((n_in, row), dtype=torch.uint8), out_s, in_s))
+        else:
+            plan.append(item)
+
+    def step(held=None):
+        for item in plan:
+            if isinstance(item[0], torch.Tensor):
+                recv, send, out_s, in_s = item
+                dist.all_to_all_single(recv, send, out_s, in_s, group=group)
+            else:
+                name, op, args, kwargs, *_ = item
+                op(*args, **kwargs)
+        if held is not None:
+            held += [t for item in plan if isinstance(item[0], torch.Tensor) for t in item[:2]]
 
     return step
 
@@ -316,12 +348,18 @@ def run_workload(cfg: dict, T: int, group) -> dict:
         "plain-torch padded": plain_step(True, group, E, x, idx, w, grad),
     }
     steps = {k: v for k, v in steps.items() if k in cfg["methods"]}
-    # The floor replays epkit dedup's exchanges: record them first (one untimed step).
-    rec = _Recorder(R)
-    with rec.active():
+    # The floor replays epkit dedup's exchanges (and, for "floor + kernels", its kernel calls
+    # in their order): record them first (one untimed step).
+    from .bench_kernels import KernelRecorder
+
+    timeline: list = []
+    rec, krec = _Recorder(R, timeline), KernelRecorder(timeline)
+    with rec.active(), krec.active():
         epkit_step("dedup", group, E, x, idx, w, grad)()
     if "floor" in cfg["methods"]:
         steps["floor"] = floor_step(rec.calls, group)
+    if "floor + kernels" in cfg["methods"]:
+        steps["floor + kernels"] = floor_kernels_step(timeline, group)
     times, recorders, memory = interleaved(steps, cfg["warmup"], cfg["iters"], group,
                                            record=set(steps))
     rows = {}

@@ -49,15 +49,16 @@ class KernelRecorder:
     """While active, every ``ops.C.<name>(...)`` call made by epkit is noted as
     ``(name, op, args, kwargs, bytes, first output's bytes)``, ``bytes`` = arguments + outputs."""
 
-    def __init__(self):
+    def __init__(self, timeline: list = None):
         self.calls: list[tuple] = []
+        self.timeline = timeline  # with a list: ("kernel", call) appended in order too
 
     @contextlib.contextmanager
     def active(self):
         from epkit import ops
 
         real = ops.C
-        calls = self.calls
+        calls, timeline = self.calls, self.timeline
 
         class _Proxy:
             def __getattr__(self, name):
@@ -67,6 +68,8 @@ class KernelRecorder:
                     out = op(*args, **kwargs)
                     calls.append((name, op, args, kwargs, _nbytes(args) + _nbytes(out),
                                   _nbytes(out[0] if isinstance(out, (list, tuple)) else out)))
+                    if timeline is not None:
+                        timeline.append(("kernel", calls[-1]))
                     return out
 
                 return call
@@ -110,8 +113,8 @@ def replay(calls: list[tuple], reps: int, threads: int) -> dict:
             seen[name] = seen.get(name, 0) + 1
             label = name if seen[name] == 1 else f"{name} #{seen[name]}"
             best, med = _times(lambda: op(*args, **kwargs), reps)
-            part = big[:nout]
-            fresh = _times(lambda: torch.empty_like(part).copy_(part), reps)[0]
+            part = big[:nout]  # no output (gather_units writes a given buffer): no first touch
+            fresh = _times(lambda: torch.empty_like(part).copy_(part), reps)[0] if nout else 0.0
             rows[label] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med, "bytes": int(nbytes),
                            "gbps": nbytes / best / 1e9, "out_fresh_ms": 1e3 * fresh}
         del big

@@ -51,14 +51,25 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
         assert r["rss_growth_vs_held"] == r["peak_rss_growth_bytes"] / r["held_bytes"]
     assert res["memory_vs_held"] == rows["epkit dedup"]["rss_growth_vs_held"]
     assert "memory_vs_held" in res["targets"]
-    # the floor replays epkit dedup's exchanges: the same bytes
+    # the floor replays epkit dedup's exchanges: the same bytes; "floor + kernels" the same
+    # exchanges with its kernel calls, and the bound's ratios follow from the medians
     assert rows["floor"]["bytes"] == rows["epkit dedup"]["bytes"]
+    assert rows["floor + kernels"]["bytes"] == rows["epkit dedup"]["bytes"]
+    assert rows["floor + kernels"]["exchanges"] == rows["floor"]["exchanges"]
+    assert res["overhead_bound"] == (rows["floor + kernels"]["median_ms"]
+                                     / rows["floor"]["median_ms"])
+    assert res["epkit_vs_bound"] == (rows["epkit dedup"]["median_ms"]
+                                     / rows["floor + kernels"]["median_ms"])
     assert rows["epkit dedup"]["ratio_to_epkit"] == 1.0
     ov = res["overlap"]
     assert ov["available"] in (True, False) and "dispatch then compute" in ov["rows"]
     kern = res["kernels"][0]["rows"]
     assert {"pack", "unpack", "gather_units", "reduce_tokens"} <= set(kern)
-    assert all(_number(k["out_fresh_ms"]) for k in kern.values())
+    # out fresh: the first-touch floor of a kernel's output; gather_units writes into the
+    # workspace it is given, so it has none
+    assert all(_number(k["out_fresh_ms"]) for n, k in kern.items()
+               if not n.startswith("gather_units"))
+    assert all(k["out_fresh_ms"] == 0 for n, k in kern.items() if n.startswith("gather_units"))
     text = capsys.readouterr().out
     assert "speedup_vs_naive" in text
     # speedup_vs_naive is the smallest of the baselines' ratios: against the fastest baseline
