@@ -65,7 +65,35 @@ template <typename O> EPKIT_LANES void store_lanes(O* p, float v) {
   std::memcpy(p, &n, sizeof(O));  // gather_rows' partial may start unaligned
 }
 
-// Columns [h, h + width(Vec)) of sum_groups: Vec is V16f (16 columns) or float (one).
+// N blocks of 16 columns at once: N independent chains per row read, so the adds of one block
+// wait on nothing of the next (more in flight), with the same operations per element.
+template <int N>
+struct Lanes {
+  V16f v[N];
+};
+template <int N>
+EPKIT_LANES Lanes<N> operator+(const Lanes<N>& a, const Lanes<N>& b) {
+  Lanes<N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = a.v[i] + b.v[i];
+  return r;
+}
+template <int N>
+EPKIT_LANES Lanes<N> operator*(float w, const Lanes<N>& a) {
+  Lanes<N> r;
+  for (int i = 0; i < N; ++i) r.v[i] = w * a.v[i];
+  return r;
+}
+template <typename T, int N>
+EPKIT_LANES void load_lanes(const T* p, Lanes<N>& v) {
+  for (int i = 0; i < N; ++i) load16(p + 16 * i, v.v[i]);
+}
+template <typename O, int N>
+EPKIT_LANES void store_lanes(O* p, const Lanes<N>& v) {
+  for (int i = 0; i < N; ++i) store16(p + 16 * i, v.v[i]);
+}
+
+// Columns [h, h + width(Vec)) of sum_groups: Vec is Lanes<N> (16 N columns), V16f (16) or float
+// (one).
 template <typename Vec, typename O, typename Bt>
 EPKIT_LANES void sum_block(O* out, int64_t h, const RowGroup* groups,
                                                      int64_t ngroups, const Bt* const* rows,
@@ -111,6 +139,8 @@ EPKIT_ROW_CLONES void sum_groups(O* __restrict out, int64_t H, const RowGroup* g
                                  int64_t ngroups, const Bt* const* rows, const float* w,
                                  bool weighted, bool grouped) {
   int64_t h = 0;
+  for (; h + 64 <= H; h += 64)
+    sum_block<Lanes<4>>(out, h, groups, ngroups, rows, w, weighted, grouped);
   for (; h + 16 <= H; h += 16)
     sum_block<V16f>(out, h, groups, ngroups, rows, w, weighted, grouped);
   for (; h < H; ++h) sum_block<float>(out, h, groups, ngroups, rows, w, weighted, grouped);

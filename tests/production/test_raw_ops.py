@@ -83,9 +83,14 @@ class Ctx:
         slots = N if tr == 0 else int(u.sum())
         vals = C.gather_slot_values(rw, recv_map, first, slots)
         grad_rows = C.scatter_rows(x, send_map, S)
+        # the way back's units (epkit.moves): dedup, min(n, per) a token row, compact; pairs a
+        # row per row, no places
+        un = u.clamp(max=4 // y.element_size())
+        ufirst = None if tr == 0 else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
+        units = N if tr == 0 else int(un.sum())
         return dict(tr=tr, plan=plan, SB=SB, S=S, N=N, M=M, send=send, send_map=send_map,
                     rw=rw, recv_map=recv_map, y=y, rows=rows, vals=vals, grad_rows=grad_rows,
-                    first=first, slots=slots, o=offsets(1, self.E))
+                    first=first, slots=slots, o=offsets(1, self.E), ufirst=ufirst, units=units)
 
     def chain(self, tr, static=False):
         return self.chains[(tr, static)]
@@ -400,6 +405,47 @@ def _(c, bad, tr):
     assert c.torch.equal(got, gather(c, tr, rmap=row.expand(ch["N"], -1).contiguous()))
 
 
+# gather_units(expert_y, recv_map, row_weight, transport, weighted, first, out)
+def gunits(c, tr, y=None, rmap=None, first="same", out=None, tr_arg=None):
+    ch = c.chain(tr)
+    y = ch["y"] if y is None else y
+    out = c.torch.empty((ch["units"], y.shape[1]), dtype=y.dtype) if out is None else out
+    c.C.gather_units(y, ch["recv_map"] if rmap is None else rmap, ch["rw"],
+                     tr if tr_arg is None else tr_arg, True,
+                     ch["ufirst"] if isinstance(first, str) else first, out)
+    return out
+
+
+for name, bad in [
+    ("map_one_past_the_end", lambda c, tr: gunits(c, tr, rmap=map_entry(c, tr, "recv_map",
+                                                                        c.chain(tr)["M"]))),
+    ("map_absurd", lambda c, tr: gunits(c, tr, rmap=map_entry(c, tr, "recv_map", BIG))),
+    ("out_dtype", lambda c, tr: gunits(c, tr, out=c.torch.empty(
+        (c.chain(tr)["units"], c.H), dtype=c.torch.bfloat16))),
+    ("out_1d", lambda c, tr: gunits(c, tr, out=c.torch.empty(c.chain(tr)["units"] * c.H))),
+    ("out_hidden", lambda c, tr: gunits(c, tr, out=c.torch.empty((c.chain(tr)["units"], c.H + 1)))),
+    ("out_strided", lambda c, tr: gunits(c, tr, out=c.torch.empty(
+        (c.chain(tr)["units"], 2 * c.H))[:, ::2])),
+    ("out_short", lambda c, tr: gunits(c, tr, out=c.torch.empty(
+        (c.chain(tr)["units"] - 1, c.H)))),
+    ("transport_code", lambda c, tr: gunits(c, tr, tr_arg=2)),
+]:
+    simple("gather_units", name, lambda c, tr: gunits(c, tr), bad, BOTH)
+for name, bad in [
+    ("first_missing", lambda c, tr: gunits(c, tr, first=None)),
+    ("first_int32", lambda c, tr: gunits(c, tr, first=c.chain(tr)["ufirst"].int())),
+    ("first_short", lambda c, tr: gunits(c, tr, first=c.chain(tr)["ufirst"][:-1])),
+    ("first_2d", lambda c, tr: gunits(c, tr, first=c.chain(tr)["ufirst"].view(1, -1))),
+    ("first_negative", lambda c, tr: gunits(c, tr, first=tampered(c.chain(tr)["ufirst"], 0, -5))),
+    ("first_past_out", lambda c, tr: gunits(c, tr, first=tampered(c.chain(tr)["ufirst"], 0,
+                                                                  c.chain(tr)["units"]))),
+]:
+    simple("gather_units", name, lambda c, tr: gunits(c, tr), bad, (1,))
+simple("gather_units", "pairs_with_first", lambda c, tr: gunits(c, tr),
+       lambda c, tr: gunits(c, tr, first=c.torch.zeros(c.chain(tr)["N"], dtype=c.torch.int64)),
+       (0,))
+
+
 # reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted, out_dtype)
 def reduce(c, tr, back=None, smap=None, idx=None, w=None, E=None, R=1, tr_arg=None, weighted=True,
            dtype=None):
@@ -567,7 +613,7 @@ for name, bad in [
 ]:
     simple("scatter_slot_values", name, lambda c, tr: ssv(c, tr), bad, BOTH)
 
-OPS = ("layout", "prepare", "plan", "pack", "unpack", "gather_rows", "reduce_tokens",
+OPS = ("layout", "prepare", "plan", "pack", "unpack", "gather_rows", "gather_units", "reduce_tokens",
        "scatter_rows", "combine_backward_dest", "quantize_mxfp8", "quantize_fp8_block128",
        "gather_slot_values", "scatter_slot_values")
 

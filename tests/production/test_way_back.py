@@ -79,7 +79,7 @@ def want_units(rmap, y, w, weighted, first, units) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("H", [1, 3, 16, 37, 1024])
+@pytest.mark.parametrize("H", [1, 3, 16, 37, 85, 1024])
 @pytest.mark.parametrize("gaps", [False, True])
 def test_gather_units_writes_the_units_in_place(dtype, H, gaps):
     rng = np.random.default_rng(H * 7 + gaps)
@@ -161,7 +161,7 @@ def want_reduce(idx, send_map, back, first, w, weighted, L, G, out_dtype) -> np.
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("H", [1, 3, 16, 37, 1024])
+@pytest.mark.parametrize("H", [1, 3, 16, 37, 85, 1024])
 @pytest.mark.parametrize("G", [1, 2])
 def test_reduce_tokens_reads_the_units_in_place(dtype, H, G):
     rng = np.random.default_rng(H * 3 + G)

@@ -32,13 +32,14 @@ namespace {
 // (About 80 lines: both transports' expert-side passes under one dtype dispatch.)
 // The pass into `ob`, the output's bytes: pairs, row n at n; dedup, token row n's units at unit
 // fp[n] of U (fp null: at n * per, its 4H bytes, the unused bytes zero).
-void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weight,
-                 int64_t transport, bool weighted, const int64_t* fp, int64_t U, uint8_t* ob) {
+void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
+                 const Tensor& row_weight, int64_t transport, bool weighted, const int64_t* fp,
+                 int64_t U, uint8_t* ob) {
   const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
   const int64_t* mp = recv_map.data_ptr<int64_t>();
   std::atomic<bool> bad{false};  // a map entry outside [-1, M): raised after the loop
   auto report = [&] {
-    report_map_range("epkit.gather_rows", "recv_map", mp, N * C, M, "rows of expert_y");
+    report_map_range(op_name, "recv_map", mp, N * C, M, "rows of expert_y");
   };
   if (transport == kPairs) {
     const int64_t nbytes = H * y.element_size();
@@ -47,10 +48,12 @@ void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weig
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) {
         const int64_t m = mp[n];
-        if (m >= 0 && m < M) copy_row(op + n * nbytes, yp + m * nbytes, nbytes);
+        if (n + 1 < n1 && mp[n + 1] >= 0 && mp[n + 1] < M) prefetch_row(yp + mp[n + 1] * nbytes, nbytes);
+        if (m >= 0 && m < M) stream_row(op + n * nbytes, yp + m * nbytes, nbytes);
         else std::memset(op + n * nbytes, 0, nbytes);  // static-exchange header and gap rows
         if (m < -1 || m >= M) bad.store(true, std::memory_order_relaxed);
       }
+      stream_fence();
     });
     if (bad.load()) report();
     return;
@@ -66,14 +69,14 @@ void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weig
     int64_t used = 0;
     for (int64_t n = 0; n < N; ++n) {
       const int64_t u = std::min(kept_of(n), per);
-      TORCH_CHECK(u == 0 || (fp[n] >= 0 && fp[n] + u <= U), "epkit.gather_units: first[", n, "] = ",
+      TORCH_CHECK(u == 0 || (fp[n] >= 0 && fp[n] + u <= U), op_name, ": first[", n, "] = ",
                   fp[n], " puts its ", u, " unit(s) outside the ", U, " units");
       used += u;
     }
     if (used != U) std::memset(ob, 0, static_cast<size_t>(U * rb));
   }
   const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
-  dispatch_float_types(y.scalar_type(), "epkit.gather_rows", [&](auto tag) {
+  dispatch_float_types(y.scalar_type(), op_name, [&](auto tag) {
     using T = decltype(tag);
     const T* yp = y.data_ptr<T>();
     at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
@@ -82,6 +85,10 @@ void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weig
       for (int64_t n = n0; n < n1; ++n) {
         const int64_t kept = kept_of(n);
         uint8_t* raw = ob + (compact ? fp[n] : n * per) * rb;
+        if (n + 1 < n1)  // the next token row's sources, scattered over expert_y
+          for (int64_t c = 0; c < C; ++c)
+            if (mp[(n + 1) * C + c] >= 0 && mp[(n + 1) * C + c] < M)
+              prefetch_row(yp + mp[(n + 1) * C + c] * H, rb);
         if (kept <= per) {  // the rows themselves, k ascending
           if (compact && kept == 0) continue;
           int64_t i = 0;
@@ -91,7 +98,9 @@ void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weig
               if (m != -1) bad.store(true, std::memory_order_relaxed);
               continue;
             }
-            copy_row(raw + i++ * rb, reinterpret_cast<const uint8_t*>(yp + m * H), rb);
+            // the exchange's send buffer, written once front to back and read next by the
+            // collective, not by this core: non-temporal stores (no read for ownership)
+            stream_row(raw + i++ * rb, reinterpret_cast<const uint8_t*>(yp + m * H), rb);
           }
           if (!compact) std::memset(raw + i * rb, 0, (per - i) * rb);  // the unused bytes zero
           continue;
@@ -112,6 +121,7 @@ void gather_into(const Tensor& y, const Tensor& recv_map, const Tensor& row_weig
         sum_groups(reinterpret_cast<float*>(raw), H, &all, 1, rows.data(), w.data(), weighted,
                    false);
       }
+      stream_fence();  // the streamed rows are visible before the exchange reads them
     });
   });
   if (bad.load()) report();
@@ -125,7 +135,8 @@ Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tens
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const int64_t N = recv_map.size(0), H = y.size(1);
   Tensor out = empty_large({N, H}, transport == kPairs ? y.scalar_type() : at::kFloat);
-  gather_into(y, recv_map, row_weight, transport, weighted, nullptr, N * (4 / y.element_size()),
+  gather_into("epkit.gather_rows", y, recv_map, row_weight, transport, weighted, nullptr,
+              N * (4 / y.element_size()),
               static_cast<uint8_t*>(out.data_ptr()));
   return out;
 }
@@ -136,7 +147,7 @@ void gather_units_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tenso
   check_gather_units_args(y_in, recv_map_in, row_weight, transport, weighted, first, out);
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const Tensor fp = first.has_value() ? first->contiguous() : Tensor();
-  gather_into(y, recv_map, row_weight, transport, weighted,
+  gather_into("epkit.gather_units", y, recv_map, row_weight, transport, weighted,
               fp.defined() ? fp.data_ptr<int64_t>() : nullptr, out.size(0),
               static_cast<uint8_t*>(out.data_ptr()));
 }
@@ -189,6 +200,13 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
         std::vector<const Bt*> rows(K);
         std::vector<RowGroup> groups(K);
         for (int64_t t = t0; t < t1; ++t) {
+          if (t + 1 < t1)  // the next token's rows, in as many streams as it has ranks
+            for (int64_t c = 0; c < C; ++c) {
+              const int64_t r = mp[(t + 1) * C + c];
+              if (r < 0 || r >= S) continue;
+              const int64_t at = !dedup ? r : compact ? fp[r] : r * per;
+              if (at >= 0 && at + per <= U) prefetch_row(bp + at * H, per * H * sizeof(Bt));
+            }
           // The used slots of t with a row (pairs: the slot's; dedup: its token row's), in
           // (destination rank, k) order.
           int64_t n = 0;
