@@ -173,8 +173,8 @@ class Dispatcher:
             launcher's local world size (``LOCAL_WORLD_SIZE``, as torchrun sets it) when it is
             set and divides the group size, else 1. Agreed between ranks like every option (a
             mismatch is an InputError on every rank).
-        workspace: keep the buffers that never leave an op (every exchange's receive buffer,
-            the combine's and the dispatch backward's send buffer) from call to call
+        workspace: keep the buffers that never leave an op (every exchange's send and
+            receive staging: dispatch, combine, both backward passes) from call to call
             (epkit/workspace.py; DeepEP's ``Buffer``): allocated on first use, grown when a
             call needs more, reported by :attr:`workspace_bytes`, freed by :meth:`release`.
             Outputs and saved tensors never live there. ``False``: every buffer fresh (the

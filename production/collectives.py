@@ -131,7 +131,7 @@ class Variant:
 
 
 def _recv_buffer(buf, rows, alloc):
-    return workspace.empty(alloc, (rows,) + tuple(buf.shape[1:]), buf.dtype, buf.device)
+    return workspace.empty(alloc, (rows,) + tuple(buf.shape[1:]), buf.dtype, buf)
 
 
 def _ragged_stage(buf, send, recv, P, alloc=None):

@@ -34,6 +34,12 @@ def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes):
     return x.new_empty((send_bytes,), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
 
 
+@torch.library.register_fake("epkit::pack_into")
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send):
+    T, K = topk_idx.shape  # send (the workspace's buffer) is written in place
+    return x.new_empty((T, K if transport == PAIRS else num_ranks), dtype=torch.int64)
+
+
 @torch.library.register_fake("epkit::unpack")
 def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
     cols = 1 if transport == PAIRS else topk
@@ -66,6 +72,16 @@ def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport,
 @torch.library.register_fake("epkit::scatter_rows")
 def _(src, send_map, send_rows):
     return src.new_empty((send_rows, src.shape[1]))
+
+
+@torch.library.register_fake("epkit::empty_large")
+def _(like, size, dtype):
+    return like.new_empty(size, dtype=dtype)
+
+
+@torch.library.register_fake("epkit::scatter_rows_into")
+def _(src, send_map, out):
+    return None  # writes out (the workspace's buffer) in place
 
 
 @torch.library.register_fake("epkit::combine_backward_dest")

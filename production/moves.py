@@ -214,7 +214,7 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1, chunk, hdr)
     total = int(send.sum()) if chunk is None else R * chunk
     buf = workspace.empty(workspace.allocator(ws, role + ".send"), (total, expert_y.shape[1]),
-                          expert_y.dtype, expert_y.device)
+                          expert_y.dtype, expert_y)
     C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
     # source side: where each of its token rows' units arrive
     S = int(hp[SEND_ROWS])
@@ -243,8 +243,7 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
         ws = -1
     if transport == PAIRS:
         rows = workspace.empty(workspace.allocator(ws, role + ".send"),
-                               (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype,
-                               expert_y.device)
+                               (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype, expert_y)
         C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)
         moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what,
                           alloc=workspace.allocator(ws, role + ".recv"))

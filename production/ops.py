@@ -25,6 +25,7 @@ from .device import host_plan
 from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
 from .collectives import all_gather, dtype_code, group_from_name
 from .workspace import allocator
+from .workspace import empty as ws_empty
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
@@ -124,8 +125,9 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
     ``workspace``: the Dispatcher's (epkit/workspace.py; -1: none), the receive buffer's home."""
-    send, send_map = C.pack(x, topk_idx, topk_weights, plan, transport,
-                            int(host_plan(plan)[RANKS]), send_bytes)
+    send = ws_empty(allocator(workspace, "dispatch.send"), (send_bytes,), torch.uint8, x)
+    send_map = C.pack_into(x, topk_idx, topk_weights, plan, transport,
+                           int(host_plan(plan)[RANKS]), send)
     recv = move_dispatch(send, plan, group_name, alloc=allocator(workspace, "dispatch.recv"))
     del send  # exchanged: freed before unpack allocates expert_x (a lower peak per step)
     expert_x, row_src, row_weight, recv_map = C.unpack(
@@ -318,7 +320,10 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
     _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
-    recv_rows = C.scatter_rows(grad_out.contiguous(), send_map, int(host_plan(plan)[SEND_ROWS]))
+    recv_rows = ws_empty(allocator(workspace, "combine backward.send"),
+                         (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
+                         grad_out)
+    C.scatter_rows_into(grad_out.contiguous(), send_map, recv_rows)
     recv = move_rows(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward",
                      alloc=allocator(workspace, "combine backward.recv"))
     del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y

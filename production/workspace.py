@@ -4,14 +4,16 @@ reused by every later call, released on request.
 
 Why: on the CPU a buffer above glibc's mmap threshold (32 MiB at most) is fresh pages on every
 allocation, and touching them first costs about as much as the exchange that fills them
-(docs/benchmarks.md, "out fresh"). dedup's way back moves ``[units, H]`` buffers of that size
-twice a step (combine and the dispatch backward). On CUDA the caching allocator reuses memory
-already; the workspace there gives the same buffer (the same address) every call.
+(docs/benchmarks.md, "out fresh"); the default workload's way back and pairs' rows are such
+buffers. On CUDA the caching allocator reuses memory already; the workspace there gives the
+same buffer (the same address) every call.
 
-What lives here: the receive buffer of every exchange inside an op, and the way back's send
-buffer (``gather_units`` writes it). What never does: any tensor an op returns or saves for
-backward (outputs alias nothing), and the buffers of the lazy schedule (several may be in
-flight at once; they are allocated fresh). Each use names a *role* (the pass and the side), so
+What lives here: every staging buffer of an exchange inside an op, both sides: the dispatch's
+send buffer (``pack_into`` writes it) and receive buffer, the way back's (``gather_units``) of
+combine and the dispatch backward, the combine backward's (``scatter_rows_into``). What never
+does: any tensor an op returns or saves for backward (outputs alias nothing), the buffers of
+the lazy schedule (several may be in flight at once) and those of hier and the quantized
+payloads (allocated fresh: :func:`empty`, on the CPU on huge pages). Each use names a *role* (the pass and the side), so
 the forward and backward passes of one step, and the next step's forward before the last
 step's backward, never share a buffer: a role's buffer is read only inside the op that filled
 it, before that op returns.
@@ -87,8 +89,13 @@ def allocator(key: int, role: str) -> Optional[Callable]:
     return lambda shape, dtype, device: ws.take(role, shape, dtype, device)
 
 
-def empty(alloc: Optional[Callable], shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A buffer from ``alloc`` (an :func:`allocator`), else a fresh ``torch.empty``."""
+def empty(alloc: Optional[Callable], shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A buffer on ``like``'s device: from ``alloc`` (an :func:`allocator`), else fresh
+    (``epkit::empty_large``: on the CPU, 2 MiB and more on transparent huge pages, as the
+    kernels' own large outputs; csrc/cpu/alloc.cpp)."""
     if alloc is None:
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
-    return alloc(tuple(shape), dtype, device)
+        from . import _build
+
+        _build.load()
+        return torch.ops.epkit.empty_large(like, [int(s) for s in shape], dtype)
+    return alloc(tuple(shape), dtype, like.device)

@@ -553,8 +553,10 @@ def _results(args, info, runs) -> dict:
     if kr:
         results["kernels"] = kr
         for key, tr in (("pack_vs_memcpy", "dedup"), ("pack_vs_memcpy_pairs", "pairs")):
-            packs = [k["rows"]["pack"]["vs_memcpy"] for k in kr  # one thread first
-                     if k["transport"] == tr and "pack" in k["rows"]]
+            name = {k2 for k in kr for k2 in k["rows"]} & {"pack", "pack_into"}
+            name = "pack_into" if "pack_into" in name else "pack"  # (pack: without a workspace)
+            packs = [k["rows"][name]["vs_memcpy"] for k in kr  # one thread first
+                     if k["transport"] == tr and name in k["rows"]]
             if packs:
                 results[key] = packs[0]
     results["targets"] = {k: {"op": op, "goal": g} for k, (op, g) in TARGETS.items()}

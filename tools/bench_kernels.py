@@ -19,8 +19,9 @@ every allocation): the part of the kernel's time that allocating and writing its
 at the least, so a kernel whose time is close to it is bound by first touch, not by its loops.
 
 A kernel called more than once in a step is listed by call: ``gather_units`` (combine) and
-``gather_units #2`` (dispatch backward), ``reduce_tokens`` likewise. ``gather_units`` writes
-into a buffer it is given (the Dispatcher's workspace), so it has no fresh output to touch.
+``gather_units #2`` (dispatch backward), ``reduce_tokens`` likewise. ``pack_into``,
+``gather_units`` and ``scatter_rows_into`` write into a buffer they are given (the
+Dispatcher's workspace), so they have no fresh output to touch.
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ import time
 import torch
 
 # The kernels of a step; prepare and plan (count words, the plan) are host-side bookkeeping.
-KERNELS = ("pack", "unpack", "gather_rows", "gather_units", "reduce_tokens", "scatter_rows",
+KERNELS = ("pack", "pack_into", "unpack", "gather_rows", "gather_units", "reduce_tokens",
+           "scatter_rows", "scatter_rows_into",
            "combine_backward_dest", "gather_slot_values", "scatter_slot_values")
+
+
+# The kernels that write a buffer they are given (the Dispatcher's workspace): no fresh output.
+INTO = ("pack_into", "gather_units", "scatter_rows_into")
 
 
 def _nbytes(obj) -> int:
@@ -66,8 +72,9 @@ class KernelRecorder:
 
                 def call(*args, **kwargs):
                     out = op(*args, **kwargs)
-                    calls.append((name, op, args, kwargs, _nbytes(args) + _nbytes(out),
-                                  _nbytes(out[0] if isinstance(out, (list, tuple)) else out)))
+                    first = 0 if name in INTO else _nbytes(
+                        out[0] if isinstance(out, (list, tuple)) else out)
+                    calls.append((name, op, args, kwargs, _nbytes(args) + _nbytes(out), first))
                     if timeline is not None:
                         timeline.append(("kernel", calls[-1]))
                     return out
@@ -113,12 +120,15 @@ def replay(calls: list[tuple], reps: int, threads: int) -> dict:
             seen[name] = seen.get(name, 0) + 1
             label = name if seen[name] == 1 else f"{name} #{seen[name]}"
             best, med = _times(lambda: op(*args, **kwargs), reps)
-            part = big[:nout]  # no output (gather_units writes a given buffer): no first touch
+            part = big[:nout]  # no output (INTO: writes a given buffer): no first touch
             fresh = _times(lambda: torch.empty_like(part).copy_(part), reps)[0] if nout else 0.0
             rows[label] = {"best_ms": 1e3 * best, "median_ms": 1e3 * med, "bytes": int(nbytes),
                            "gbps": nbytes / best / 1e9, "out_fresh_ms": 1e3 * fresh}
         del big
-        pack_out = next((n for name, *_, n in calls if name == "pack"), 1 << 24)
+        # memcpy of the pack's send buffer: pack's first output, or the buffer pack_into fills
+        pack_out = next((n if name == "pack" else _nbytes(args[-1])
+                         for name, op, args, kwargs, _, n in calls
+                         if name in ("pack", "pack_into")), 1 << 24)
         src = torch.randint(0, 255, (max(pack_out, 1),), dtype=torch.uint8)
         dst = torch.empty_like(src)
         memcpy = 2 * src.numel() / _times(lambda: dst.copy_(src), reps)[0] / 1e9

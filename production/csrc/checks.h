@@ -246,8 +246,8 @@ inline void check_plan_options(int64_t E, int64_t R, int64_t align, int64_t capa
 
 // Tensors of pack (no data read). Then check_pack_plan with the plan's host words.
 inline void check_pack_args(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                            const Tensor& plan, int64_t transport, int64_t send_bytes) {
-  constexpr const char* op = "epkit.pack";
+                            const Tensor& plan, int64_t transport, int64_t send_bytes,
+                            const char* op = "epkit.pack") {
   check_routing_args(op, x, topk_idx, topk_weights);
   check_plan_tensor(op, plan, x.device());
   check_transport(op, transport);
@@ -417,13 +417,33 @@ inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
   }
 }
 
-inline void check_scatter_rows_args(const Tensor& src, const Tensor& send_map, int64_t send_rows) {
-  constexpr const char* op = "epkit.scatter_rows";
+// A send buffer an op writes into (pack_into): 1-D uint8, contiguous, on `dev`.
+inline void check_send_buffer(const char* op, const Tensor& send, c10::Device dev) {
+  check_dim(op, "send", send, 1);
+  check_dtype(op, "send", send, at::kByte);
+  check_device(op, "send", send, dev);
+  TORCH_CHECK(send.is_contiguous(), op, ": send must be contiguous");
+}
+
+inline void check_scatter_rows_args(const Tensor& src, const Tensor& send_map, int64_t send_rows,
+                                    const char* op = "epkit.scatter_rows") {
   check_dim(op, "src", src, 2);
   check_map(op, "send_map", send_map);
   check_device(op, "send_map", send_map, src.device());
   check_size(op, "send_map", send_map, 0, src.size(0), "tokens of src");
   check_nonneg(op, "send_rows", send_rows);
+}
+
+// scatter_rows_into: scatter_rows' arguments and its out [send_rows, H] in src's dtype.
+inline void check_scatter_rows_into_args(const Tensor& src, const Tensor& send_map,
+                                         const Tensor& out) {
+  constexpr const char* op = "epkit.scatter_rows_into";
+  check_dim(op, "out", out, 2);
+  check_scatter_rows_args(src, send_map, out.size(0), op);
+  check_dtype(op, "out", out, src.scalar_type());
+  check_device(op, "out", out, src.device());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_size(op, "out", out, 1, src.size(1), "hidden of src");
 }
 
 inline void check_combine_backward_dest_args(const Tensor& recv, const Tensor& recv_map,

@@ -187,6 +187,9 @@ Tensor reduce_tokens_cpu(const Tensor& back, const Tensor& send_map, const Tenso
                          int64_t transport, bool weighted, at::ScalarType out_dtype,
                          int64_t ranks_per_node, const std::optional<Tensor>& first);
 Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
+void scatter_rows_into_cpu(const Tensor& src, const Tensor& send_map, const Tensor& out);
+Tensor pack_into_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                     const Tensor& plan, int64_t transport, int64_t num_ranks, const Tensor& send);
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const Tensor& recv_map,
                                                      const Tensor& row_weight,
                                                      const Tensor& expert_y, bool weighted);
@@ -203,6 +206,7 @@ Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const
 // it is 2 MiB or more (cpu/alloc.cpp: a fresh large buffer then faults once per 2 MiB, not per
 // 4 KiB page), else at::empty. Uninitialised, like at::empty.
 Tensor empty_large(at::IntArrayRef sizes, at::ScalarType dtype);
+Tensor empty_large_cpu(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype);
 // Rows are moved as bytes: a copy is bit for bit whatever the dtype.
 inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
   std::memcpy(dst, src, static_cast<size_t>(nbytes));

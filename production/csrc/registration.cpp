@@ -23,6 +23,10 @@ TORCH_LIBRARY(epkit, m) {
         "int num_ranks, int transport, bool weighted, ScalarType out_dtype, int ranks_per_node=1, "
         "Tensor? first=None) -> Tensor");
   m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
+  m.def("pack_into(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, "
+        "int num_ranks, Tensor(a!) send) -> Tensor");
+  m.def("scatter_rows_into(Tensor src, Tensor send_map, Tensor(a!) out) -> ()");
+  m.def("empty_large(Tensor like, SymInt[] size, ScalarType dtype) -> Tensor");
   m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
         "bool weighted) -> (Tensor, Tensor)");
   m.def("gather_slot_values(Tensor values, Tensor recv_map, Tensor first, SymInt out_rows) -> Tensor");
@@ -42,6 +46,9 @@ TORCH_LIBRARY_IMPL(epkit, CPU, m) {
   m.impl("gather_units", &epkit::gather_units_cpu);
   m.impl("reduce_tokens", &epkit::reduce_tokens_cpu);
   m.impl("scatter_rows", &epkit::scatter_rows_cpu);
+  m.impl("pack_into", &epkit::pack_into_cpu);
+  m.impl("scatter_rows_into", &epkit::scatter_rows_into_cpu);
+  m.impl("empty_large", &epkit::empty_large_cpu);
   m.impl("combine_backward_dest", &epkit::combine_backward_dest_cpu);
   m.impl("gather_slot_values", &epkit::gather_slot_values_cpu);
   m.impl("quantize_mxfp8", &epkit::quantize_mxfp8_cpu);

@@ -446,6 +446,58 @@ simple("gather_units", "pairs_with_first", lambda c, tr: gunits(c, tr),
        (0,))
 
 
+# pack_into(x, topk_idx, topk_weights, plan, transport, num_ranks, send): pack's arguments
+# (their cases are pack's), and the buffer it writes
+def pack_into(c, tr, send=None):
+    ch = c.chain(tr)
+    send = c.torch.empty(ch["SB"], dtype=c.torch.uint8) if send is None else send
+    return c.C.pack_into(c.x, c.idx, c.w, ch["plan"], tr, 1, send)
+
+
+for name, bad in [
+    ("send_int64", lambda c, tr: pack_into(c, tr, send=c.torch.empty(
+        -(-c.chain(tr)["SB"] // 8), dtype=c.torch.int64))),
+    ("send_2d", lambda c, tr: pack_into(c, tr, send=c.torch.empty(
+        (1, c.chain(tr)["SB"]), dtype=c.torch.uint8))),
+    ("send_strided", lambda c, tr: pack_into(c, tr, send=c.torch.empty(
+        2 * c.chain(tr)["SB"], dtype=c.torch.uint8)[::2])),
+    ("transport_code", lambda c, tr: c.C.pack_into(c.x, c.idx, c.w, c.chain(tr)["plan"], 3, 1,
+                                                   c.torch.empty(c.chain(tr)["SB"],
+                                                                 dtype=c.torch.uint8))),
+]:
+    simple("pack_into", name, lambda c, tr: pack_into(c, tr), bad, BOTH)
+
+
+# scatter_rows_into(src, send_map, out)
+def srows_into(c, tr, src=None, smap=None, out=None):
+    ch = c.chain(tr)
+    out = c.torch.empty((ch["S"], c.H)) if out is None else out
+    c.C.scatter_rows_into(c.x if src is None else src, ch["send_map"] if smap is None else smap,
+                          out)
+    return out
+
+
+for name, bad in [
+    ("out_dtype", lambda c, tr: srows_into(c, tr, out=c.torch.empty(
+        (c.chain(tr)["S"], c.H), dtype=c.torch.bfloat16))),
+    ("out_hidden", lambda c, tr: srows_into(c, tr, out=c.torch.empty((c.chain(tr)["S"], c.H + 1)))),
+    ("out_1d", lambda c, tr: srows_into(c, tr, out=c.torch.empty(c.chain(tr)["S"] * c.H))),
+    ("out_strided", lambda c, tr: srows_into(c, tr, out=c.torch.empty(
+        (c.chain(tr)["S"], 2 * c.H))[:, ::2])),
+    ("out_short", lambda c, tr: srows_into(c, tr, out=c.torch.empty(
+        (c.chain(tr)["S"] - 1, c.H)))),
+    ("map_rows", lambda c, tr: srows_into(c, tr, smap=c.chain(tr)["send_map"][:-1])),
+]:
+    simple("scatter_rows_into", name, lambda c, tr: srows_into(c, tr), bad, BOTH)
+
+
+# empty_large(like, size, dtype)
+for name, bad in [
+    ("negative_size", lambda c: c.C.empty_large(c.x, [-1, 4], c.torch.float32)),
+]:
+    simple("empty_large", name, lambda c: c.C.empty_large(c.x, [3, 4], c.torch.float32), bad)
+
+
 # reduce_tokens(back, send_map, topk_idx, topk_weights, E, R, transport, weighted, out_dtype)
 def reduce(c, tr, back=None, smap=None, idx=None, w=None, E=None, R=1, tr_arg=None, weighted=True,
            dtype=None):
@@ -613,7 +665,8 @@ for name, bad in [
 ]:
     simple("scatter_slot_values", name, lambda c, tr: ssv(c, tr), bad, BOTH)
 
-OPS = ("layout", "prepare", "plan", "pack", "unpack", "gather_rows", "gather_units", "reduce_tokens",
+OPS = ("layout", "prepare", "plan", "pack", "pack_into", "unpack", "gather_rows", "gather_units",
+       "reduce_tokens", "scatter_rows_into", "empty_large",
        "scatter_rows", "combine_backward_dest", "quantize_mxfp8", "quantize_fp8_block128",
        "gather_slot_values", "scatter_slot_values")
 

@@ -55,4 +55,13 @@ Tensor empty_large(at::IntArrayRef sizes, at::ScalarType dtype) {
                                    dtype, std::nullopt);
 }
 
+// The op: a fresh buffer on `like`'s device (epkit/workspace.py's fresh path, so buffers made
+// in Python for the kernels to fill get the same huge pages).
+Tensor empty_large_cpu(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype) {
+  (void)like;
+  for (const auto& s : size)
+    TORCH_CHECK(s >= 0, "epkit.empty_large: size ", size, " has a negative dimension");
+  return empty_large(C10_AS_INTARRAYREF_SLOW(size), dtype);
+}
+
 }  // namespace epkit

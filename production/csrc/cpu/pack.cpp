@@ -196,13 +196,14 @@ void dedup_payload(const PackLayout& l, const std::vector<uint8_t>& kept,
 
 }  // namespace
 
-// The op: checks, the layout, the serial index pass, the plan's consistency, the parallel
-// payload pass (one per transport).
-std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
-                                    const Tensor& topk_weights, const Tensor& plan_t,
-                                    int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
-  const int64_t SB = send_bytes.expect_int();
-  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
+namespace {
+
+// The op into `send` (its SB bytes): checks, the layout, the serial index pass, the plan's
+// consistency, the parallel payload pass (one per transport). Returns send_map.
+Tensor pack_into_send(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
+                      const Tensor& plan_t, int64_t transport, int64_t num_ranks,
+                      const Tensor& send) {
+  const int64_t SB = send.numel();
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
@@ -213,7 +214,6 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
   const PlanOffsets o = check_pack_plan(plan, plan_t.numel(), transport, num_ranks, P, SB);
   // Static chunks have gaps (cap rows, not all used) that must be zero; else every byte is
   // written by the passes below.
-  Tensor send = empty_large({SB}, at::kByte);
   if (plan[kTokCap] >= 0) send.zero_();  // static: the chunks' unused rows travel as zeros
   uint8_t* sb = send.data_ptr<uint8_t>();
   const PackLayout l = layout_of(plan, o, transport, T, K, P, sb);
@@ -235,30 +235,55 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
     check_slots_are_the_plans(l, cursor);
     dedup_payload(l, kept, slot_at, xb, ip, wp, mp, sb);
   }
+  return send_map;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
+                                    const Tensor& topk_weights, const Tensor& plan_t,
+                                    int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
+  const int64_t SB = send_bytes.expect_int();
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
+  // the plan against SB before a buffer of SB bytes is allocated (an absurd SB: an error)
+  check_pack_plan(plan_t.data_ptr<int64_t>(), plan_t.numel(), transport, num_ranks,
+                  x_in.size(1) * x_in.element_size(), SB);
+  Tensor send = empty_large({SB}, at::kByte);
+  Tensor send_map = pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, num_ranks, send);
   return {send, send_map};
+}
+
+Tensor pack_into_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
+                     const Tensor& plan_t, int64_t transport, int64_t num_ranks,
+                     const Tensor& send) {
+  constexpr const char* op = "epkit.pack_into";
+  check_send_buffer(op, send, x_in.device());
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), op);  // (its size against the plan: pack's own check that every chunk fits the buffer)
+  return pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, num_ranks, send);
 }
 
 // Rows of src [T, H] copied to the send rows named by send_map [T, C] (pairs: per slot;
 // dedup: per destination rank); used for gradients travelling the dispatch direction. The
 // send rows are written front to back (from[r]: the source token of send row r, found in the
 // serial range-check pass), so the large output is one stream; rows no entry names get zeros.
-Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::SymInt send_rows) {
-  const int64_t S = send_rows.expect_int();
-  check_scatter_rows_args(src_in, send_map_in, S);
+namespace {
+
+void scatter_rows_into_out(const char* op_name, const Tensor& src_in, const Tensor& send_map_in,
+                           const Tensor& out) {
+  const int64_t S = out.size(0);
   const Tensor src = src_in.contiguous(), send_map = send_map_in.contiguous();
   const int64_t C = send_map.size(1);
   const int64_t nbytes = src.size(1) * src.element_size();
   const int64_t* mp = send_map.data_ptr<int64_t>();
   std::vector<int64_t> from(S, -1);
   for (int64_t i = 0, n = send_map.numel(); i < n; ++i) {
-    TORCH_CHECK(mp[i] >= -1 && mp[i] < S, "epkit.scatter_rows: send_map entry ", i, " is ", mp[i],
+    TORCH_CHECK(mp[i] >= -1 && mp[i] < S, op_name, ": send_map entry ", i, " is ", mp[i],
                 ", outside [-1, ", S, ") (send_rows)");
     if (mp[i] < 0) continue;
-    TORCH_CHECK(from[mp[i]] < 0, "epkit.scatter_rows: send_map entry ", i, " names send row ",
+    TORCH_CHECK(from[mp[i]] < 0, op_name, ": send_map entry ", i, " names send row ",
                 mp[i], ", named already by token ", from[mp[i]]);
     from[mp[i]] = i / C;
   }
-  Tensor out = empty_large({S, src.size(1)}, src.scalar_type());
   const uint8_t* sp = static_cast<const uint8_t*>(src.data_ptr());
   uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, S, kRowGrain, [&](int64_t r0, int64_t r1) {
@@ -268,7 +293,21 @@ Tensor scatter_rows_cpu(const Tensor& src_in, const Tensor& send_map_in, c10::Sy
     }
     stream_fence();
   });
+}
+
+}  // namespace
+
+Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows) {
+  const int64_t S = send_rows.expect_int();
+  check_scatter_rows_args(src, send_map, S);
+  Tensor out = empty_large({S, src.size(1)}, src.scalar_type());
+  scatter_rows_into_out("epkit.scatter_rows", src, send_map, out);
   return out;
+}
+
+void scatter_rows_into_cpu(const Tensor& src, const Tensor& send_map, const Tensor& out) {
+  check_scatter_rows_into_args(src, send_map, out);
+  scatter_rows_into_out("epkit.scatter_rows_into", src, send_map, out);
 }
 
 }  // namespace epkit

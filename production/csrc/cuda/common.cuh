@@ -49,6 +49,10 @@ Tensor reduce_tokens_cuda(const Tensor& back, const Tensor& send_map, const Tens
                           int64_t transport, bool weighted, at::ScalarType out_dtype,
                           int64_t ranks_per_node, const std::optional<Tensor>& first);
 Tensor scatter_rows_cuda(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
+void scatter_rows_into_cuda(const Tensor& src, const Tensor& send_map, const Tensor& out);
+Tensor empty_large_cuda(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype);
+Tensor pack_into_cuda(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                     const Tensor& plan, int64_t transport, int64_t num_ranks, const Tensor& send);
 std::tuple<Tensor, Tensor> combine_backward_dest_cuda(const Tensor& recv, const Tensor& recv_map,
                                                       const Tensor& row_weight,
                                                       const Tensor& expert_y, bool weighted);

@@ -301,14 +301,14 @@ void set_smem(const void* kernel, size_t bytes) {
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
-                                     const Tensor& topk_weights, const Tensor& plan_in,
-                                     int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
-  const c10::cuda::CUDAGuard guard(x_in.device());
+namespace {
+
+// The op into `send` (its SB bytes); returns send_map.
+Tensor pack_into_send(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
+                      const Tensor& plan_in, int64_t transport, int64_t num_ranks,
+                      const Tensor& send) {
   const at::Device dev = x_in.device();
-  const int64_t SB = send_bytes.expect_int();
-  check_pack_args(x_in, topk_idx, topk_weights, plan_in, transport, SB);  // the plan on dev
-  check_num_ranks("epkit.pack", num_ranks);
+  const int64_t SB = send.numel();
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
@@ -321,7 +321,6 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
   const Tensor plan = plan_on(plan_in, dev);
   const auto i64 = idx.options(), i32 = idx.options().dtype(at::kInt);
 
-  Tensor send = at::empty({SB}, i64.dtype(at::kByte));
   Tensor send_map = at::full({T, pairs ? K : R}, -1, i64);
   Tensor offs = at::empty({3 * R + E + 3}, i64);
   int64_t* op = offs.data_ptr<int64_t>();
@@ -385,16 +384,43 @@ std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
     fill_kernel<<<dim3(R, 8), 256, 0, stream()>>>(a, SB, pairs);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  return send_map;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> pack_cuda(const Tensor& x_in, const Tensor& topk_idx,
+                                     const Tensor& topk_weights, const Tensor& plan_in,
+                                     int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const int64_t SB = send_bytes.expect_int();
+  check_pack_args(x_in, topk_idx, topk_weights, plan_in, transport, SB);  // the plan on dev
+  check_num_ranks("epkit.pack", num_ranks);
+  Tensor send = at::empty({SB}, x_in.options().dtype(at::kByte));
+  Tensor send_map = pack_into_send(x_in, topk_idx, topk_weights, plan_in, transport, num_ranks,
+                                   send);
   return {send, send_map};
 }
 
-Tensor scatter_rows_cuda(const Tensor& src_in, const Tensor& send_map_in, c10::SymInt send_rows) {
-  const c10::cuda::CUDAGuard guard(src_in.device());
+Tensor pack_into_cuda(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
+                      const Tensor& plan_in, int64_t transport, int64_t num_ranks,
+                      const Tensor& send) {
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  constexpr const char* op = "epkit.pack_into";
+  check_send_buffer(op, send, x_in.device());
+  check_pack_args(x_in, topk_idx, topk_weights, plan_in, transport, send.numel(), op);
+  check_num_ranks(op, num_ranks);
+  return pack_into_send(x_in, topk_idx, topk_weights, plan_in, transport, num_ranks, send);
+}
+
+namespace {
+
+// Into `out` [S, H], zeroed first: rows no slot names stay zero.
+void scatter_rows_into_out(const Tensor& src_in, const Tensor& send_map_in, const Tensor& out) {
   const Tensor src = src_in.contiguous(), send_map = send_map_in.contiguous();
-  const int64_t T = src.size(0), C = send_map.size(1), S = send_rows.expect_int();
-  check_scatter_rows_args(src_in, send_map_in, S);
+  const int64_t T = src.size(0), C = send_map.size(1), S = out.size(0);
   const int64_t nbytes = src.size(1) * src.element_size();
-  Tensor out = at::zeros({S, src.size(1)}, src.options());  // rows no slot names stay zero
+  out.zero_();
   if (T > 0 && C > 0 && nbytes > 0) {
     const size_t smem = C * sizeof(void*);
     set_smem(reinterpret_cast<const void*>(&scatter_rows_kernel), smem);
@@ -403,7 +429,28 @@ Tensor scatter_rows_cuda(const Tensor& src_in, const Tensor& send_map_in, c10::S
         static_cast<uint8_t*>(out.data_ptr()), C, nbytes, S);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+}
+
+}  // namespace
+
+Tensor scatter_rows_cuda(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows) {
+  const c10::cuda::CUDAGuard guard(src.device());
+  const int64_t S = send_rows.expect_int();
+  check_scatter_rows_args(src, send_map, S);
+  Tensor out = at::empty({S, src.size(1)}, src.options());
+  scatter_rows_into_out(src, send_map, out);
   return out;
+}
+
+void scatter_rows_into_cuda(const Tensor& src, const Tensor& send_map, const Tensor& out) {
+  const c10::cuda::CUDAGuard guard(src.device());
+  check_scatter_rows_into_args(src, send_map, out);
+  scatter_rows_into_out(src, send_map, out);
+}
+
+// The device's caching allocator reuses memory already: a plain empty on like's device.
+Tensor empty_large_cuda(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype) {
+  return at::empty(C10_AS_INTARRAYREF_SLOW(size), like.options().dtype(dtype));
 }
 
 }  // namespace cuda

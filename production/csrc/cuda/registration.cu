@@ -11,6 +11,9 @@ TORCH_LIBRARY_IMPL(epkit, CUDA, m) {
   m.impl("gather_units", &epkit::cuda::gather_units_cuda);
   m.impl("reduce_tokens", &epkit::cuda::reduce_tokens_cuda);
   m.impl("scatter_rows", &epkit::cuda::scatter_rows_cuda);
+  m.impl("pack_into", &epkit::cuda::pack_into_cuda);
+  m.impl("scatter_rows_into", &epkit::cuda::scatter_rows_into_cuda);
+  m.impl("empty_large", &epkit::cuda::empty_large_cuda);
   m.impl("combine_backward_dest", &epkit::cuda::combine_backward_dest_cuda);
   m.impl("gather_slot_values", &epkit::cuda::gather_slot_values_cuda);
   m.impl("quantize_mxfp8", &epkit::cuda::quantize_mxfp8_cuda);
