@@ -211,10 +211,13 @@ class Dispatcher:
         return self._workspace.nbytes if self._workspace is not None else 0
 
     def release(self) -> None:
-        """Free the workspace's buffers; the next call allocates them again. Safe at any time
-        between calls: no output, saved tensor or pending lazy call uses them."""
+        """Free the workspace's buffers, and the large CPU blocks epkit keeps for reuse after
+        their tensors died (process-wide, csrc/cpu/alloc.cpp); the next call allocates them
+        again. Safe at any time between calls: no output, saved tensor or pending lazy call
+        uses them."""
         if self._workspace is not None:
             self._workspace.release()
+        ops.C.release_cache()
 
     @property
     def _ws(self) -> int:

@@ -11,4 +11,10 @@ def test_opcheck_every_op(group_pool):
     ours = {n.replace("::", ".") for n in torch._C._dispatch_get_all_op_names()
             if n.startswith("epkit::")}
     assert len(ours) >= 16, sorted(ours)
-    assert ours <= set(checked), f"ops never opchecked: {sorted(ours - set(checked))}"
+    # an op without a tensor argument (release_cache) has nothing for opcheck to trace
+    tensorless = {n for n in ours
+                  if not any("Tensor" in str(a.type) for a in getattr(
+                      torch.ops.epkit, n.split(".")[1]).default._schema.arguments)}
+    assert tensorless == {"epkit.release_cache"}, tensorless
+    assert ours - tensorless <= set(checked), (
+        f"ops never opchecked: {sorted(ours - tensorless - set(checked))}")

@@ -133,3 +133,25 @@ def test_scatter_rows_order_and_zero_rows():
     np.testing.assert_array_equal(out.numpy(), want)
     with pytest.raises(RuntimeError, match="named already by token 0"):
         C.scatter_rows(src[:2], torch.tensor([[0, 1], [2, 0]]), 3)
+
+
+def test_large_blocks_are_kept_and_released():
+    """csrc/cpu/alloc.cpp: a large output's block is kept when its tensor dies and given to the
+    next output of about its size (no page to fault in); release_cache returns it. The bytes a
+    kernel writes into a reused block are the kernel's, never the last tensor's."""
+    C.release_cache()
+    big = torch.zeros(1)
+    rmap = torch.arange(4096, dtype=torch.int64).view(-1, 1)
+    y = torch.randn(4096, 1024).to(torch.bfloat16)  # rows of 2 KiB: an 8 MiB output
+    a = C.gather_rows(y, rmap, big, 0, False)
+    ptr = a.data_ptr()
+    a.fill_(7)
+    del a
+    b = C.gather_rows(y, rmap, big, 0, False)  # the same size: the kept block
+    assert b.data_ptr() == ptr
+    assert torch.equal(b, y)  # every byte rewritten
+    del b
+    assert C.release_cache() >= 4096 * 2048
+    assert C.release_cache() == 0
+    c = C.gather_rows(y, rmap, big, 0, False)
+    assert torch.equal(c, y)
