@@ -197,12 +197,11 @@ class Back(NamedTuple):
 def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted: bool,
                      recv_map: torch.Tensor, send_map: torch.Tensor, kept_idx: torch.Tensor,
                      plan: torch.Tensor, group_name: str, async_op: bool, what: str,
-                     ws: int, role: str):
+                     ws: int):
     """dedup's way back: gather_units writes the units the exchange sends (a token row with n
     kept slots: its n rows of y when ``n <= per = 4 / itemsize``, else its float32 partial, as
     ``min(n, per)`` units of H elements), placed along the variant's chunks; the source reads
-    the received buffer in place. Both buffers from workspace ``ws`` (roles ``role.send`` /
-    ``role.recv``). Returns a :class:`Back` (or, with ``async_op``, a callable that waits and
+    the received buffer in place. Both buffers from workspace ``ws``. Returns a :class:`Back` (or, with ``async_op``, a callable that waits and
     returns it)."""
     hp = host_plan(plan)
     R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
@@ -213,7 +212,7 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     u = (recv_map >= 0).sum(1).clamp(max=per)
     first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1, chunk, hdr)
     total = int(send.sum()) if chunk is None else R * chunk
-    buf = workspace.empty(workspace.allocator(ws, role + ".send"), (total, expert_y.shape[1]),
+    buf = workspace.empty(workspace.allocator(ws, workspace.SEND), (total, expert_y.shape[1]),
                           expert_y.dtype, expert_y)
     C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
     # source side: where each of its token rows' units arrive
@@ -224,7 +223,7 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     sizes = ([send.tolist(), recv.tolist()] if chunk is None else [[chunk] * R] * 2)
     move = all_to_all(buf, *sizes, group_from_name(group_name),
                       "ragged" if chunk is None else "equal", chunk or 0, async_op=async_op,
-                      what=what, alloc=workspace.allocator(ws, role + ".recv"))
+                      what=what, alloc=workspace.allocator(ws, workspace.RECV))
     if async_op:
         return lambda: Back(move(), kept_idx, at.view(-1))
     return Back(move, kept_idx, at.view(-1))
@@ -233,26 +232,25 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
               send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
               group_name: str, transport: int, weighted: bool, async_op: bool = False,
-              what: str = "epkit.combine", ws: int = -1, role: str = "combine"):
+              what: str = "epkit.combine", ws: int = -1):
     """The way back of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
     gather_units on the expert side and the exchange. Returns a :class:`Back` for
     :func:`reduce_back`, or with ``async_op`` a callable that waits and returns it. ``ws``:
     the Dispatcher's workspace key (-1: none; the lazy schedule, ``async_op``, takes none: its
-    buffers may be in flight together), ``role``: the pass, naming its buffers there."""
+    buffers may be in flight together)."""
     if async_op:
         ws = -1
     if transport == PAIRS:
-        rows = workspace.empty(workspace.allocator(ws, role + ".send"),
+        rows = workspace.empty(workspace.allocator(ws, workspace.SEND),
                                (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype, expert_y)
         C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)
         moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what,
-                          alloc=workspace.allocator(ws, role + ".recv"))
+                          alloc=workspace.allocator(ws, workspace.RECV))
         if async_op:
             return lambda: Back(moved(), topk_idx, None)
         return Back(moved, topk_idx, None)
     return _dedup_move_back(expert_y, row_weight, weighted, recv_map, send_map,
-                            kept_routing(topk_idx, plan), plan, group_name, async_op, what, ws,
-                            role)
+                            kept_routing(topk_idx, plan), plan, group_name, async_op, what, ws)
 
 
 def reduce_back(back: Back, send_map: torch.Tensor, topk_weights: torch.Tensor,

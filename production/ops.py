@@ -22,9 +22,9 @@ import torch
 
 from . import _build
 from .device import host_plan
-from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header)
+from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header, serial)
 from .collectives import all_gather, dtype_code, group_from_name
-from .workspace import allocator
+from .workspace import RECV, SEND, allocator
 from .workspace import empty as ws_empty
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
@@ -125,10 +125,10 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
     ``workspace``: the Dispatcher's (epkit/workspace.py; -1: none), the receive buffer's home."""
-    send = ws_empty(allocator(workspace, "dispatch.send"), (send_bytes,), torch.uint8, x)
+    send = ws_empty(allocator(workspace, SEND), (send_bytes,), torch.uint8, x)
     send_map = C.pack_into(x, topk_idx, topk_weights, plan, transport,
                            int(host_plan(plan)[RANKS]), send)
-    recv = move_dispatch(send, plan, group_name, alloc=allocator(workspace, "dispatch.recv"))
+    recv = move_dispatch(send, plan, group_name, alloc=allocator(workspace, RECV))
     del send  # exchanged: freed before unpack allocates expert_x (a lower peak per step)
     expert_x, row_src, row_weight, recv_map = C.unpack(
         recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
@@ -233,18 +233,19 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     and those over nodes ascending, ``ranks_per_node`` from the plan) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
-    _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
-    empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
-    back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
-                     transport, False, what="epkit.dispatch backward", ws=workspace,
-                     role="dispatch backward")
-    grad_x = reduce_back(back, send_map, empty_w, plan, transport, False, x_dtype)
-    idx = back.idx
-    if grad_row_weight is None:
-        return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
-    return grad_x, move_slot_values(grad_row_weight.contiguous(), send_map, recv_map, idx, plan,
-                                    group_name, transport,
-                                    "epkit.dispatch backward (weight gradients)")
+    with serial(group_from_name(group_name)):  # the call lock (epkit/workspace.py)
+        _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
+        empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
+        back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
+                         transport, False, what="epkit.dispatch backward", ws=workspace)
+        grad_x = reduce_back(back, send_map, empty_w, plan, transport, False, x_dtype)
+        idx = back.idx
+        if grad_row_weight is None:
+            return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32,
+                                       device=topk_idx.device)
+        return grad_x, move_slot_values(grad_row_weight.contiguous(), send_map, recv_map, idx,
+                                        plan, group_name, transport,
+                                        "epkit.dispatch backward (weight gradients)")
 
 
 @dispatch_tokens_backward.register_fake
@@ -298,7 +299,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     if check:
         agree(group_from_name(group_name), check, "epkit.combine (call header)")
     back = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
-                     group_name, transport, weighted, ws=workspace, role="combine")
+                     group_name, transport, weighted, ws=workspace)
     return reduce_back(back, send_map, topk_weights, plan, transport, weighted, out_dtype)
 
 
@@ -319,15 +320,16 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
-    _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
-    recv_rows = ws_empty(allocator(workspace, "combine backward.send"),
-                         (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
-                         grad_out)
-    C.scatter_rows_into(grad_out.contiguous(), send_map, recv_rows)
-    recv = move_rows(recv_rows, plan, group_name, reverse=False, what="epkit.combine backward",
-                     alloc=allocator(workspace, "combine backward.recv"))
-    del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y
-    return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
+    with serial(group_from_name(group_name)):  # the call lock (epkit/workspace.py)
+        _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
+        recv_rows = ws_empty(allocator(workspace, SEND),
+                             (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
+                             grad_out)
+        C.scatter_rows_into(grad_out.contiguous(), send_map, recv_rows)
+        recv = move_rows(recv_rows, plan, group_name, reverse=False,
+                         what="epkit.combine backward", alloc=allocator(workspace, RECV))
+        del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y
+        return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 
 @combine_tokens_backward.register_fake

@@ -13,10 +13,14 @@ send buffer (``pack_into`` writes it) and receive buffer, the way back's (``gath
 combine and the dispatch backward, the combine backward's (``scatter_rows_into``). What never
 does: any tensor an op returns or saves for backward (outputs alias nothing), the buffers of
 the lazy schedule (several may be in flight at once) and those of hier and the quantized
-payloads (allocated fresh: :func:`empty`, on the CPU on huge pages). Each use names a *role* (the pass and the side), so
-the forward and backward passes of one step, and the next step's forward before the last
-step's backward, never share a buffer: a role's buffer is read only inside the op that filled
-it, before that op returns.
+payloads (allocated fresh: :func:`empty`, on the CPU on huge pages).
+
+Two buffers serve every op, :data:`SEND` and :data:`RECV`, each as large as the largest side
+of an exchange so far (DeepEP's one buffer, in two because an exchange reads one while it
+writes the other). That is safe because a buffer is read only inside the op that filled it,
+before that op returns, and the ops of one group never run at once in a process: dispatch,
+combine and both backward passes hold the group's call lock (epkit/agree.py, ``serial``). So
+the next step's forward may run before the last step's backward.
 
 Ops find a Dispatcher's workspace by its key (an int, a constant under torch.compile); key -1
 is no workspace (every buffer fresh: the functional ``epkit.dispatch`` / ``epkit.combine``).
@@ -33,13 +37,15 @@ import torch
 
 _KEYS = itertools.count()
 _LIVE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
+SEND, RECV = "send", "recv"  # the two buffers: an exchange's send side and its receive side
 GROWTH = 1.125   # a grown buffer gets this much headroom: routing-dependent sizes vary per step
 ALIGN = 1 << 16  # and is rounded up to 64 KiB
 
 
 class Workspace:
-    """A Dispatcher's buffers, one per role and device: ``take`` returns a view of the role's
-    buffer (grown when too small), ``release`` frees them all, ``nbytes`` is what is held."""
+    """A Dispatcher's buffers, one per side (:data:`SEND`, :data:`RECV`) and device: ``take``
+    returns a view of the side's buffer (grown when too small), ``release`` frees them all,
+    ``nbytes`` is what is held."""
 
     def __init__(self):
         self.key = next(_KEYS)
@@ -48,8 +54,8 @@ class Workspace:
         _LIVE[self.key] = self
 
     def take(self, role: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
-        """``torch.empty(shape, dtype=dtype, device=device)``'s shape and dtype, in the role's
-        buffer: its contents are whatever the last call left there."""
+        """``torch.empty(shape, dtype=dtype, device=device)``'s shape and dtype, in buffer
+        ``role`` (:data:`SEND` or :data:`RECV`): its contents are whatever the last call left."""
         device = torch.device(device)
         numel = 1
         for s in shape:
@@ -81,7 +87,8 @@ class Workspace:
 
 
 def allocator(key: int, role: str) -> Optional[Callable]:
-    """``alloc(shape, dtype, device)`` taking from workspace ``key``'s ``role`` buffer, or None
+    """``alloc(shape, dtype, device)`` taking from workspace ``key``'s ``role`` buffer
+    (:data:`SEND` or :data:`RECV`), or None
     (key -1, or a Dispatcher already gone): the caller allocates fresh."""
     ws = _LIVE.get(key) if key >= 0 else None
     if ws is None:

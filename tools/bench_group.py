@@ -185,7 +185,9 @@ def epkit_step(transport, group, E, x, idx, w, grad):
     import epkit
 
     disp = epkit.Dispatcher(group, E, transport=transport)
-    return _train_step(disp.dispatch, disp.combine, x, idx, w, grad)
+    step = _train_step(disp.dispatch, disp.combine, x, idx, w, grad)
+    step.dispatcher = disp  # what it keeps between steps: run_workload reports it
+    return step
 
 
 def plain_step(padded, group, E, x, idx, w, grad):
@@ -363,9 +365,10 @@ def run_workload(cfg: dict, T: int, group) -> dict:
     times, recorders, memory = interleaved(steps, cfg["warmup"], cfg["iters"], group,
                                            record=set(steps))
     rows = {}
+    kept = kept_bytes(steps, group)
     for name in steps:
         r = recorders[name]
-        rows[name] = dict(summarize(times[name]),
+        rows[name] = dict(summarize(times[name]), **kept.get(name, {}),
                           bytes=_reduce_max(r.bytes_sent(), group),
                           bytes_to_peers=_reduce_max(r.bytes_to_peers(rank), group),
                           exchanges=len(r.calls), times_ms=[1e3 * t for t in times[name]],
@@ -376,6 +379,23 @@ def run_workload(cfg: dict, T: int, group) -> dict:
     if cfg.get("kernel_threads") and T == cfg["tokens"]:
         out["kernels"] = run_kernels(cfg, group, x, idx, w, grad)
         _emit("kernels", out["kernels"])
+    return out
+
+
+def kept_bytes(steps: dict, group) -> dict:
+    """What the epkit rows keep between steps (max over ranks), so a step that grows by 0
+    says why: ``workspace_bytes`` (its Dispatcher's, epkit/workspace.py) and ``kept_bytes``
+    (that plus the freed large CPU blocks epkit keeps for reuse, csrc/cpu/alloc.cpp; the
+    blocks are per process, shared by both epkit rows)."""
+    import epkit.ops  # noqa: F401  (the extension)
+
+    out = {}
+    cached = _reduce_max(int(torch.ops.epkit.cached_bytes()), group)
+    for name, step in steps.items():
+        disp = getattr(step, "dispatcher", None)
+        if disp is not None:
+            ws = _reduce_max(disp.workspace_bytes, group)
+            out[name] = {"workspace_bytes": ws, "kept_bytes": ws + cached}
     return out
 
 

@@ -71,7 +71,11 @@ class KernelRecorder:
                 op = getattr(real, name)
 
                 def call(*args, **kwargs):
+                    # the arguments as they are now: a workspace buffer (epkit/workspace.py) is
+                    # overwritten by the step's later exchanges, so a replay reads a copy
+                    saved = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
                     out = op(*args, **kwargs)
+                    args = saved
                     first = 0 if name in INTO else _nbytes(
                         out[0] if isinstance(out, (list, tuple)) else out)
                     calls.append((name, op, args, kwargs, _nbytes(args) + _nbytes(out), first))

@@ -208,6 +208,7 @@ Tensor scatter_slot_values_cpu(const Tensor& back, const Tensor& send_map, const
 Tensor empty_large(at::IntArrayRef sizes, at::ScalarType dtype);
 Tensor empty_large_cpu(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype);
 int64_t release_cache();
+int64_t cached_bytes();
 // Rows are moved as bytes: a copy is bit for bit whatever the dtype.
 inline void copy_row(uint8_t* dst, const uint8_t* src, int64_t nbytes) {
   std::memcpy(dst, src, static_cast<size_t>(nbytes));

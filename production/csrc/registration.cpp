@@ -29,6 +29,7 @@ TORCH_LIBRARY(epkit, m) {
   m.def("empty_large(Tensor like, SymInt[] size, ScalarType dtype) -> Tensor");
   // No tensor argument: one kernel for every device (the CPU's kept blocks; cpu/alloc.cpp).
   m.def("release_cache() -> int", &epkit::release_cache);
+  m.def("cached_bytes() -> int", &epkit::cached_bytes);
   m.def("combine_backward_dest(Tensor recv, Tensor recv_map, Tensor row_weight, Tensor expert_y, "
         "bool weighted) -> (Tensor, Tensor)");
   m.def("gather_slot_values(Tensor values, Tensor recv_map, Tensor first, SymInt out_rows) -> Tensor");

@@ -50,6 +50,12 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
         assert r["peak_rss_growth_max_bytes"] >= r["peak_rss_growth_bytes"]
         assert r["rss_growth_vs_held"] == r["peak_rss_growth_bytes"] / r["held_bytes"]
     assert res["memory_vs_held"] == rows["epkit dedup"]["rss_growth_vs_held"]
+    # what the epkit rows keep between steps is reported beside their growth
+    for name in ("epkit dedup", "epkit pairs"):
+        assert rows[name]["workspace_bytes"] > 0, name
+        assert rows[name]["kept_bytes"] >= rows[name]["workspace_bytes"]
+    d = rows["epkit dedup"]
+    assert res["kept_vs_held"] == (d["peak_rss_growth_bytes"] + d["kept_bytes"]) / d["held_bytes"]
     assert "memory_vs_held" in res["targets"]
     # the floor replays epkit dedup's exchanges: the same bytes; "floor + kernels" the same
     # exchanges with its kernel calls, and the bound's ratios follow from the medians

@@ -10,7 +10,7 @@
 // madvise is a no-op and the memory behaves as before. Bytes are unchanged either way.
 //
 // Freed blocks are kept for the next allocation of about their size (BlockCache, at most
-// kCacheBlocks blocks and kCacheBytes bytes, oldest evicted first), as CUDA's caching
+// kCacheBlocks = 4 blocks and kCacheBytes = 256 MiB, oldest evicted first), as CUDA's caching
 // allocator keeps device memory: a training step allocates the same few large outputs every
 // step (expert_x, grad_expert_y), and a reused block has no page to fault in at all.
 // epkit::release_cache() (Dispatcher.release()) returns them to the system.
@@ -31,8 +31,8 @@ namespace {
 
 constexpr size_t kHuge = size_t{1} << 21;  // 2 MiB: one transparent huge page
 
-constexpr size_t kCacheBlocks = 8;
-constexpr size_t kCacheBytes = size_t{512} << 20;
+constexpr size_t kCacheBlocks = 4;  // a step's large outputs: expert_x, grad_expert_y, two [T, H]
+constexpr size_t kCacheBytes = size_t{256} << 20;
 
 struct Block {
   void* p;
@@ -73,6 +73,10 @@ class BlockCache {
       }
     }
     for (const Block& e : evicted) std::free(e.p);
+  }
+  int64_t bytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(held_);
   }
   int64_t release() {
     std::vector<Block> all;
@@ -143,6 +147,9 @@ Tensor empty_large(at::IntArrayRef sizes, at::ScalarType dtype) {
 
 // The op: the kept blocks returned to the system; their bytes.
 int64_t release_cache() { return cache().release(); }
+
+// The op: the bytes of the kept blocks now (the bench reports them beside the workspace).
+int64_t cached_bytes() { return cache().bytes(); }
 
 // The op: a fresh buffer on `like`'s device (epkit/workspace.py's fresh path, so buffers made
 // in Python for the kernels to fill get the same huge pages).
