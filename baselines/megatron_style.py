@@ -9,16 +9,30 @@ it meets the ``bounded`` contract and not ``exact``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dnn
-
-warnings.filterwarnings("ignore", "torch.distributed.nn.functional", FutureWarning)
 
 __all__ = ["A2ADispatcher", "Handle"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with split sizes whose backward is the same exchange reversed: how
+    Megatron-Core's token dispatcher differentiates it (its ``_AllToAll`` in
+    tensor_parallel/mappings.py)."""
+
+    @staticmethod
+    def forward(ctx, group, t, out_splits, in_splits):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        out = t.new_empty((sum(out_splits), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return None, _AllToAll.apply(ctx.group, grad, in_splits, out_splits), None, None
 
 
 @dataclass
@@ -39,8 +53,7 @@ class A2ADispatcher:
         self.L = num_experts // self.R
 
     def _a2a(self, t, out_splits, in_splits):
-        out = t.new_empty((sum(out_splits), *t.shape[1:]))
-        return dnn.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=self.group)
+        return _AllToAll.apply(self.group, t, out_splits, in_splits)
 
     def dispatch(self, x, topk_idx, topk_weights):
         if (topk_idx < 0).any():
