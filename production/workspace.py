@@ -29,12 +29,16 @@ is no workspace (every buffer fresh: the functional ``epkit.dispatch`` / ``epkit
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from typing import Callable, Optional
 
 import torch
 
+from . import _build
+
+_build.load()  # empty's fresh path is an epkit op
 _KEYS = itertools.count()
 _LIVE: "weakref.WeakValueDictionary[int, Workspace]" = weakref.WeakValueDictionary()
 SEND, RECV = "send", "recv"  # the two buffers: an exchange's send side and its receive side
@@ -53,21 +57,18 @@ class Workspace:
         self._lock = threading.Lock()
         _LIVE[self.key] = self
 
-    def take(self, role: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    def take(self, side: str, shape, dtype: torch.dtype, device) -> torch.Tensor:
         """``torch.empty(shape, dtype=dtype, device=device)``'s shape and dtype, in buffer
-        ``role`` (:data:`SEND` or :data:`RECV`): its contents are whatever the last call left."""
+        ``side`` (:data:`SEND` or :data:`RECV`): its contents are whatever the last call left."""
         device = torch.device(device)
-        numel = 1
-        for s in shape:
-            numel *= int(s)
-        need = numel * torch.empty((), dtype=dtype).element_size()
+        need = math.prod(int(s) for s in shape) * dtype.itemsize
         with self._lock:
-            buf = self._bufs.get((role, device))
+            buf = self._bufs.get((side, device))
             if buf is None or buf.numel() < need:
                 size = -(-int(need * GROWTH) // ALIGN) * ALIGN
-                self._bufs.pop((role, device), None)  # the old one is freed before the new one
+                self._bufs.pop((side, device), None)  # the old one is freed before the new one
                 buf = torch.empty(size, dtype=torch.uint8, device=device)
-                self._bufs[(role, device)] = buf
+                self._bufs[(side, device)] = buf
         return buf[:need].view(dtype).view(tuple(int(s) for s in shape))
 
     def release(self) -> None:
@@ -86,14 +87,14 @@ class Workspace:
             return list(self._bufs.values())
 
 
-def allocator(key: int, role: str) -> Optional[Callable]:
-    """``alloc(shape, dtype, device)`` taking from workspace ``key``'s ``role`` buffer
+def allocator(key: int, side: str) -> Optional[Callable]:
+    """``alloc(shape, dtype, device)`` taking from workspace ``key``'s ``side`` buffer
     (:data:`SEND` or :data:`RECV`), or None
     (key -1, or a Dispatcher already gone): the caller allocates fresh."""
     ws = _LIVE.get(key) if key >= 0 else None
     if ws is None:
         return None
-    return lambda shape, dtype, device: ws.take(role, shape, dtype, device)
+    return lambda shape, dtype, device: ws.take(side, shape, dtype, device)
 
 
 def empty(alloc: Optional[Callable], shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -101,8 +102,5 @@ def empty(alloc: Optional[Callable], shape, dtype: torch.dtype, like: torch.Tens
     (``epkit::empty_large``: on the CPU, 2 MiB and more on transparent huge pages, as the
     kernels' own large outputs; csrc/cpu/alloc.cpp)."""
     if alloc is None:
-        from . import _build
-
-        _build.load()
         return torch.ops.epkit.empty_large(like, [int(s) for s in shape], dtype)
     return alloc(tuple(shape), dtype, like.device)

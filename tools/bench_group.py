@@ -129,25 +129,26 @@ def floor_kernels_step(timeline, group):
     nothing else (no Python bookkeeping, no call headers, no count exchange, no index ops):
     what this design's bytes and kernels cost on this machine, the bound epkit's step is
     measured against (``overhead_bound``)."""
-    plan = []
+    plan = []  # ("exchange", (recv, send, out_splits, in_splits)) or ("kernel", (op, args, kwargs))
     for kind, item in timeline:
         if kind == "exchange":
             n_in, n_out, row, in_s, out_s = item
-            plan.append((torch.zeros((n_out, row), dtype=torch.uint8),
-                         torch.zeros((n_in, row), dtype=torch.uint8), out_s, in_s))
+            plan.append((kind, (torch.zeros((n_out, row), dtype=torch.uint8),
+                                torch.zeros((n_in, row), dtype=torch.uint8), out_s, in_s)))
         else:
-            plan.append(item)
+            _, op, args, kwargs, *_ = item
+            plan.append((kind, (op, args, kwargs)))
 
     def step(held=None):
-        for item in plan:
-            if isinstance(item[0], torch.Tensor):
+        for kind, item in plan:
+            if kind == "exchange":
                 recv, send, out_s, in_s = item
                 dist.all_to_all_single(recv, send, out_s, in_s, group=group)
             else:
-                name, op, args, kwargs, *_ = item
+                op, args, kwargs = item
                 op(*args, **kwargs)
         if held is not None:
-            held += [t for item in plan if isinstance(item[0], torch.Tensor) for t in item[:2]]
+            held += [t for kind, item in plan if kind == "exchange" for t in item[:2]]
 
     return step
 

@@ -29,7 +29,7 @@ namespace {
 // of expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
 // partial P_d(t) (its K slots summed); pairs: each received slot's row of expert_y, copied as
 // is (the source multiplies).
-// (About 80 lines: both transports' expert-side passes under one dtype dispatch.)
+// (About 70 lines: both transports' expert-side passes under one dtype dispatch.)
 // The pass into `ob`, the output's bytes: pairs, row n at n; dedup, token row n's units at unit
 // fp[n] of U (fp null: at n * per, its 4H bytes, the unused bytes zero).
 void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
@@ -59,16 +59,13 @@ void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
     return;
   }
   const int64_t per = 4 / y.element_size(), rb = H * y.element_size();
-  auto kept_of = [&](int64_t n) {
-    int64_t kept = 0;
-    for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
-    return kept;
-  };
   const bool compact = fp != nullptr;
   if (compact) {  // the units must lie inside the buffer; gaps (fixed chunks' padding) are zero
     int64_t used = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const int64_t u = std::min(kept_of(n), per);
+      int64_t kept = 0;
+      for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
+      const int64_t u = std::min(kept, per);
       TORCH_CHECK(u == 0 || (fp[n] >= 0 && fp[n] + u <= U), op_name, ": first[", n, "] = ",
                   fp[n], " puts its ", u, " unit(s) outside the ", U, " units");
       used += u;
@@ -83,31 +80,11 @@ void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
       std::vector<const T*> rows(C);
       std::vector<float> w(C);
       for (int64_t n = n0; n < n1; ++n) {
-        const int64_t kept = kept_of(n);
-        uint8_t* raw = ob + (compact ? fp[n] : n * per) * rb;
         if (n + 1 < n1)  // the next token row's sources, scattered over expert_y
           for (int64_t c = 0; c < C; ++c)
             if (mp[(n + 1) * C + c] >= 0 && mp[(n + 1) * C + c] < M)
               prefetch_row(yp + mp[(n + 1) * C + c] * H, rb);
-        if (kept <= per) {  // the rows themselves, k ascending
-          if (compact && kept == 0) continue;
-          int64_t i = 0;
-          for (int64_t c = 0; c < C; ++c) {
-            const int64_t m = mp[n * C + c];
-            if (m < 0 || m >= M) {
-              if (m != -1) bad.store(true, std::memory_order_relaxed);
-              continue;
-            }
-            // the exchange's send buffer, written once front to back and read next by the
-            // collective, not by this core: non-temporal stores (no read for ownership)
-            stream_row(raw + i++ * rb, reinterpret_cast<const uint8_t*>(yp + m * H), rb);
-          }
-          if (!compact) std::memset(raw + i * rb, 0, (per - i) * rb);  // the unused bytes zero
-          continue;
-        }
-        // the float32 partial P_d(t) = +0.0 + c * y + ... over the kept slots, c order; it may
-        // start unaligned (compact units of an odd H), which sum_groups' stores allow
-        int64_t cnt = 0;
+        int64_t cnt = 0;  // the kept slots' rows, c order, and their weights
         for (int64_t c = 0; c < C; ++c) {
           const int64_t m = mp[n * C + c];
           if (m < 0 || m >= M) {
@@ -117,6 +94,18 @@ void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
           rows[cnt] = yp + m * H;
           w[cnt++] = weighted ? wp[m] : 1.0f;
         }
+        if (compact && cnt == 0) continue;  // no units
+        uint8_t* raw = ob + (compact ? fp[n] : n * per) * rb;
+        if (cnt <= per) {  // the rows themselves (the source multiplies)
+          // the exchange's send buffer, written once front to back and read next by the
+          // collective, not by this core: non-temporal stores (no read for ownership)
+          for (int64_t i = 0; i < cnt; ++i)
+            stream_row(raw + i * rb, reinterpret_cast<const uint8_t*>(rows[i]), rb);
+          if (!compact) std::memset(raw + cnt * rb, 0, (per - cnt) * rb);  // unused bytes zero
+          continue;
+        }
+        // the float32 partial P_d(t) = +0.0 + c * y + ... over the kept slots, c order; it may
+        // start unaligned (compact units of an odd H), which sum_groups' stores allow
         const RowGroup all{cnt, nullptr, 0};
         sum_groups(reinterpret_cast<float*>(raw), H, &all, 1, rows.data(), w.data(), weighted,
                    false);

@@ -198,20 +198,26 @@ void dedup_payload(const PackLayout& l, const std::vector<uint8_t>& kept,
 
 namespace {
 
-// The op into `send` (its SB bytes): checks, the layout, the serial index pass, the plan's
-// consistency, the parallel payload pass (one per transport). Returns send_map.
+// The plan's offsets, checked against the other arguments: every chunk of the plan fits an
+// SB-byte send buffer, so each write of pack_into_send stays in its chunk. (Before a buffer of
+// SB bytes is allocated: an absurd SB is an error, not an allocation.)
+PlanOffsets plan_offsets(const Tensor& x, const Tensor& plan_t, int64_t transport,
+                         int64_t num_ranks, int64_t SB) {
+  return check_pack_plan(plan_t.data_ptr<int64_t>(), plan_t.numel(), transport, num_ranks,
+                         x.size(1) * x.element_size(), SB);
+}
+
+// The op into `send` (the SB bytes `o` was checked against): the layout, the serial index pass,
+// the plan's consistency, the parallel payload pass (one per transport). Returns send_map.
 Tensor pack_into_send(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
-                      const Tensor& plan_t, int64_t transport, int64_t num_ranks,
+                      const Tensor& plan_t, int64_t transport, const PlanOffsets& o,
                       const Tensor& send) {
-  const int64_t SB = send.numel();
   const Tensor x = x_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = topk_weights.contiguous();
   const int64_t* plan = plan_t.data_ptr<int64_t>();
   const int64_t T = idx.size(0), K = idx.size(1);
   const int64_t P = x.size(1) * x.element_size();
-  // Every chunk of the plan fits the SB-byte buffer; each write below stays in its chunk.
-  const PlanOffsets o = check_pack_plan(plan, plan_t.numel(), transport, num_ranks, P, SB);
   // Static chunks have gaps (cap rows, not all used) that must be zero; else every byte is
   // written by the passes below.
   if (plan[kTokCap] >= 0) send.zero_();  // static: the chunks' unused rows travel as zeros
@@ -245,11 +251,9 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                                     int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
   const int64_t SB = send_bytes.expect_int();
   check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
-  // the plan against SB before a buffer of SB bytes is allocated (an absurd SB: an error)
-  check_pack_plan(plan_t.data_ptr<int64_t>(), plan_t.numel(), transport, num_ranks,
-                  x_in.size(1) * x_in.element_size(), SB);
+  const PlanOffsets o = plan_offsets(x_in, plan_t, transport, num_ranks, SB);
   Tensor send = empty_large({SB}, at::kByte);
-  Tensor send_map = pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, num_ranks, send);
+  Tensor send_map = pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, o, send);
   return {send, send_map};
 }
 
@@ -258,8 +262,9 @@ Tensor pack_into_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& t
                      const Tensor& send) {
   constexpr const char* op = "epkit.pack_into";
   check_send_buffer(op, send, x_in.device());
-  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), op);  // (its size against the plan: pack's own check that every chunk fits the buffer)
-  return pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, num_ranks, send);
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), op);
+  const PlanOffsets o = plan_offsets(x_in, plan_t, transport, num_ranks, send.numel());
+  return pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, o, send);
 }
 
 // Rows of src [T, H] copied to the send rows named by send_map [T, C] (pairs: per slot;
