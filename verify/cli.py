@@ -66,6 +66,11 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
                         "zero_token_ranks=yes|no, padding=zeros|ignored")
     p.add_argument("--junit-xml", metavar="PATH",
                    help="also write JUnit XML (one test case per mode and property)")
+    p.add_argument("--kernels", choices=("cpp", "triton"), default=None,
+                   help="epkit's local kernels in the workers: cpp (the C++ CPU kernels, the "
+                        "default) or triton (the GPU kernels; on a machine without a GPU they "
+                        "run in Triton's interpreter, so keep --examples small); sets "
+                        "EPKIT_KERNELS for the worker processes")
     return p
 
 
@@ -83,6 +88,8 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
         parts += ["--accumulate", args.accumulate]
     for item in args.supports:
         parts += ["--supports", item]
+    if args.kernels:
+        parts += ["--kernels", args.kernels]
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -91,6 +98,11 @@ def main(argv=None) -> int:
     suite with a progress bar, print and write the results. Exit status: 0 all passed, 1 a
     property failed, 2 bad usage."""
     args = build_parser().parse_args(argv)
+    if args.kernels:
+        # Read by epkit at import, in every worker process the pool spawns from here.
+        import os
+
+        os.environ["EPKIT_KERNELS"] = args.kernels
     from .capabilities import parse_supports
     from .runner import modes_of, select_modes
 
