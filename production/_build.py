@@ -219,7 +219,15 @@ def sync_abi_header() -> bool:
 
 def load(verbose: bool = False) -> None:
     """Load the extension once per process: the wheel's prebuilt library where there is one,
-    else the JIT build (building it first if the cache is stale)."""
+    else the JIT build (building it first if the cache is stale); then the Triton kernels
+    where they are wanted (CUDA, or ``EPKIT_KERNELS=triton``: ``epkit/triton``)."""
+    _load_library(verbose)
+    from .triton import register
+
+    register()  # outside the build lock: the kernel modules import epkit modules that load()
+
+
+def _load_library(verbose: bool) -> None:
     global _loaded, loaded_from
     if _loaded:
         return
