@@ -7,6 +7,10 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.epkit-installed
 JOBS    ?= 2
+# The GPU kernels are Triton (epkit/triton): CI runs them in Triton's interpreter, so the set-up
+# pins the version they are tested with, unless a Triton is importable already (a GPU machine's
+# torch brings the one it was built with, which is then kept).
+TRITON  ?= triton==3.9.0
 
 .PHONY: setup verify test test-fast bench simulate build clean build-cuda
 
@@ -22,6 +26,7 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi
 	@$(VPY) -c 'import torch' 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
+	@$(VPY) -c 'import triton' 2>/dev/null || $(VPY) -m pip install -q "$(TRITON)"
 	$(VPY) -m pip install -q -e ".[test,plot]"
 	$(VPY) -c 'import epkit.ops' && echo "epkit: C++ extension built"
 	@touch $(STAMP)
