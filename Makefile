@@ -12,7 +12,7 @@ JOBS    ?= 2
 # torch brings the one it was built with, which is then kept).
 TRITON  ?= triton==3.9.0
 
-.PHONY: setup verify test test-fast bench simulate build clean build-cuda
+.PHONY: setup verify test test-fast bench simulate build clean
 
 setup: $(STAMP)
 
@@ -45,18 +45,3 @@ simulate: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
-
-# Compile check of the CUDA kernels (csrc/cuda) on a machine without a GPU: a separate venv with
-# a CUDA build of torch (the main .venv stays CPU-only), nvcc from CUDA_HOME, sm_90 unless
-# TORCH_CUDA_ARCH_LIST says otherwise, $(JOBS) parallel compiles. Builds into build/cuda-ext.
-VENV_CUDA  := .venv-cuda
-TORCH_CUDA ?= torch==2.14.1
-CUDA_HOME  ?= $(firstword $(wildcard /usr/local/cuda))
-build-cuda:
-	@test -x $(VENV_CUDA)/bin/python || $(PY) -m venv $(VENV_CUDA)
-	@$(VENV_CUDA)/bin/python -c 'import torch, numpy, ml_dtypes; assert torch.version.cuda' 2>/dev/null \
-	  || $(VENV_CUDA)/bin/pip install -q "$(TORCH_CUDA)" numpy ml_dtypes
-	mkdir -p build/cuda-ext
-	CUDA_HOME=$(CUDA_HOME) MAX_JOBS=$(JOBS) EPKIT_FORCE_CUDA_BUILD=1 \
-	  TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" EPKIT_BUILD_DIR=$(CURDIR)/build/cuda-ext \
-	  $(VENV_CUDA)/bin/python production/_build.py

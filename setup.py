@@ -1,8 +1,8 @@
 """Ahead-of-time build of epkit's C++ extension for wheels (pyproject.toml holds the metadata).
 
 ``pip wheel . --no-build-isolation`` (or ``python -m build --no-isolation``) compiles the CPU
-kernels, and the CUDA ones where torch has CUDA and nvcc is present, into ``epkit/_C*.so``
-inside the wheel, with the flags of the JIT build (production/_build.py: one source of truth).
+kernels into ``epkit/_C*.so`` inside the wheel (the GPU kernels are Triton, compiled at run
+time by the Triton that torch's CUDA wheels bring: nothing to build for them), with the flags of the JIT build (production/_build.py: one source of truth).
 The installed package then loads that library and needs no compiler. Editable installs
 (``pip install -e .``, the README's set-up) build nothing here: they keep the JIT build, which
 recompiles what changed.
@@ -32,7 +32,7 @@ def _extensions():
         return [], {}
     try:
         import torch  # noqa: F401
-        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         sys.stderr.write("epkit: no torch in the build environment: the wheel carries the "
                          "sources only (the kernels build at first import); for a wheel with "
@@ -42,13 +42,9 @@ def _extensions():
         "epkit_build", os.path.join(HERE, "production", "_build.py"))
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    cuda = build.cuda_build_wanted()
-    srcs = [os.path.relpath(s, HERE) for s in build.sources(cuda)]
-    flags = build.CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else [])
-    kind = CUDAExtension if cuda else CppExtension
-    args = {"cxx": flags, "nvcc": build.CUDA_CFLAGS} if cuda else {"cxx": flags}
-    ext = kind(name=f"epkit.{build.PREBUILT_NAMES[cuda]}", sources=srcs,
-               include_dirs=[build.CSRC], extra_compile_args=args, extra_link_args=["-fopenmp"])
+    srcs = [os.path.relpath(s, HERE) for s in build.sources()]
+    ext = CppExtension(name=f"epkit.{build.PREBUILT_NAME}", sources=srcs, include_dirs=[build.CSRC],
+                       extra_compile_args={"cxx": build.CFLAGS}, extra_link_args=["-fopenmp"])
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

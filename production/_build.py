@@ -1,17 +1,14 @@
 """Build and load the C++ extension (JIT, cached per machine by torch.utils.cpp_extension).
 
-The first build takes about 40 s on 2 idle cores (minutes on a loaded machine; a few minutes
-with the CUDA kernels) and says so on stderr, one line: what is built, where, about how long
-(from the last build's time when there was one), then how long it took. Later imports reuse the
-cached library (see :func:`build_directory`: inside the virtual environment by default)
-silently and take well under a second. CUDA sources (``csrc/cuda/*.cu``, the ``TORCH_LIBRARY_IMPL(epkit, CUDA, ...)`` kernels)
-join the build where torch has CUDA, ``nvcc`` exists and a GPU is visible, or, for a compile
-check on a machine without a GPU, where ``EPKIT_FORCE_CUDA_BUILD=1`` (``make build-cuda``).
+The extension holds the op schemas and the CPU kernels only: the GPU kernels are Triton
+(``epkit/triton``), registered by :func:`load` after the library, so a GPU machine needs no
+CUDA toolkit and no compiler beyond the C++ one for this CPU build.
 
-The CUDA build targets ``TORCH_CUDA_ARCH_LIST`` when set, else the visible GPUs' architecture
-(torch's default; ``9.0`` on an H200), else ``9.0``. nvcc gets ``--fmad=false`` and no fast-math
-flag, so every float32 multiply and add is rounded on its own, as in the CPU kernels.
-``MAX_JOBS`` bounds the parallel compiles (ninja).
+The first build takes about a minute on 2 idle cores (minutes on a loaded machine) and says so
+on stderr, one line: what is built, where, about how long (from the last build's time when
+there was one), then how long it took. Later imports reuse the cached library (see
+:func:`build_directory`: inside the virtual environment by default) silently and take well
+under a second. ``MAX_JOBS`` bounds the parallel compiles (ninja).
 """
 
 from __future__ import annotations
@@ -29,32 +26,14 @@ _loaded = False
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-CUDA_CFLAGS = ["-O3", "--fmad=false", "-DEPKIT_WITH_CUDA", "-Xcompiler", "-ffp-contract=off",
-               "-lineinfo"]
+NAME = "epkit_C"  # the JIT build's library name
+PREBUILT_NAME = "_C"  # a wheel's ahead-of-time library: epkit/_C.*.so (setup.py)
 
 
-def sources(cuda: bool) -> list[str]:
+def sources() -> list[str]:
     srcs = [os.path.join(CSRC, "registration.cpp")]
     srcs += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
-    if cuda:
-        srcs += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     return srcs
-
-
-def cuda_build_wanted() -> bool:
-    if os.environ.get("EPKIT_NO_CUDA") == "1":
-        return False
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if os.environ.get("EPKIT_FORCE_CUDA_BUILD") == "1":
-        if torch.version.cuda is None or CUDA_HOME is None:
-            raise RuntimeError("epkit: EPKIT_FORCE_CUDA_BUILD=1 needs a CUDA build of torch and nvcc "
-                               f"(torch {torch.__version__}, CUDA_HOME {CUDA_HOME})")
-        if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
-            raise RuntimeError(f"epkit: CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h; "
-                               "set CUDA_HOME to the toolkit (e.g. /usr/local/cuda)")
-        return True
-    return torch.version.cuda is not None and CUDA_HOME is not None and torch.cuda.is_available()
 
 
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead build
@@ -82,27 +61,21 @@ def _clear_stale_lock(build_dir: str) -> None:
             pass
 
 
-def headers(cuda: bool) -> list[str]:
-    pats = ["*.h"] + (["cuda/*.cuh"] if cuda else [])
-    return sorted(p for pat in pats for p in glob.glob(os.path.join(CSRC, pat)))
-
-
-def extension_name(cuda: bool) -> str:
-    return "epkit_C_cuda" if cuda else "epkit_C"
+def headers() -> list[str]:
+    return sorted(glob.glob(os.path.join(CSRC, "*.h")))
 
 
 def _object(build_dir: str, src: str) -> str:
-    base = os.path.splitext(os.path.basename(src))[0]
-    return os.path.join(build_dir, base + (".cuda.o" if src.endswith(".cu") else ".o"))
+    return os.path.join(build_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
 
 
-def stale_sources(build_dir: str, name: str, cuda: bool) -> list[str]:
+def stale_sources(build_dir: str, name: str = NAME) -> list[str]:
     """The sources a build will compile: none while the cached library is newer than every
     source and header (then nothing is built and nothing is said); else those whose object
     file is missing or older than the source or a header (an estimate: ninja follows the
     real includes)."""
     lib = os.path.join(build_dir, f"{name}.so")
-    srcs, hdrs = sources(cuda), headers(cuda)
+    srcs, hdrs = sources(), headers()
     newest_header = max((os.path.getmtime(h) for h in hdrs), default=0.0)
     if os.path.exists(lib) and os.path.getmtime(lib) >= max(
             [newest_header] + [os.path.getmtime(p) for p in srcs]):
@@ -136,18 +109,17 @@ def _notice_lock(build_dir: str):
 _LAST_BUILD = "epkit-seconds-per-source"  # the last build's seconds per compiled source
 
 
-def _announce(build_dir: str, name: str, cuda: bool, stale: list[str]) -> float:
+def _announce(build_dir: str, stale: list[str]) -> float:
     """One line on stderr before a build: what, where, about how long."""
-    n_all, n = len(sources(cuda)), len(stale)
-    what = "the C++ extension" + (" with its CUDA kernels" if cuda else " (CPU kernels)")
+    n_all, n = len(sources()), len(stale)
+    what = "the C++ extension (CPU kernels)"
     cores = os.cpu_count() or 1
     try:
         with open(os.path.join(build_dir, _LAST_BUILD)) as f:
             per_source = float(f.read())
         estimate = f"about {max(1, round(per_source * n))} s (as fast as the last build)"
     except (OSError, ValueError):  # measured: 8 sources in about 40 s on 2 idle cores
-        estimate = ("a few minutes" if cuda else
-                    f"about {max(5, round(10 * n / min(cores, n)))} s")
+        estimate = f"about {max(5, round(10 * n / min(cores, n)))} s"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > cores:
         estimate += f", longer at this load ({load:.1f} on {cores} cores)"
@@ -177,18 +149,16 @@ def build_directory(name: str) -> str:
     return path
 
 
-# The library a wheel carries (setup.py builds it ahead of time), by whether it has CUDA kernels.
-PREBUILT_NAMES = {False: "_C", True: "_C_cuda"}
 loaded_from: str | None = None  # the library this process loaded
 
 
-def prebuilt_library(cuda: bool) -> str | None:
-    """The ahead-of-time library installed with the package (a wheel), if it matches the build
-    this process wants (CPU, or with CUDA kernels); ``EPKIT_JIT=1`` ignores it."""
+def prebuilt_library() -> str | None:
+    """The ahead-of-time library installed with the package (a wheel), if any;
+    ``EPKIT_JIT=1`` ignores it."""
     if os.environ.get("EPKIT_JIT") == "1":
         return None
     here = os.path.dirname(os.path.abspath(__file__))
-    found = sorted(glob.glob(os.path.join(here, PREBUILT_NAMES[cuda] + ".*.so")))
+    found = sorted(glob.glob(os.path.join(here, PREBUILT_NAME + ".*.so")))
     return found[0] if found else None
 
 
@@ -199,7 +169,7 @@ def sync_abi_header() -> bool:
     the checked-in copy current."""
     try:
         from epkit.reference import abi
-    except ImportError:  # run as a script where epkit is not installed (make build-cuda)
+    except ImportError:  # run as a script where epkit is not installed
         return False
     path = os.path.join(CSRC, "abi.h")
     text = abi.render_header()
@@ -236,27 +206,23 @@ def _load_library(verbose: bool) -> None:
             return
         from torch.utils import cpp_extension
 
-        cuda = cuda_build_wanted()
-        prebuilt = prebuilt_library(cuda)
+        prebuilt = prebuilt_library()
         if prebuilt is not None:  # a wheel's: no compiler needed
             torch.ops.load_library(prebuilt)
             loaded_from, _loaded = prebuilt, True
             return
         sync_abi_header()
-        srcs = sources(cuda)
-        name = extension_name(cuda)
+        srcs, name = sources(), NAME
         build_dir = build_directory(name)
         _clear_stale_lock(build_dir)
         verbose = verbose or os.environ.get("EPKIT_VERBOSE_BUILD") == "1"
-        stale = stale_sources(build_dir, name, cuda)
+        stale = stale_sources(build_dir, name)
         notice = _notice_lock(build_dir) if stale else None
-        t0 = _announce(build_dir, name, cuda, stale) if notice is not None else None
+        t0 = _announce(build_dir, stale) if notice is not None else None
         if t0 is not None and verbose:
             sys.stderr.write("\n")
-        if cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"  # no GPU to ask: Hopper
         try:
-            _jit_load(cpp_extension, name, build_dir, srcs, cuda, verbose)
+            _jit_load(cpp_extension, name, build_dir, srcs, verbose)
         except BaseException:
             if t0 is not None:
                 sys.stderr.write(" failed\n")
@@ -276,13 +242,12 @@ def _load_library(verbose: bool) -> None:
                 pass
 
 
-def _jit_load(cpp_extension, name, build_dir, srcs, cuda, verbose) -> None:
+def _jit_load(cpp_extension, name, build_dir, srcs, verbose) -> None:
     cpp_extension.load(
         name=name,
         build_directory=build_dir,
         sources=srcs,
-        extra_cflags=CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else []),
-        extra_cuda_cflags=CUDA_CFLAGS,
+        extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[CSRC],
         is_python_module=False,
@@ -291,17 +256,14 @@ def _jit_load(cpp_extension, name, build_dir, srcs, cuda, verbose) -> None:
 
 
 def build_info() -> dict:
-    """What ``epkit version`` prints: the build this process would load (CPU or CUDA), where,
-    its flags, and whether it loaded (loading it, building first if stale)."""
-    cuda = cuda_build_wanted()
-    name = extension_name(cuda)
-    build_dir = build_directory(name)
-    lib = os.path.join(build_dir, f"{name}.so")
-    info = {"kind": "CUDA" if cuda else "CPU", "name": name, "directory": build_dir,
-            "library": lib, "cflags": CFLAGS + (["-DEPKIT_WITH_CUDA"] if cuda else []),
-            "cuda_cflags": CUDA_CFLAGS if cuda else None,
-            "cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if cuda else None,
-            "sources": len(sources(cuda))}
+    """What ``epkit version`` prints: the C++ build this process loads (loading it, building
+    first if stale), where, its flags, and which kernels serve each device: the C++ CPU
+    kernels, and the Triton kernels where they are registered (CUDA, or CPU under
+    ``EPKIT_KERNELS=triton``, interpreted without a GPU)."""
+    build_dir = build_directory(NAME)
+    lib = os.path.join(build_dir, f"{NAME}.so")
+    info = {"kind": "CPU", "name": NAME, "directory": build_dir, "library": lib,
+            "cflags": CFLAGS, "sources": len(sources())}
     try:
         load()
         info["loaded"], info["error"] = True, None
@@ -312,21 +274,10 @@ def build_info() -> dict:
         info["loaded"], info["error"] = False, f"{type(exc).__name__}: {text}"
     if os.path.exists(lib):
         info["built_at"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(lib)))
-    try:
-        info["kernels"] = [k for k in ("CPU", "CUDA")
-                           if f"{k}: registered" in torch._C._dispatch_dump("epkit::pack")]
-    except RuntimeError:
-        info["kernels"] = []
+    from . import triton as kernels
+
+    triton_keys = kernels.registered_keys()
+    info["kernels"] = {"CPU": "triton" if "CPU" in triton_keys else "C++",
+                       "CUDA": "triton" if "CUDA" in triton_keys else None}
+    info["triton_interpreted"] = (os.environ.get("TRITON_INTERPRET") == "1") if triton_keys else None
     return info
-
-
-if __name__ == "__main__":  # `make build-cuda`: build (and load) the extension, say what it holds
-    t0 = time.perf_counter()
-    load(verbose=os.environ.get("EPKIT_VERBOSE_BUILD") == "1")
-    cuda = cuda_build_wanted()
-    names = [os.path.relpath(s, CSRC) for s in sources(cuda)]
-    impls = torch._C._dispatch_dump("epkit::pack")
-    print(f"epkit: built {'with' if cuda else 'without'} CUDA in {time.perf_counter() - t0:.0f} s: "
-          f"{len(names)} sources ({', '.join(names)})")
-    print("epkit: epkit::pack kernels:",
-          ", ".join(k for k in ("CPU", "CUDA") if f"{k}: registered" in impls))

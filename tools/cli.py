@@ -55,8 +55,8 @@ def _usage() -> str:
 
 
 def _version() -> int:
-    """epkit, torch (and its CUDA), then the extension: CPU or CUDA build, where, flags, and
-    whether it loaded (building it first where the cache is stale)."""
+    """epkit, torch (and its CUDA), the C++ extension (where, flags, whether it loaded, building
+    it first where the cache is stale), then which kernels serve each device."""
     from epkit import _version as version_module
 
     print(f"epkit {version_module.__version__}")
@@ -78,14 +78,17 @@ def _version() -> int:
     print(f"extension {info['name']}: {info['kind']} build, {info['sources']} sources, in "
           f"{info['directory']}" + (f" (built {info['built_at']})" if info.get("built_at") else ""))
     print(f"  cflags: {' '.join(info['cflags'])}")
-    if info["cuda_cflags"]:
-        print(f"  nvcc flags: {' '.join(info['cuda_cflags'])}; TORCH_CUDA_ARCH_LIST="
-              f"{info['cuda_arch_list'] or '(the visible GPUs)'}")
-    if info["loaded"]:
-        print(f"  loaded: yes, epkit::pack kernels for {', '.join(info['kernels']) or 'no device'}")
-        return 0
-    print(f"  loaded: NO: {info['error']}")
-    return 1
+    if not info["loaded"]:
+        print(f"  loaded: NO: {info['error']}")
+        return 1
+    print("  loaded: yes")
+    kernels = info["kernels"]
+    cpu = ("Triton (interpreted: TRITON_INTERPRET=1)" if kernels["CPU"] == "triton"
+           and info["triton_interpreted"] else "Triton" if kernels["CPU"] == "triton" else "C++")
+    cuda_k = ("Triton" if kernels["CUDA"] else
+              "none (no GPU)" if not torch.cuda.is_available() else "none (Triton not importable)")
+    print(f"kernels: CPU {cpu}; CUDA {cuda_k} (EPKIT_KERNELS=triton puts the Triton kernels on CPU)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,6 +98,8 @@ def register() -> tuple[str, ...]:
     if not keys:
         return ()
     try:
+        from . import _runtime  # noqa: F401  (decides compiled or interpreted, before any kernel)
+
         found, missing = implementations()
     except ImportError as exc:
         if "CPU" in keys:

@@ -44,14 +44,14 @@ def test_version_prints_torch_and_the_extension_build(capsys):
     assert cli.main(["version"]) == 0
     text = capsys.readouterr().out
     assert f"torch {torch.__version__}" in text
-    kind = "CUDA" if _build.cuda_build_wanted() else "CPU"
-    assert f"{kind} build" in text and _build.build_directory(_build.extension_name(kind == "CUDA")) in text
+    assert "CPU build" in text and _build.build_directory(_build.NAME) in text
     assert "cflags: -O3 -ffp-contract=off" in text and "loaded: yes" in text
+    assert "kernels: CPU C++;" in text  # this process keeps the default EPKIT_KERNELS=cpp
 
 
 def test_stale_sources(tmp_path):
-    srcs = _build.sources(False)
-    assert _build.stale_sources(str(tmp_path), "epkit_C", False) == srcs  # nothing built yet
+    srcs = _build.sources()
+    assert _build.stale_sources(str(tmp_path), "epkit_C") == srcs  # nothing built yet
     future, past = (2**31, 2**31), (1, 1)
     for p in srcs:
         obj = _build._object(str(tmp_path), p)
@@ -60,32 +60,31 @@ def test_stale_sources(tmp_path):
     lib = tmp_path / "epkit_C.so"
     lib.write_bytes(b"")
     os.utime(lib, future)                  # newer than every source: cached, nothing said
-    assert _build.stale_sources(str(tmp_path), "epkit_C", False) == []
+    assert _build.stale_sources(str(tmp_path), "epkit_C") == []
     os.utime(lib, past)                    # the library is old but every object is current
-    assert _build.stale_sources(str(tmp_path), "epkit_C", False) == []
+    assert _build.stale_sources(str(tmp_path), "epkit_C") == []
     os.utime(_build._object(str(tmp_path), srcs[1]), past)
-    assert _build.stale_sources(str(tmp_path), "epkit_C", False) == [srcs[1]]
+    assert _build.stale_sources(str(tmp_path), "epkit_C") == [srcs[1]]
     os.remove(_build._object(str(tmp_path), srcs[0]))
-    assert _build.stale_sources(str(tmp_path), "epkit_C", False) == srcs[:2]
+    assert _build.stale_sources(str(tmp_path), "epkit_C") == srcs[:2]
 
 
 def test_build_notice_says_what_where_and_how_long(tmp_path, capsys):
-    srcs = _build.sources(False)
-    _build._announce(str(tmp_path), "epkit_C", False, srcs)
+    srcs = _build.sources()
+    _build._announce(str(tmp_path), srcs)
     err = capsys.readouterr().err
     assert err.startswith("epkit: building the C++ extension (CPU kernels) in " + str(tmp_path))
     assert " s" in err and "\n" not in err      # one line, finished by the build's "done in"
     (tmp_path / _build._LAST_BUILD).write_text("6.0")
-    _build._announce(str(tmp_path), "epkit_C", False, srcs[:2])
+    _build._announce(str(tmp_path), srcs[:2])
     err = capsys.readouterr().err
     assert f"rebuilding 2 changed source(s) of {len(srcs)}" in err
     assert "about 12 s (as fast as the last build)" in err
 
 
 def test_a_cached_extension_loads_silently():
-    cuda = _build.cuda_build_wanted()
-    name = _build.extension_name(cuda)
-    if _build.stale_sources(_build.build_directory(name), name, cuda):
+    name = _build.NAME
+    if _build.stale_sources(_build.build_directory(name), name):
         pytest.skip("the extension is being rebuilt (a source changed): nothing cached to test")
     run = subprocess.run([sys.executable, "-c", "import epkit.ops"], capture_output=True,
                          text=True, timeout=300)

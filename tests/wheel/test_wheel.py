@@ -54,7 +54,7 @@ def wheel(tmp_path_factory):
         else:
             shutil.copy(path, dst)
     out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, MAX_JOBS="2", EPKIT_NO_CUDA="1")
+    env = dict(os.environ, MAX_JOBS="2")
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps",
                           "--no-build-isolation", "-q", "-w", str(out)],
                          capture_output=True, text=True, env=env, timeout=900)
@@ -90,7 +90,7 @@ def test_installed_wheel_runs_without_a_compiler(wheel, tmp_path):
         (nocc / cc).write_text("#!/bin/sh\necho no compiler here >&2; exit 1\n")
         (nocc / cc).chmod(0o755)
     env = dict(os.environ, PATH=f"{nocc}:{os.environ['PATH']}", CXX="/nonexistent",
-               CC="/nonexistent", EPKIT_BUILD_DIR=str(tmp_path / "jit"), EPKIT_NO_CUDA="1")
+               CC="/nonexistent", EPKIT_BUILD_DIR=str(tmp_path / "jit"))
     env.pop("PYTHONPATH", None)
     res = subprocess.run([py, "-c", RUN.format(port=29700 + os.getpid() % 200)],
                          capture_output=True, text=True, env=env, cwd=str(tmp_path),
