@@ -1,8 +1,9 @@
 """The Triton kernels over whole simulated groups (sim.py), bit for bit against the C++ kernels:
 every intermediate of dispatch -> combine -> both backward passes, the weight gradients included.
 
-Here the Triton kernels run on CPU tensors in Triton's interpreter; on a machine with a GPU the
-same tests also run them compiled, on CUDA tensors (``device`` "cuda"). Group sizes 1..5 in one
+Here the Triton kernels run on CPU tensors in Triton's interpreter; on a machine with a GPU
+(``TRITON_INTERPRET=0``, as scripts/gpu_check.sh runs them) the same tests run them compiled, on
+CUDA tensors. Group sizes 1..5 in one
 process, both transports, every exchange layout, capacity drops and align, odd hidden sizes,
 more tokens than one tile and K above a warp; the quantized payloads.
 """
@@ -13,7 +14,11 @@ import torch
 import sim
 
 BF16, F32 = torch.bfloat16, torch.float32
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Interpreted Triton runs on CPU tensors; compiled Triton (a GPU machine, TRITON_INTERPRET unset
+# or 0) on CUDA tensors, against the C++ kernels on CPU either way.
+from epkit.triton._runtime import INTERPRETED  # noqa: E402
+
+DEVICES = ["cpu"] if INTERPRETED else ["cuda"]
 
 # (R, L, K, H, tokens per rank, x dtype): small enough for the interpreter.
 SHAPES = [
