@@ -1,4 +1,4 @@
-"""The GPU kernel benchmark of scripts/gpu_check.sh: epkit's CUDA kernels on one device.
+"""The GPU kernel benchmark of scripts/gpu_check.sh: epkit's GPU (Triton) kernels on one device.
 
 A group of R ranks (default 8, one H200 node) with T tokens each (default 16384), hidden H
 (7168), bfloat16, top-K (8) of E (256) experts, uniform random routing, is made on the device;
