@@ -3,10 +3,10 @@
 //
 // Two kinds:
 // - Shape, dtype, device, option and plan-header checks (the first sections): they read no
-//   tensor data, except the plan header through a host pointer (on CUDA, the plan's pinned host
-//   mirror), so the CPU kernels and the CUDA host wrappers call the same functions.
+//   tensor data, except the plan header through a host pointer.
 // - Map-range reports (the last section): they read index data through a host pointer, so they
-//   are for the CPU kernels only (on CUDA they would be a host sync). The kernels fuse the range
+//   are for the CPU kernels only (on a GPU they would be a host sync: the Triton kernels mask
+//   out-of-range entries instead, epkit/triton). The kernels fuse the range
 //   test into the loops that already read the maps and call these only to report a failure.
 #pragma once
 

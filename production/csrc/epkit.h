@@ -11,7 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__SSE2__) && !defined(__CUDACC__)
+#if defined(__SSE2__)
 #include <emmintrin.h>
 #define EPKIT_STREAM_STORES 1
 #endif
@@ -19,13 +19,6 @@
 #include "abi.h"
 #include <tuple>
 #include <vector>
-
-// Device-agnostic helpers (the plan layout) are also compiled by nvcc for the CUDA kernels.
-#if defined(__CUDACC__)
-#define EPKIT_HD __host__ __device__
-#else
-#define EPKIT_HD
-#endif
 
 namespace epkit {
 
@@ -39,33 +32,33 @@ using at::Tensor;
 // The payload table by code (reference/payloads.py; numbers from abi.h): elements per scale
 // along H (0: rows of x itself), bytes per scale, and P, the bytes of one token's payload on the
 // wire: H * itemsize(x), or H E4M3 bytes then H / block scales (abi.payload_bytes).
-EPKIT_HD inline bool payload_known(int64_t payload) {
+inline bool payload_known(int64_t payload) {
   return payload >= kPayloadNone && payload < kPayloadCount;
 }
-EPKIT_HD inline int64_t payload_block(int64_t payload) {
+inline int64_t payload_block(int64_t payload) {
   return payload == kPayloadMxfp8 ? kMxfp8Block : payload == kPayloadFp8Block128 ? kFp8Block128Block : 0;
 }
-EPKIT_HD inline int64_t payload_scale_bytes(int64_t payload) {
+inline int64_t payload_scale_bytes(int64_t payload) {
   return payload == kPayloadMxfp8 ? kMxfp8ScaleBytes
                                   : payload == kPayloadFp8Block128 ? kFp8Block128ScaleBytes : 0;
 }
-EPKIT_HD inline int64_t payload_row_bytes(int64_t payload, int64_t H, int64_t itemsize) {
+inline int64_t payload_row_bytes(int64_t payload, int64_t H, int64_t itemsize) {
   const int64_t block = payload_block(payload);
   return block ? H + payload_scale_bytes(payload) * (H / block) : H * itemsize;
 }
 
 // The slot word's fields. k occupies the top 8 bits, so for k >= 128 the int32 is negative:
 // decode through uint32 (an arithmetic shift would give k - 256 and index out of bounds).
-EPKIT_HD inline int64_t slot_word_k(int32_t packed) {
+inline int64_t slot_word_k(int32_t packed) {
   return static_cast<int64_t>(static_cast<uint32_t>(packed) >> kSlotKShift);
 }
-EPKIT_HD inline int64_t slot_word_j(int32_t packed) {
+inline int64_t slot_word_j(int32_t packed) {
   return packed & ((int32_t(1) << kSlotKShift) - 1);
 }
 struct PlanOffsets {
   int64_t send_counts, recv_counts, tokens_per_expert, dropped, offsets, recv_kept, own_kept,
       send_bytes, recv_bytes, send_slots, recv_slots, size;
-  EPKIT_HD PlanOffsets(int64_t R, int64_t E) {
+  PlanOffsets(int64_t R, int64_t E) {
     const int64_t L = E / R;
     send_counts = kPlanHeader;
     recv_counts = send_counts + R;
@@ -82,10 +75,11 @@ struct PlanOffsets {
   }
 };
 
-// Step 4 of the plan for one local expert j of `rank`, shared by the CPU and CUDA plan kernels:
+// Step 4 of the plan for one local expert j of `rank` (the Triton plan, epkit/triton/plan.py,
+// follows the same steps):
 // kept rows per source (recv_kept), kept and dropped totals. Returns the padded segment size.
 // `words` is the gathered [R, W] count words, `kept` the [R, E] kept counts.
-EPKIT_HD inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int64_t* words,
+inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int64_t* words,
                                     int64_t W, const int64_t* kept, int64_t R, int64_t E,
                                     int64_t L, int64_t rank, int64_t j, int64_t align) {
   const int64_t e = rank * L + j;
@@ -100,19 +94,19 @@ EPKIT_HD inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int6
   return (k + align - 1) / align * align;
 }
 
-// The weight gradients' way back (scatter_slot_values, CPU and CUDA): the place of slot k
+// The weight gradients' way back (scatter_slot_values): the place of slot k
 // among its token's kept slots on rank d, k ascending (the slots before it there), i.e. after
 // its token row's first value. idx: the token's kept routing [K] (dropped, unused: -1).
-EPKIT_HD inline int64_t slot_rank(const int64_t* idx, int64_t k, int64_t d, int64_t E,
+inline int64_t slot_rank(const int64_t* idx, int64_t k, int64_t d, int64_t E,
                                   int64_t L) {
   int64_t r = 0;
   for (int64_t j = 0; j < k; ++j) r += idx[j] >= 0 && idx[j] < E && idx[j] / L == d;
   return r;
 }
 
-// Step 5 of the plan, shared by the CPU kernel and the CUDA kernel (one thread): the exchange
+// Step 5 of the plan: the exchange
 // that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4.
-EPKIT_HD inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
+inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
                                    const int64_t* words0, int64_t transport, int64_t exchange,
                                    int64_t max_tokens, int64_t align, int64_t uniform,
                                    int64_t maxrows, int64_t maxslots) {
@@ -248,10 +242,8 @@ inline int64_t static_cap(const int64_t* plan) { return plan[kStaticCap]; }
 // back reads its source rows scattered, one short stream each, which the hardware prefetcher
 // does not anticipate; asking for the next row while the current one is processed hides it.
 inline void prefetch_row(const void* p, int64_t nbytes) {
-#if !defined(__CUDACC__)  // CPU kernels only (the CUDA sources include this header too)
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < nbytes; i += 64) __builtin_prefetch(c + i);
-#endif
 }
 
 // Row loops with float arithmetic are built for AVX-512 (x86-64-v4), AVX2 and the baseline,
@@ -259,10 +251,9 @@ inline void prefetch_row(const void* p, int64_t nbytes) {
 // compute-bound (combine_backward_dest at the default bench workload: 7.8 ms SSE2, 3.3 AVX2,
 // 3.0 AVX-512). Only the width changes: every float32 multiply and add stays one IEEE
 // operation (no FMA: -ffp-contract=off), so the bits are the same on all three.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && \
-    !defined(__CUDACC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define EPKIT_ROW_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__CUDACC__)
+#elif defined(__x86_64__) && defined(__GNUC__)
 #define EPKIT_ROW_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define EPKIT_ROW_CLONES

@@ -3,11 +3,11 @@
 //
 // Per block of 128: amax = max |v| (float32); scale = max(amax, 1e-4f) / 448, one correctly
 // rounded float32 division; q = e4m3_rne(clamp(v / scale, -448, 448)), v / scale one float32
-// division, E4M3 by c10's bit-level conversion (the function the CUDA kernel calls too).
+// division, E4M3 by c10's bit-level conversion (the Triton kernel writes the same rule on the bits).
 // Non-finite x (refused by dispatch's checks; the raw op takes it): amax skips NaN
 // (std::max(amax, NaN) keeps amax), and an element whose quotient is NaN (a NaN, or an infinity
 // over an infinite scale) is the E4M3 NaN with v's sign, decided here rather than left to the
-// platform's default NaN, so that cuda/fp8_block128.cu can match it.
+// platform's default NaN, so that the GPU kernel (epkit/triton/fp8_block128.py) can match it.
 #include "../checks.h"
 
 #include <c10/util/Float8_e4m3fn.h>
