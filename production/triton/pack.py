@@ -1,0 +1,275 @@
+"""pack, pack_into, scatter_rows, scatter_rows_into in Triton (cpu/pack.cpp is the
+specification, byte for byte).
+
+The send buffer is a run of chunks, one per destination rank d (docs/design.md, "wire
+format"): a first section of ``tok_rows[d]`` rows of ``B`` bytes (pairs: one row per kept slot,
+``payload | int32 t | int32 k | int32 j | float32 w``; dedup: one row per token with a kept slot
+on d, ``payload | int32 t | int32 n``), then (dedup) a slot section of ``slot_rows[d]`` rows of
+8 bytes (``int32 (k << 24 | j) | float32 w``). Ragged chunks hold exactly their rows; the fixed
+chunks (padded, equal, static) ``tok_cap`` / ``slot_cap`` rows, the static ones opening each
+section with a header row whose first 8 bytes carry the section's count (int64), the unused
+rows zero, as cpu/pack.cpp's ``send.zero_()`` leaves them.
+
+Index pass (device-generic torch ops, no host read): a stable sort of the flattened slots
+``(t, k)`` by expert gives each slot its rank among this rank's slots to its expert in token
+order (rank = position minus the exclusive cumsum of the expert counts), so ``rank <
+own_kept[e]`` is the capacity's kept mask; pairs' row in its chunk follows from the plan's
+``own_kept`` prefix; dedup's token rows are an exclusive cumsum over the ``[T, R]`` table of
+kept slots, its slot rows a second stable sort by destination. Each section row of the buffer
+then gets its source (a payload row of x or none), its metadata words and its header value
+through an index map, and ``byterows.write_rows`` writes every byte of the section once.
+
+Routing-dependent plan words are read on the device (the plan tensor); the host reads only
+the words the C++ kernel checks through a host pointer (``epkit.device.host_plan``: the plan on
+CPU, its mirror on CUDA), and the section sizes from them. Data the C++ kernel range-checks
+(expert ids, a plan from another call) cannot raise on a GPU without a host read: such slots
+are masked (not sent), and nothing is read or written out of bounds. A plan that carries an
+error on the device (the static exchange's deferred error) sends nothing: ``send_map`` all -1,
+the buffer all zeros (as csrc/cuda/pack.cu did).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.reference import abi
+
+from .. import plan as W
+from ..device import host_plan
+from . import byterows
+from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
+                         check_plan_chunks, check_plan_header, check_plan_tensor,
+                         check_routing_args, check_send_buffer, check_size, check_transport,
+                         fail, row_bytes)
+
+__all__ = ["pack", "pack_into", "scatter_rows", "scatter_rows_into"]
+
+for _nw in (4, 2):
+    for _hdr in (False, True):
+        byterows.declare(f"pack.rows_nw{_nw}{'_hdr' if _hdr else ''}", _nw, _hdr)
+byterows.declare("pack.scatter_rows", 0, False)
+
+SLOT = abi.SLOT_ROW_BYTES
+
+
+def _excl(v: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum (int64)."""
+    return v.cumsum(0) - v
+
+
+def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB) -> list:
+    """checks.h check_pack_args + check_pack_plan; returns the plan's host words."""
+    check_routing_args(op, x, topk_idx, topk_weights)
+    check_plan_tensor(op, plan, x.device)
+    check_transport(op, transport)
+    check_nonneg(op, "send_bytes", SB)
+    if transport == W.DEDUP and topk_idx.shape[1] > abi.DEDUP_MAX_TOPK:
+        fail(op, f"dedup carries k in 8 bits: topk {topk_idx.shape[1]} > {abi.DEDUP_MAX_TOPK}")
+    p = host_plan(plan).tolist()
+    op = "epkit.pack"  # the plan checks name pack, as in checks.h
+    sl = check_plan_header(op, p, plan.numel())
+    if num_ranks != p[W.RANKS]:
+        fail(op, f"num_ranks {num_ranks} disagrees with the plan's {p[W.RANKS]}")
+    if transport != p[abi.PLAN_FIELDS.index("transport")]:
+        fail(op, f"transport {transport} disagrees with the plan's "
+                 f"{p[abi.PLAN_FIELDS.index('transport')]}")
+    if transport == W.DEDUP and p[W.LOCAL_EXPERTS] > abi.DEDUP_MAX_LOCAL:
+        fail(op, f"dedup carries the local expert in 24 bits: {p[W.LOCAL_EXPERTS]} local experts")
+    P = x.shape[1] * x.element_size()
+    if P != p[W.PAYLOAD_BYTES]:
+        fail(op, f"payload of {P} bytes, the plan says {p[W.PAYLOAD_BYTES]}")
+    if SB != p[W.SEND_BYTES]:
+        fail(op, f"send_bytes {SB} disagrees with the plan's {p[W.SEND_BYTES]}")
+    check_plan_chunks(op, p, sl, False, row_bytes(transport, P), SB)
+    return p
+
+
+def _rank_in_key(key: torch.Tensor, nkeys: int) -> torch.Tensor:
+    """For each element, its rank among the elements of the same key in index order (a stable
+    sort: position minus the exclusive cumsum of the key counts). key in [0, nkeys]."""
+    n = key.numel()
+    order = torch.argsort(key, stable=True)
+    cnt = torch.zeros(nkeys + 1, dtype=torch.int64, device=key.device)
+    cnt.scatter_add_(0, key, torch.ones_like(key))
+    pos = torch.arange(n, dtype=torch.int64, device=key.device) - _excl(cnt)[key[order]]
+    return torch.empty_like(key).scatter_(0, order, pos)
+
+
+def _take(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``v[at]`` (``at`` in range), zeros when ``v`` is empty (a rank without tokens)."""
+    return v[at] if v.numel() else torch.zeros_like(at)
+
+
+def _place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> torch.Tensor:
+    """[Q] int64: ``what[i]`` at row ``q[i]`` for each kept i, -1 elsewhere (an index map; the
+    rejected entries land in a spare last row)."""
+    keep = keep & (q >= 0) & (q < Q)
+    out = torch.full((Q + 1,), -1, dtype=torch.int64, device=q.device)
+    return out.scatter_(0, torch.where(keep, q, Q), what)[:Q]
+
+
+def _section(Q: int, rows_per: torch.Tensor, start: torch.Tensor, W_: int, R: int):
+    """The rows of one section over the chunks: for each of the Q rows, its chunk d, its
+    position in the chunk's section and its byte offset (``start[d]`` + position * W_)."""
+    base = _excl(rows_per)
+    q = torch.arange(Q, dtype=torch.int64, device=rows_per.device)
+    d = torch.searchsorted(rows_per.cumsum(0), q, right=True).clamp(max=R - 1)
+    pos = q - base[d]
+    return d, pos, start[d] + pos * W_, base
+
+
+def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torch.Tensor:
+    dev = x.device
+    x = x.contiguous()
+    T, K = topk_idx.shape
+    P = x.shape[1] * x.element_size()
+    R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
+    pairs = transport == W.PAIRS
+    B = row_bytes(transport, P)
+    sl = W.plan_slices(R, E)
+    cap, tokcap, slotcap = p[W.STATIC_CAP], p[W.TOK_CAP], p[W.SLOT_CAP]
+    hdr = 1 if cap >= 0 else 0
+
+    # Host sizes of the two sections (routing-independent for the static exchange; the eager
+    # exchanges' host words are the whole plan), and whether they cover every byte.
+    tok_h = [tokcap if tokcap >= 0 else c for c in p[sl["send_counts"]]]
+    slot_h = [0] * R if pairs else [slotcap if slotcap >= 0 else c for c in p[sl["send_slots"]]]
+    QA, QB = sum(tok_h), sum(slot_h)
+    if any(nb != a * B + b * SLOT for nb, a, b in zip(p[sl["send_bytes"]], tok_h, slot_h)):
+        send.zero_()  # bytes outside every row (no plan of epkit.plan has them): zeros
+
+    # The plan's routing words, on the device.
+    pl = plan
+    counts, own = pl[sl["send_counts"]], pl[sl["own_kept"]]
+    nslots = pl[sl["send_slots"]]
+    ok = pl[W.ERR_CODE] == 0  # an erroneous plan sends nothing
+    chunk = _excl(pl[sl["send_bytes"]])
+    tok_rows = counts if tokcap < 0 else torch.full_like(counts, tokcap)
+    slot_rows = nslots if slotcap < 0 else torch.full_like(nslots, slotcap)
+
+    # Each slot's rank among this rank's slots to its expert (token order): the kept mask.
+    idx = topk_idx.to(torch.int64).reshape(-1)
+    TK = idx.numel()
+    valid = (idx >= 0) & (idx < E)
+    key = torch.where(valid, idx, E)
+    rank = _rank_in_key(key, E)
+    e = key.clamp(max=E - 1)
+    kept = valid & (rank < own[e]) & ok
+    d, j = e // L, e % L
+    slot = torch.arange(TK, dtype=torch.int64, device=dev)
+    t, k = slot // max(K, 1), slot % max(K, 1)
+    wbits = topk_weights.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+    row_start = _excl(counts)
+
+    def row_of(d, i):  # the row in the row space combine and the backward passes exchange
+        return d * (1 + cap) + 1 + i if cap >= 0 else row_start[d] + i
+
+    dA, posA, offA, baseA = _section(QA, tok_rows, chunk, B, R)
+    hdrA = torch.where(ok & (posA == 0), counts[dA], -1) if hdr else None
+    if pairs:
+        own_start = _excl(own)
+        i = own_start[e] + rank - own_start[d * L]  # index in chunk d
+        kept = kept & (i >= 0) & (i < counts[d])
+        send_map = torch.where(kept, row_of(d, i), -1).view(T, K)
+        src = _place(QA, baseA[d] + hdr + i, kept, slot)
+        has, s = src >= 0, src.clamp(min=0)
+        words = torch.stack([_take(v, s) for v in (t, k, j, wbits)], 1)
+        meta = torch.where(has[:, None], words, 0).to(torch.int32)
+        byterows.write_rows(send, offA, B, x, torch.where(has, _take(t, s) * P, -1), P, meta,
+                            hdrA)
+        return send_map
+
+    # dedup: kept slots per (token, destination); token rows by an exclusive cumsum over t.
+    td = t * R + d
+    n_td = torch.zeros(T * R + 1, dtype=torch.int64, device=dev)
+    n_td.scatter_add_(0, torch.where(kept, td, T * R), torch.ones_like(td))
+    n_td = n_td[: T * R].view(T, R)
+    opens = n_td > 0
+    tok = _excl(opens.to(torch.int64))  # token row of (t, d) within chunk d
+    dd = torch.arange(R, dtype=torch.int64, device=dev).expand(T, R)
+    opens = opens & (tok < counts[None, :])
+    send_map = torch.where(opens, row_of(dd, tok), -1)
+    src = _place(QA, (baseA[None, :] + hdr + tok).reshape(-1), opens.reshape(-1),
+                 torch.arange(T * R, dtype=torch.int64, device=dev))
+    has, s = src >= 0, src.clamp(min=0)
+    words = torch.stack([s // R, _take(n_td.reshape(-1), s)], 1)
+    meta = torch.where(has[:, None], words, 0).to(torch.int32)
+    byterows.write_rows(send, offA, B, x, torch.where(has, (s // R) * P, -1), P, meta, hdrA)
+
+    # Slot rows: chunk d's kept slots in (t, k) order, after its token section.
+    u = _rank_in_key(torch.where(kept, d, R), R)
+    kept = kept & (u < nslots[d])
+    dB, posB, offB, baseB = _section(QB, slot_rows, chunk + tok_rows * B, SLOT, R)
+    src = _place(QB, baseB[d] + hdr + u, kept, slot)
+    has, s = src >= 0, src.clamp(min=0)
+    code = ((_take(k, s) << abi.SLOT_K_SHIFT) | _take(j, s)).to(torch.int32)  # k's top bit wraps: int32 bits
+    words = torch.stack([code.to(torch.int64), _take(wbits, s)], 1)
+    meta = torch.where(has[:, None], words, 0).to(torch.int32)
+    hdrB = torch.where(ok & (posB == 0), nslots[dB], -1) if hdr else None
+    byterows.write_rows(send, offB, SLOT, x, torch.full_like(offB, -1), 0, meta, hdrB)
+    return send_map
+
+
+def pack(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+         plan: torch.Tensor, transport: int, num_ranks: int, send_bytes: int):
+    """x [T, H] any dtype, topk_idx [T, K] integer, topk_weights [T, K] float32, plan [n] int64
+    -> (send [send_bytes] uint8, send_map [T, K] (pairs) or [T, R] (dedup) int64)."""
+    SB = int(send_bytes)
+    p = _check_pack("epkit.pack", x, topk_idx, topk_weights, plan, transport, num_ranks, SB)
+    send = torch.empty((SB,), dtype=torch.uint8, device=x.device)
+    return send, _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send)
+
+
+def pack_into(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+              plan: torch.Tensor, transport: int, num_ranks: int,
+              send: torch.Tensor) -> torch.Tensor:
+    """pack into ``send`` [send_bytes] uint8 (contiguous, x's device); returns send_map."""
+    op = "epkit.pack_into"
+    check_send_buffer(op, send, x.device)
+    p = _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, send.numel())
+    return _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send)
+
+
+def _check_scatter(op, src, send_map, S):
+    check_dim(op, "src", src, 2)
+    check_map(op, "send_map", send_map)
+    check_device(op, "send_map", send_map, src.device)
+    check_size(op, "send_map", send_map, 0, src.shape[0], "tokens of src")
+    check_nonneg(op, "send_rows", S)
+
+
+def _scatter_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) -> None:
+    """Output-indexed: send row r takes the token whose entry names it, or zeros. Entries
+    outside [0, S) are ignored (the C++ kernel raises; a GPU cannot without a host read)."""
+    S = out.shape[0]
+    src = src.contiguous()
+    C = send_map.shape[1]
+    nbytes = src.shape[1] * src.element_size()
+    m = send_map.reshape(-1)
+    frm = _place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
+                                            device=src.device) // max(C, 1))
+    off = torch.arange(S, dtype=torch.int64, device=src.device) * nbytes
+    byterows.write_rows(out, off, nbytes, src, torch.where(frm >= 0, frm * nbytes, -1), nbytes)
+
+
+def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> torch.Tensor:
+    """src [T, H] any dtype, send_map [T, C] int64 -> [send_rows, H] of src's dtype: row r is
+    the token whose entry names r, zeros where none does."""
+    S = int(send_rows)
+    _check_scatter("epkit.scatter_rows", src, send_map, S)
+    out = torch.empty((S, src.shape[1]), dtype=src.dtype, device=src.device)
+    _scatter_into(src, send_map, out)
+    return out
+
+
+def scatter_rows_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) -> None:
+    """scatter_rows into ``out`` [send_rows, H] (src's dtype, contiguous)."""
+    op = "epkit.scatter_rows_into"
+    check_dim(op, "out", out, 2)
+    _check_scatter(op, src, send_map, out.shape[0])
+    check_dtype(op, "out", out, src.dtype)
+    check_device(op, "out", out, src.device)
+    if not out.is_contiguous():
+        fail(op, "out must be contiguous")
+    check_size(op, "out", out, 1, src.shape[1], "hidden of src")
+    _scatter_into(src, send_map, out)

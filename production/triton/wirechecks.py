@@ -1,0 +1,153 @@
+"""The argument checks of pack, unpack and scatter_rows (csrc/checks.h, same kinds of message:
+``epkit.<op>: <argument> ...``), in Python before any launch.
+
+They read tensor metadata and the plan's host words only (``epkit.device.host_plan``: on CPU
+the plan itself, on CUDA its host mirror), never device data: so the checks that depend on
+routing data (a token's expert id out of range, a chunk that disagrees with its plan) are not
+here; the kernels mask them (pack) or report them through unpack's status word.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epkit.reference import abi
+
+from .. import plan as W
+
+__all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_transport",
+           "check_nonneg", "check_plan_header", "check_plan_chunks", "check_send_buffer",
+           "check_map", "row_bytes"]
+
+MAX_RANKS = 1 << 20
+MAX_EXPERTS = (1 << 31) - 1
+TRANSPORT, ALIGN = abi.PLAN_FIELDS.index("transport"), abi.PLAN_FIELDS.index("align")
+
+
+def fail(op: str, msg: str):
+    raise RuntimeError(f"{op}: {msg}")
+
+
+def check_dim(op, name, t, dim):
+    if t.dim() != dim:
+        fail(op, f"{name} must be {dim}-D, got {t.dim()}-D of shape {list(t.shape)}")
+
+
+def check_dtype(op, name, t, dt):
+    if t.dtype != dt:
+        fail(op, f"{name} must be {dt}, got {t.dtype}")
+
+
+def check_device(op, name, t, dev):
+    if t.device != dev:
+        fail(op, f"{name} is on {t.device}, expected {dev}")
+
+
+def check_size(op, name, t, d, want, what):
+    if t.shape[d] != want:
+        fail(op, f"{name} must have size({d}) == {want} ({what}), got shape {list(t.shape)}")
+
+
+def check_nonneg(op, name, v):
+    if v < 0:
+        fail(op, f"{name} must be >= 0, got {v}")
+
+
+def check_transport(op, transport):
+    if transport not in (W.PAIRS, W.DEDUP):
+        fail(op, f"transport must be 0 (pairs) or 1 (dedup), got {transport}")
+
+
+def check_map(op, name, t, dim=2):
+    check_dim(op, name, t, dim)
+    check_dtype(op, name, t, torch.int64)
+
+
+def check_routing_args(op, x, topk_idx, topk_weights):
+    """x [T, H], topk_idx [T, K] of an integer dtype, topk_weights [T, K] float32, one device."""
+    check_dim(op, "x", x, 2)
+    check_dim(op, "topk_idx", topk_idx, 2)
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        fail(op, f"topk_idx must have an integer dtype, got {topk_idx.dtype}")
+    check_device(op, "topk_idx", topk_idx, x.device)
+    check_size(op, "topk_idx", topk_idx, 0, x.shape[0], "tokens of x")
+    check_dim(op, "topk_weights", topk_weights, 2)
+    check_dtype(op, "topk_weights", topk_weights, torch.float32)
+    check_device(op, "topk_weights", topk_weights, x.device)
+    if topk_weights.shape != topk_idx.shape:
+        fail(op, f"topk_weights must have the shape of topk_idx {list(topk_idx.shape)}, got "
+                 f"{list(topk_weights.shape)}")
+
+
+def check_plan_tensor(op, plan, dev):
+    check_dim(op, "plan", plan, 1)
+    check_dtype(op, "plan", plan, torch.int64)
+    check_device(op, "plan", plan, dev)
+    if not plan.is_contiguous():
+        fail(op, "plan must be contiguous")
+    if plan.numel() < W.PLAN_HEADER:
+        fail(op, f"plan has {plan.numel()} words, fewer than its {W.PLAN_HEADER}-word header")
+
+
+def check_send_buffer(op, send, dev):
+    check_dim(op, "send", send, 1)
+    check_dtype(op, "send", send, torch.uint8)
+    check_device(op, "send", send, dev)
+    if not send.is_contiguous():
+        fail(op, "send must be contiguous")
+
+
+def row_bytes(transport: int, P: int) -> int:
+    """B: one data row of the dispatch's first section (payload then metadata)."""
+    return P + (abi.PAIRS_META_BYTES if transport == W.PAIRS else abi.DEDUP_TOKEN_META_BYTES)
+
+
+def check_plan_header(op, p: list, n: int) -> dict:
+    """checks.h check_plan_header on the host words ``p``; returns the plan's slices."""
+    R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
+    if not 1 <= R <= MAX_RANKS:
+        fail(op, f"plan header: ranks {R} outside [1, {MAX_RANKS}]")
+    if not (1 <= E <= MAX_EXPERTS and E % R == 0):
+        fail(op, f"plan header: experts {E} is not a positive multiple of ranks {R}")
+    if L != E // R:
+        fail(op, f"plan header: local experts {L} != experts / ranks {E // R}")
+    if p[TRANSPORT] not in (W.PAIRS, W.DEDUP):
+        fail(op, f"plan header: transport {p[TRANSPORT]} is not 0 or 1")
+    if p[ALIGN] < 1:
+        fail(op, f"plan header: align {p[ALIGN]} < 1")
+    if p[W.ERR_CODE] != 0:
+        fail(op, f"the plan carries error code {p[W.ERR_CODE]} (raise it instead of using the plan)")
+    if n != W.plan_size(R, E):
+        fail(op, f"plan has {n} words, PlanOffsets(R={R}, E={E}) needs {W.plan_size(R, E)}")
+    return W.plan_slices(R, E)
+
+
+def check_plan_chunks(op, p: list, sl: dict, recv: bool, B: int, total: int) -> None:
+    """checks.h check_plan_chunks: every chunk of one direction holds its sections, the chunk
+    sizes add up to ``total``."""
+    R = p[W.RANKS]
+    dedup = p[TRANSPORT] == W.DEDUP
+    stat = p[W.STATIC_CAP] >= 0
+    tokcap, slotcap, hdr = p[W.TOK_CAP], p[W.SLOT_CAP], 1 if stat else 0
+    d_ = "recv" if recv else "send"
+    counts, slots, nbytes = (p[sl[f"{d_}_{k}"]] for k in ("counts", "slots", "bytes"))
+    if stat and tokcap != 1 + p[W.STATIC_CAP]:
+        fail(op, f"plan header: static exchange with {tokcap} token rows per chunk and capacity "
+                 f"{p[W.STATIC_CAP]}")
+    if stat and dedup and slotcap < 1:
+        fail(op, f"plan header: static exchange with slot rows {slotcap}")
+    total_so_far = 0
+    for d in range(R):
+        nb, c, s = nbytes[d], counts[d], (slots[d] if dedup else 0)
+        if not (0 <= nb <= total - total_so_far):
+            fail(op, f"plan: {d_}_bytes[{d}] = {nb} overruns the {total}-byte buffer")
+        total_so_far += nb
+        tok_rows = tokcap if tokcap >= 0 else c
+        slot_rows = (slotcap if slotcap >= 0 else s) if dedup else 0
+        if not (0 <= c <= tok_rows - hdr and tok_rows <= nb // B):
+            fail(op, f"plan: {d_}_counts[{d}] = {c} rows do not fit chunk {d} ({nb} bytes)")
+        left = nb - tok_rows * B
+        if not (0 <= s <= slot_rows - hdr * dedup and slot_rows <= left // abi.SLOT_ROW_BYTES):
+            fail(op, f"plan: {d_}_slots[{d}] = {s} slot rows do not fit chunk {d} ({nb} bytes)")
+    if total_so_far != total:
+        fail(op, f"plan: {d_}_bytes add up to {total_so_far}, not {total}")
