@@ -1,0 +1,367 @@
+"""Combine's row arithmetic in Triton (cpu/combine.cpp): gather_rows, gather_units (the expert
+side) and reduce_tokens (the source side), bit for bit the C++ kernels' outputs.
+
+The order of every float32 sum is the spec's (docs/semantics.md, "Combine"), as the C++ kernel
+writes it: per destination rank d a partial ``P = +0.0 + c_0 * r_0 + c_1 * r_1 + ...`` over the
+token's slots on d, k ascending (unweighted: no multiply), the partials added over d ascending
+into ``total = +0.0 + P + ...`` (ranks_per_node G > 1: into a node partial ``N = +0.0 + P + ...``
+per node, each N added into total when the next node opens). Each lane of a tile is one (token,
+column) and runs that sequence serially, so the tiling changes no bit.
+
+dedup's way back (docs/design.md): a token row with n kept slots travels as its n rows of y when
+n <= per = 4 / itemsize(y), else as its float32 partial (per units of H elements of y's dtype);
+with ``first`` its units lie at unit first[n] of a [units, H] buffer, else at n * per of rows of
+4H bytes.
+
+Kernels see every row through an integer view of its dtype (bfloat16 as int16, float32 as
+int32, any pairs dtype as the integer of its size): rows are moved as bits, and float32
+arithmetic happens on ``bits.to_f32`` / ``bits.from_f32`` of them, never through ``.to()``.
+
+The integer bookkeeping (which unit holds what, each token's slots in (rank, k) order) is a
+few device-generic torch ops (stable sort, cumsum, cummax, scatter): no host read, no
+data-dependent size. Map entries out of range are masked (read and write nothing); on CPU
+tensors the C++ kernel's error is raised too (reading them is free there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import bits
+from . import rowchecks as ck
+from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+
+__all__ = ["gather_rows", "gather_units", "reduce_tokens"]
+
+PAIRS, DEDUP = ck.PAIRS, ck.DEDUP
+# A program owns ROWS rows x BLOCK columns. The interpreter pays per tl.* operation, not per
+# element: large tiles there; a GPU takes a few rows per program, a column block each.
+ROWS = 64 if INTERPRETED else 4
+BLOCK = 256
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """t (contiguous, 2-D) as the integer dtype of its element size: rows as bits. A 16-byte
+    element (complex128) becomes two int64 columns."""
+    size = t.element_size()
+    return t.view(_INT_OF_SIZE[size]) if size in _INT_OF_SIZE else t.view(torch.int64)
+
+
+# ---- the expert side -----------------------------------------------------------------------
+@triton.jit
+def _units_kernel(y, umap, recv_map, row_weight, out, U, H, M, C,
+                  PARTIAL: tl.constexpr, PER: tl.constexpr, BF16: tl.constexpr,
+                  WEIGHTED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out [U, H] (the units, integer view) from umap [U] int64: m >= 0, the unit is y's row m
+    (bits); -1, zeros (padding, gaps, a raw token row's unused units); -2 - (n * PER + j),
+    unit j of token row n's float32 partial (its bytes j H .. (j + 1) H of y's dtype), the
+    partial formed here from recv_map [N, C] row n, c ascending."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < U
+    cmask = cols < H
+    src = tl.load(umap + rows, mask=rmask, other=-1)
+    raw = rmask & (src >= 0)
+    v = tl.load(y + src[:, None] * H + cols[None, :], mask=raw[:, None] & cmask[None, :], other=0)
+    if PARTIAL:
+        part = rmask & (src <= -2)
+        if tl.max(part.to(tl.int32), axis=0) > 0:  # a tile of raw rows skips the slot loop
+            code = -2 - src
+            n = code // PER
+            q = (code % PER)[:, None] * H + cols[None, :]  # element of the 4H-byte row
+            f = q // PER                                     # the float32 it lies in
+            pm = part[:, None] & cmask[None, :]
+            acc = tl.zeros([ROWS, BLOCK], tl.float32)
+            for c in range(C):
+                m = tl.load(recv_map + n * C + c, mask=part, other=-1)
+                kept = part & (m >= 0) & (m < M)
+                km = kept[:, None] & cmask[None, :]
+                yv = bits.to_f32(tl.load(y + m[:, None] * H + f, mask=km, other=0), BF16)
+                if WEIGHTED:
+                    w = tl.load(row_weight + m, mask=kept, other=0.0)
+                    yv = w[:, None] * yv
+                acc = tl.where(km, acc + yv, acc)
+            # C++ stores +0.0 + P: P's bits (P is never -0.0, and a NaN in P is already quiet)
+            b = acc.to(tl.uint32, bitcast=True)
+            if PER == 2:  # the little-endian half of the float this bfloat16 unit column holds
+                pv = ((b >> ((q & 1) * 16).to(tl.uint32)) & 0xFFFF).to(tl.uint16)
+                pv = pv.to(tl.int16, bitcast=True)
+            else:
+                pv = b.to(tl.int32, bitcast=True)
+            v = tl.where(pm, pv, v)
+    tl.store(out + rows[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
+
+
+def _unit_map(recv_map, M, per, first, U):
+    """dedup: umap [U] for _units_kernel, and whether each token row's units fit (first set)."""
+    N, C = recv_map.shape
+    dev = recv_map.device
+    kept = (recv_map >= 0) & (recv_map < M)
+    cnt = kept.sum(1)
+    u = cnt.clamp(max=per)
+    n = torch.arange(N, device=dev)
+    base = first if first is not None else n * per
+    fits = (u == 0) | ((base >= 0) & (base + u <= U))
+    umap = torch.full((U + 1,), -1, dtype=torch.int64, device=dev)  # [U]: a sink for the rest
+    raw = kept & ((cnt <= per) & fits)[:, None]  # unit base + (its place among the kept)
+    at = torch.where(raw, base[:, None] + kept.cumsum(1) - 1, U)
+    umap.scatter_(0, at.reshape(-1), torch.where(raw, recv_map, -1).reshape(-1))
+    partial = (cnt > per) & fits
+    j = torch.arange(per, device=dev)
+    at = torch.where(partial[:, None], base[:, None] + j, U)
+    umap.scatter_(0, at.reshape(-1), (-2 - (n[:, None] * per + j)).reshape(-1))
+    return umap[:U], fits, u
+
+
+def _gather(op, y, recv_map, row_weight, transport, weighted, first, out):
+    """The pass both expert-side ops share: out (contiguous; pairs [N, H] in y's dtype, dedup
+    [U, H] units of y's dtype as their integer view) written whole."""
+    y = y.contiguous()
+    recv_map = recv_map.contiguous()
+    N, C = recv_map.shape
+    M = y.shape[0]
+    if transport == PAIRS:
+        if ck.on_host(recv_map):
+            ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
+        yi = int_view(y)
+        m = recv_map[:, 0]
+        umap = torch.where((m >= 0) & (m < M), m, -1)
+        _launch_units(yi, umap, recv_map, yi, int_view(out), False, 1, False, False)
+        return
+    per = 4 // y.element_size()
+    U = out.shape[0] if first is not None else N * per
+    umap, fits, u = _unit_map(recv_map, M, per, first.contiguous() if first is not None else None,
+                              U)
+    if ck.on_host(recv_map):
+        if first is not None:
+            bad = ck.first_bad(~fits)
+            if bad >= 0:
+                ck.fail(op, f"first[{bad}] = {int(first[bad])} puts its {int(u[bad])} unit(s) "
+                            f"outside the {U} units")
+        ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
+    yi = int_view(y)
+    w = row_weight.contiguous() if weighted else yi  # (unread when unweighted)
+    _launch_units(yi, umap, recv_map, w, out.view(yi.dtype).view(U, y.shape[1]), True, per,
+                  y.dtype == torch.bfloat16, weighted)
+
+
+def _launch_units(yi, umap, recv_map, w, oi, partial, per, bf16, weighted):
+    U, H = oi.shape
+    launch(_units_kernel, (cdiv(U, ROWS), cdiv(H, BLOCK)), yi, umap, recv_map, w, oi, U, H,
+           yi.shape[0], recv_map.shape[1], PARTIAL=partial, PER=per, BF16=bf16,
+           WEIGHTED=weighted, ROWS=ROWS, BLOCK=BLOCK)
+
+
+def gather_rows(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
+                transport: int, weighted: bool) -> torch.Tensor:
+    """The expert side's rows for the way back (cpu/combine.cpp gather_rows_cpu).
+
+    expert_y [M, H] (pairs: any dtype; dedup: float32 or bfloat16), recv_map [N, C] int64
+    (pairs: C = 1), row_weight [M] float32 (read when dedup and weighted). Returns pairs: [N, H]
+    in y's dtype, row n = y[recv_map[n, 0]] (zeros for -1); dedup: [N, H] float32, token row n's
+    4H bytes: its n kept rows of y (c order) when n <= per, the unused bytes zero, else its
+    float32 partial (weighted by row_weight when weighted)."""
+    ck.check_gather_rows_args(expert_y, recv_map, row_weight, transport, weighted)
+    N, H = recv_map.shape[0], expert_y.shape[1]
+    dtype = expert_y.dtype if transport == PAIRS else torch.float32
+    out = torch.empty((N, H), dtype=dtype, device=expert_y.device)
+    _gather("epkit.gather_rows", expert_y, recv_map, row_weight, transport, weighted, None, out)
+    return out
+
+
+def gather_units(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
+                 transport: int, weighted: bool, first: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+    """gather_rows written into out (the exchange's send buffer), cpu/combine.cpp
+    gather_units_cpu. out [N, H] (pairs) or [units, H] (dedup), y's dtype, contiguous; dedup
+    places token row n's min(n, per) units at first [N] int64 (unit first[n] on); units no row
+    places (gaps) are written zero."""
+    ck.check_gather_units_args(expert_y, recv_map, row_weight, transport, weighted, first, out)
+    _gather("epkit.gather_units", expert_y, recv_map, row_weight, transport, weighted, first, out)
+
+
+# ---- the source side -----------------------------------------------------------------------
+ADD, PART, FLUSH, NODE_SHIFT = 1, 2, 4, 3  # the slot steps' meta word
+
+
+@triton.jit
+def _reduce_kernel(back, unit, meta, w, out, T, H, K,
+                   BACK_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
+                   GROUPED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out [T, H] (integer view of out_dtype): per token, K steps in its (rank, k) order, each
+    from meta [T, K] int32 (bits ADD: add w * back[unit]; PART: the group's float32 partial at
+    unit; FLUSH: the group ends; node = meta >> 3) and unit [T, K] int64, w [T, K] float32."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < T
+    cmask = cols < H
+    part = tl.zeros([ROWS, BLOCK], tl.float32)
+    node = tl.zeros([ROWS, BLOCK], tl.float32)
+    total = tl.zeros([ROWS, BLOCK], tl.float32)
+    open_node = tl.full([ROWS], -1, tl.int32)
+    for i in range(K):
+        at = rows * K + i
+        un = tl.load(unit + at, mask=rmask, other=0)
+        mt = tl.load(meta + at, mask=rmask, other=0)
+        add = (mt & 1) != 0
+        am = add[:, None] & cmask[None, :]
+        v = bits.to_f32(tl.load(back + un[:, None] * H + cols[None, :], mask=am, other=0),
+                        BACK_BF16)
+        if WEIGHTED:
+            v = tl.load(w + at, mask=rmask & add, other=0.0)[:, None] * v
+        part = tl.where(am, part + v, part)
+        pm = ((mt & 2) != 0)[:, None] & cmask[None, :]
+        if BACK_BF16:  # a partial spans 2 units and may start at an odd element: two halves
+            el = back + un[:, None] * H + 2 * cols[None, :]
+            lo = tl.load(el, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            hi = tl.load(el + 1, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+            pv = (lo | (hi << 16)).to(tl.float32, bitcast=True)
+        else:
+            pv = tl.load(back + un[:, None] * H + cols[None, :], mask=pm, other=0)
+            pv = pv.to(tl.float32, bitcast=True)
+        part = tl.where(pm, pv, part)
+        flush = (mt & 4) != 0
+        fm = flush[:, None]
+        if GROUPED:  # N = +0.0 + P + ... per node, added into total when the next node opens
+            nd = mt >> 3
+            opens = flush & (nd != open_node)
+            total = tl.where((opens & (open_node >= 0))[:, None], total + node, total)
+            node = tl.where(opens[:, None], 0.0, node)
+            open_node = tl.where(opens, nd, open_node)
+            node = tl.where(fm, node + part, node)
+        else:
+            total = tl.where(fm, total + part, total)
+        part = tl.where(fm, 0.0, part)
+    if GROUPED:
+        total = tl.where((open_node >= 0)[:, None], total + node, total)
+    tl.store(out + rows[:, None] * H + cols[None, :], bits.from_f32(total, OUT_BF16),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def _steps(back, send_map, idx, E, R, dedup, per, first, S, U, G):
+    """Each token's slots as the kernel's steps, in (rank, k) order (a stable sort by rank):
+    (unit [T, K] int64, meta [T, K] int32, order [T, K], bad, bad_first) where bad / bad_first
+    [T, K] mark what the C++ kernel raises for (used only on CPU)."""
+    T, K = idx.shape
+    dev = idx.device
+    L = E // R
+    ok_e = (idx >= 0) & (idx < E)
+    d = torch.where(ok_e, idx // L, R)
+    if dedup:
+        r = torch.gather(send_map, 1, d.clamp(max=R - 1))
+    else:
+        r = send_map
+    ok_r = (r >= 0) & (r < S)
+    used = ok_e & ok_r
+    # what cpu/combine.cpp raises for: a used slot's row outside [-1, S) (dedup: or -1), an
+    # expert >= E; pairs: a row sent for an unused slot
+    if dedup:
+        bad = (idx >= E) | (ok_e & ~ok_r)
+    else:
+        bad = (idx >= E) | (ok_e & ~ok_r & (r != -1)) | ((idx < 0) & (send_map != -1))
+    ds, order = torch.sort(torch.where(used, d, R), dim=1, stable=True)
+    on = ds < R
+    i = torch.arange(K, device=dev).expand(T, K)
+    prev = torch.cat([torch.full_like(ds[:, :1], -1), ds[:, :-1]], 1)
+    nxt = torch.cat([ds[:, 1:], torch.full_like(ds[:, :1], -1)], 1)
+    start, last = on & (ds != prev), on & (ds != nxt)
+    rs = torch.gather(r, 1, order)
+    node = ds // G
+    if not dedup:
+        unit = rs
+        meta = on.int() * ADD | last.int() * FLUSH
+        return unit, meta | (node.int() << NODE_SHIFT), order, bad, torch.zeros_like(bad)
+    q = i - torch.where(start, i, 0).cummax(1).values  # place in the group
+    end = torch.where(last, i, K).flip(1).cummin(1).values.flip(1)
+    cnt = end - (i - q) + 1
+    r0 = rs.clamp(0, max(S - 1, 0))
+    if first is None:
+        at0 = r0 * per
+    else:  # (S = 0: no slot is used, and first has nothing to index)
+        at0 = first[r0] if S > 0 else torch.zeros_like(r0)
+    fits = (at0 >= 0) & (at0 + cnt.clamp(max=per) <= U)
+    partial = on & fits & (cnt > per)
+    add = on & fits & (cnt <= per)
+    unit = torch.where(add, at0 + q, at0)
+    meta = add.int() * ADD | (partial & (q == 0)).int() * PART | last.int() * FLUSH
+    bad_first = on & ~fits
+    return unit, meta | (node.int() << NODE_SHIFT), order, bad, bad_first
+
+
+def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Tensor,
+                  topk_weights: torch.Tensor, num_experts: int, num_ranks: int, transport: int,
+                  weighted: bool, out_dtype: torch.dtype, ranks_per_node: int = 1,
+                  first: torch.Tensor | None = None) -> torch.Tensor:
+    """The source side's sum (cpu/combine.cpp reduce_tokens_cpu): out [T, H] out_dtype.
+
+    back: pairs [S, H] (a slot's row of y), dedup [U, H] with first [S] int64 (token row r's
+    units at first[r]) or [S, per * H] without (at r * per), float32 or bfloat16; send_map
+    [T, C] int64 (pairs C = K: a slot's row; dedup C = R: a token row per rank); topk_idx
+    [T, K] integer (the kept routing: dropped slots -1); topk_weights [T, K] float32 (read when
+    weighted)."""
+    E, R, G = num_experts, num_ranks, ranks_per_node
+    op = "epkit.reduce_tokens"
+    ck.check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, E, R, transport,
+                                weighted, out_dtype, G, first)
+    dedup = transport == DEDUP
+    back = back.contiguous()
+    send_map = send_map.contiguous()
+    idx = topk_idx.to(torch.int64).contiguous()
+    compact = first is not None
+    first = first.contiguous() if compact else None
+    per = 4 // back.element_size() if dedup else 1
+    H = back.shape[1] if (compact or not dedup) else back.shape[1] // per
+    S = first.shape[0] if compact else back.shape[0]
+    U = back.shape[0] if compact else S * per
+    T, K = idx.shape
+    unit, meta, order, bad, bad_first = _steps(back, send_map, idx, E, R, dedup, per, first, S,
+                                               U, G)
+    if ck.on_host(back) and bool((bad | bad_first).any()):
+        ck.check_map_range(op, "send_map", send_map, S, "rows of back")
+        ck.check_expert_range(op, idx, E)
+        if bool(bad_first.any()):
+            ck.fail(op, f"a token row whose units lie outside back's {U} units (first names a "
+                        "unit out of range)")
+        ck.fail(op, "a kept slot whose token row send_map does not name" if dedup
+                else "send_map sends a slot whose topk_idx is -1")
+    w = torch.gather(topk_weights, 1, order).contiguous() if weighted else meta
+    out = torch.empty((T, H), dtype=out_dtype, device=back.device)
+    bi = int_view(back).view(U if dedup else S, H)
+    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, BLOCK)), bi, unit.contiguous(),
+           meta.contiguous(), w, int_view(out), T, H, K,
+           BACK_BF16=back.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
+           WEIGHTED=weighted, GROUPED=G > 1, ROWS=ROWS, BLOCK=BLOCK)
+    return out
+
+
+# ---- what the compile gate compiles (the forms the ops launch on a GPU) ---------------------
+_INT_PTR = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
+for _yt, _partial, _bf16 in [(torch.int16, True, True), (torch.int32, True, False),
+                             (torch.uint8, False, False), (torch.int16, False, False),
+                             (torch.int32, False, False), (torch.int64, False, False)]:
+    for _w in ([True, False] if _partial else [False]):
+        specialization(
+            f"combine.units[{_INT_PTR[_yt]},{'partial' if _partial else 'copy'}"
+            f"{',weighted' if _w else ''}]", _units_kernel,
+            {"y": _INT_PTR[_yt], "umap": "*i64", "recv_map": "*i64",
+             "row_weight": "*fp32" if _w else _INT_PTR[_yt], "out": _INT_PTR[_yt], "U": "i32",
+             "H": "i32", "M": "i32", "C": "i32", "PARTIAL": "constexpr", "PER": "constexpr",
+             "BF16": "constexpr", "WEIGHTED": "constexpr", "ROWS": "constexpr",
+             "BLOCK": "constexpr"},
+            {"PARTIAL": _partial, "PER": 2 if _bf16 else 1, "BF16": _bf16, "WEIGHTED": _w,
+             "ROWS": ROWS, "BLOCK": BLOCK})
+for _bb in (True, False):
+    for _ob in (True, False):
+        for _w in (True, False):
+            for _g in (True, False):
+                specialization(
+                    f"combine.reduce[{'bf16' if _bb else 'f32'}->{'bf16' if _ob else 'f32'}"
+                    f"{',weighted' if _w else ''}{',grouped' if _g else ''}]", _reduce_kernel,
+                    {"back": "*i16" if _bb else "*i32", "unit": "*i64", "meta": "*i32",
+                     "w": "*fp32" if _w else "*i32", "out": "*i16" if _ob else "*i32",
+                     "T": "i32", "H": "i32", "K": "i32", "BACK_BF16": "constexpr",
+                     "OUT_BF16": "constexpr", "WEIGHTED": "constexpr", "GROUPED": "constexpr",
+                     "ROWS": "constexpr", "BLOCK": "constexpr"},
+                    {"BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g,
+                     "ROWS": ROWS, "BLOCK": BLOCK})
