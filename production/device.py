@@ -130,19 +130,16 @@ class UnpackMismatch(RuntimeError):
 
 
 def _status_word(device: torch.device) -> Optional[torch.Tensor]:
-    """The device's sticky unpack status word (int32 [1], an alias), or None where the
-    extension has no CUDA kernels."""
+    """The device's sticky unpack status word (int32 [1]), kept by the Triton unpack
+    (epkit.triton.unpack.status_word); None off CUDA (a CPU unpack raises at once instead) or
+    where Triton is not importable (then no epkit unpack runs on CUDA)."""
     if device.type != "cuda":
         return None
-    from . import ops
-
-    op = getattr(ops.C, "unpack_status_word", None)
-    if op is None:
-        return None
     try:
-        return op(torch.empty(0, device=device))
-    except (RuntimeError, NotImplementedError):  # the schema without its CUDA kernel
+        from .triton.unpack import status_word
+    except ImportError:
         return None
+    return status_word(device)
 
 
 def unpack_status(device=None, clear: bool = True) -> int:
