@@ -1,4 +1,4 @@
-"""The ``epkit`` command: ``verify``, ``bench``, ``simulate``, ``version``.
+"""The ``epkit`` command: ``verify``, ``bench``, ``simulate``, ``kernels``, ``version``.
 
 Each subcommand lives in its own module and takes its own arguments; this file only routes
 (and holds :class:`HelpFormatter`, the help format of the subcommands: defaults shown).
@@ -15,6 +15,7 @@ COMMANDS = {
     "verify": ("epkit.verify.cli", "prove an implementation against the reference on a real process group"),
     "bench": ("epkit.tools.bench", "time epkit against the plain-torch dispatcher and the bare exchange"),
     "simulate": ("epkit.tools.simulate", "plan traffic for a large group with the reference (no process group)"),
+    "kernels": ("epkit.tools.kernels", "list epkit's Triton kernels; --compile sm_90,gfx942 checks their compiled code"),
     "version": (None, "print the versions of epkit and torch, the extension's build and whether it loads"),
 }
 # the defaults the one-line usage quotes (each command's --help lists all of them)

@@ -1,0 +1,317 @@
+"""``epkit kernels``: epkit's Triton kernels, as the ops launch them, compiled without a GPU.
+
+``epkit kernels`` lists the specialisations the kernel modules of ``epkit.triton`` declare
+(``_runtime.SPECIALIZATIONS``). ``epkit kernels --compile sm_90,gfx942`` compiles each of them
+for each target (``triton.compile`` on an ``ASTSource``, no driver needed), prints registers,
+spills, scratch, shared memory / LDS and compile time, and fails (exit 1) on any rule the
+compiled code breaks (``kernel_rules.py``): in an exact kernel, fused multiply-add, approximate
+division, flush-to-zero or hardware float narrowing in the PTX / AMDGCN; in every kernel, a
+spill, shared memory over the target's limit, an int32 multiply fed by a program id. The
+interpreter cannot see any of these: it never fuses, divides exactly and has no registers.
+
+Compiling needs ``TRITON_INTERPRET=0`` before Triton is imported (``epkit.triton`` otherwise
+chooses the interpreter on a machine without a GPU), so the command re-runs itself in a child
+process with it, and with Triton's cache in a temporary directory (nothing is cached in the
+repository or the home directory; every run compiles cold).
+
+Exit status: 0 all kernels keep the rules, 1 a rule is broken (or a kernel does not compile),
+2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+# target name -> (backend, arch, warp size, shared memory / LDS limit per block in bytes).
+# sm_90: 227 KiB opt-in dynamic shared memory; sm_80: 163 KiB; gfx9 CDNA: 64 KiB LDS; gfx950 160 KiB.
+TARGETS = {
+    "sm_80": ("cuda", 80, 32, 166912),
+    "sm_90": ("cuda", 90, 32, 232448),
+    "gfx90a": ("hip", "gfx90a", 64, 65536),
+    "gfx942": ("hip", "gfx942", 64, 65536),
+    "gfx950": ("hip", "gfx950", 64, 163840),
+}
+# Launch options a specialisation's constexprs may carry (``launch`` passes them to kernel[grid]).
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion",
+                  "waves_per_eu", "matrix_instr_nonkdim", "kpack")
+CHILD_ENV = "EPKIT_KERNELS_COMPILE_CHILD"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cli import HelpFormatter
+
+    ap = argparse.ArgumentParser(
+        prog="epkit kernels", formatter_class=HelpFormatter,
+        description=__doc__.split("\n\n")[0] + "\n\nWithout --compile: list the declared "
+        "specialisations. Exit status: 0 pass, 1 a rule broken, 2 usage error.")
+    ap.add_argument("--compile", metavar="TARGETS", default=None,
+                    help=f"comma-separated targets to compile for ({', '.join(TARGETS)}); "
+                         "without it, only list the specialisations")
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write the table (one object per kernel and target, with its violations) here")
+    ap.add_argument("--module", metavar="MODULE", action="append", default=None,
+                    help="check the specialisations this module (dotted name or .py path) declares "
+                         "instead of epkit.triton's; repeatable")
+    ap.add_argument("--only", metavar="TEXT", default=None,
+                    help="only the specialisations whose name contains TEXT")
+    return ap
+
+
+# ----- declarations --------------------------------------------------------------------------
+
+def _import(module: str):
+    if module.endswith(".py"):
+        name = "epkit_kernels_" + re.sub(r"\W", "_", os.path.abspath(module))
+        spec = importlib.util.spec_from_file_location(name, module)
+        if spec is None:
+            raise ImportError(f"cannot import {module}")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    return importlib.import_module(module)
+
+
+def declared(modules: list[str] | None):
+    """The Specializations that ``modules`` declare at import (all of epkit.triton's kernel
+    modules by default)."""
+    from epkit.triton import OPS, _runtime
+
+    before = len(_runtime.SPECIALIZATIONS)
+    if modules:
+        for module in modules:
+            _import(module)
+        return list(_runtime.SPECIALIZATIONS[before:])
+    for module in sorted(set(OPS.values())):
+        try:
+            importlib.import_module(f"epkit.triton.{module}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"epkit.triton.{module}":
+                raise
+    return list(_runtime.SPECIALIZATIONS)
+
+
+def _where(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)
+    code = getattr(fn, "__code__", None)
+    path = code.co_filename if code else "?"
+    for root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        if path.startswith(root + os.sep):
+            path = os.path.relpath(path, root)
+            break
+    return f"{path}:{getattr(fn, '__name__', '?')}"
+
+
+# ----- compiling -----------------------------------------------------------------------------
+
+def _split(spec):
+    """(kernel constexprs, launch options) from a specialisation's constexprs, as ``launch``
+    passes them: names that are not kernel arguments are options of kernel[grid]."""
+    arg_names = list(getattr(spec.kernel, "arg_names", []))
+    constexprs = {k: v for k, v in spec.constexprs.items() if k not in LAUNCH_OPTIONS or k in arg_names}
+    options = {k: v for k, v in spec.constexprs.items() if k not in constexprs}
+    options.setdefault("enable_fp_fusion", False)  # as launch() does on a GPU
+    signature = dict(spec.signature)
+    for name in constexprs:
+        signature.setdefault(name, "constexpr")
+    return signature, constexprs, options
+
+
+def _cuobjdump(cubin: bytes, tmp: str) -> dict:
+    """REG / STACK / SHARED / LOCAL from ``cuobjdump --dump-resource-usage`` (in the wheel)."""
+    import triton
+
+    path = os.path.join(tmp, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    tool = triton.knobs.nvidia.cuobjdump.path
+    out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True,
+                         check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+def _amd_metadata(asm: str) -> dict:
+    keys = ("vgpr_count", "sgpr_count", "agpr_count", "vgpr_spill_count", "sgpr_spill_count",
+            "private_segment_fixed_size", "group_segment_fixed_size")
+    return {k: int(v) for k, v in re.findall(r"^\s*\.(" + "|".join(keys) + r"):\s+(\d+)", asm, re.M)}
+
+
+def compile_one(spec, target_name: str, tmp: str) -> dict:
+    """One row of the table: compile ``spec`` for ``target_name`` and check it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from . import kernel_rules as rules
+
+    backend, arch, warp, shared_limit = TARGETS[target_name]
+    signature, constexprs, options = _split(spec)
+    row = {"kernel": spec.name, "where": _where(spec.kernel), "target": target_name,
+           "exact": bool(spec.exact), "registers": None, "spills": None, "scratch": None,
+           "shared": None, "compile_ms": None, "violations": []}
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(log):  # ptxas -v's log (spills) is printed there
+            compiled = triton.compile(triton.compiler.ASTSource(fn=spec.kernel, signature=signature,
+                                                                constexprs=constexprs),
+                                      target=GPUTarget(backend, arch, warp), options=options)
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile is a failure to report
+        row["compile_ms"] = round((time.perf_counter() - start) * 1e3)
+        row["violations"].append({"rule": "does not compile", "evidence": f"{type(exc).__name__}: "
+                                  + str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""})
+        return row
+    row["compile_ms"] = round((time.perf_counter() - start) * 1e3)
+    asm = compiled.asm
+    found = list(rules.ttir_violations(asm["ttir"]))
+    if spec.exact:
+        found += rules.ttir_exact_violations(asm["ttir"])
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    if backend == "cuda":
+        usage = _cuobjdump(asm["cubin"], tmp)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
+        spills = (int(spill.group(1)) + int(spill.group(2))) if spill else usage.get("LOCAL", 0)
+        row.update(registers=usage.get("REG"), spills=spills,
+                   scratch=usage.get("STACK", 0) + usage.get("LOCAL", 0),
+                   shared=max(shared, usage.get("SHARED", 0)))
+        if spec.exact:
+            found += rules.ptx_violations(asm["ptx"]) + rules.llir_violations(asm["llir"])
+        if spills:
+            found.append((f"register spill ({spill.group(0) if spill else 'local memory'})", ""))
+    else:
+        meta = _amd_metadata(asm["amdgcn"])
+        spills = meta.get("vgpr_spill_count", 0) + meta.get("sgpr_spill_count", 0)
+        row.update(registers=f"{meta.get('vgpr_count', '?')}v/{meta.get('sgpr_count', '?')}s",
+                   spills=spills, scratch=meta.get("private_segment_fixed_size", 0),
+                   shared=max(shared, meta.get("group_segment_fixed_size", 0)))
+        if spec.exact:
+            found += rules.amdgcn_violations(asm["amdgcn"]) + rules.amd_llir_violations(asm["llir"])
+        if spills:
+            found.append((f"register spill ({meta.get('vgpr_spill_count', 0)} VGPR, "
+                          f"{meta.get('sgpr_spill_count', 0)} SGPR)", ""))
+    if row["shared"] > shared_limit:
+        found.append((f"shared memory / LDS {row['shared']} bytes over {target_name}'s {shared_limit}", ""))
+    row["violations"] = [{"rule": r, "evidence": e} for r, e in found]
+    return row
+
+
+# ----- output --------------------------------------------------------------------------------
+
+def _table(rows: list[dict]) -> str:
+    head = ("kernel", "target", "registers", "spills", "scratch", "shared", "ms", "rules")
+    body = [(r["kernel"], r["target"], str(r["registers"] if r["registers"] is not None else "-"),
+             str(r["spills"] if r["spills"] is not None else "-"),
+             str(r["scratch"] if r["scratch"] is not None else "-"),
+             str(r["shared"] if r["shared"] is not None else "-"), str(r["compile_ms"]),
+             "ok" if not r["violations"] else f"{len(r['violations'])} broken")
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body)]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def _compile_all(args, targets: list[str]) -> int:
+    import triton
+
+    specs = declared(args.module)
+    if args.only:
+        specs = [s for s in specs if args.only in s.name]
+    if not specs:
+        print("epkit kernels: no specialisation declared" + (f" matching {args.only!r}" if args.only else ""),
+              file=sys.stderr)
+        return 1
+    triton.knobs.nvidia.dump_ptxas_log = True   # the ptxas -v log carries the spill counts
+    triton.knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
+    jobs = [(s, t) for s in specs for t in targets]
+    memo: dict = {}
+    rows = []
+    bar = None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="compiling", unit="kernel", file=sys.stderr, leave=False)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="epkit-kernels-") as tmp:
+        for spec, target in jobs:
+            key = (id(spec.kernel), repr(sorted(spec.signature.items())),
+                   repr(sorted(spec.constexprs.items())), spec.exact, target)
+            if key not in memo:  # two names for one compiled form: compile it once
+                memo[key] = compile_one(spec, target, tmp)
+            rows.append(dict(memo[key], kernel=spec.name))
+            if bar:
+                bar.set_postfix_str(f"{spec.name} {target}")
+                bar.update()
+    if bar:
+        bar.close()
+    wall = time.perf_counter() - start
+    print(_table(rows))
+    broken = [r for r in rows if r["violations"]]
+    print(f"\n{len(rows)} compilations ({len(specs)} specialisations x {len(targets)} targets) "
+          f"in {wall:.1f} s; {len(broken)} break a rule")
+    for r in broken:
+        for v in r["violations"]:
+            print(f"  {r['where']} [{r['kernel']}, {r['target']}]: {v['rule']}"
+                  + (f"\n      {v['evidence']}" if v["evidence"] else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"targets": targets, "wall_s": round(wall, 2), "rows": rows}, f, indent=1)
+    return 1 if broken else 0
+
+
+def _list(args) -> int:
+    specs = declared(args.module)
+    for s in specs:
+        if args.only and args.only not in s.name:
+            continue
+        sig = ", ".join(f"{k}: {v}" for k, v in s.signature.items())
+        const = ", ".join(f"{k}={v}" for k, v in s.constexprs.items())
+        print(f"{s.name}  ({_where(s.kernel)}, {'exact' if s.exact else 'not exact'})\n    {sig}"
+              + (f"\n    {const}" if const else ""))
+    print(f"{len(specs)} specialisations")
+    return 0
+
+
+def _reexec(argv: list[str]) -> int:
+    """Run this command again in a child that imports Triton for compiling, with Triton's cache
+    in a temporary directory."""
+    cache = tempfile.mkdtemp(prefix="epkit-triton-cache-")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=cache, **{CHILD_ENV: "1"})
+    try:
+        return subprocess.run([sys.executable, "-m", "epkit.tools.kernels", *argv], env=env).returncode
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error
+        return int(exc.code or 0)
+    if args.compile is None:
+        return _list(args)
+    targets = [t.strip() for t in args.compile.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in TARGETS]
+    if not targets or unknown:
+        print(f"epkit kernels: unknown target(s) {', '.join(unknown) or '(none given)'}; "
+              f"known: {', '.join(TARGETS)}", file=sys.stderr)
+        return 2
+    if os.environ.get(CHILD_ENV) != "1":
+        return _reexec(argv)
+    return _compile_all(args, targets)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
