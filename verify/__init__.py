@@ -49,9 +49,9 @@ def __getattr__(name):
     raise AttributeError(f"module 'epkit.verify' has no attribute {name!r}")
 
 
-def check(impl, *, examples=20, contract="exact", world_size=2, seed=0, supports=None,
+def check(impl, *, examples=20, contract="exact", world_size=4, seed=0, supports=None,
           accumulate=None, modes=None, pool=None, timeout=60.0, max_tokens=24,
-          shrink_seconds=10.0):
+          shrink_seconds=10.0, check_errors=None):
     """Run the whole harness on ``impl`` (``"module:factory"``, ``"path.py:factory"``, or the
     factory itself when it lives in an importable module) and raise ``AssertionError`` with the
     report unless every mode passed ``contract`` for ``examples`` examples per property::
@@ -60,7 +60,11 @@ def check(impl, *, examples=20, contract="exact", world_size=2, seed=0, supports
             epkit.verify.check("my_project.ep:make_adapter", examples=30, contract="bounded")
 
     ``supports``: capability declarations as on the command line (``["capacity=no"]`` or a
-    dict); ``modes``: fnmatch patterns over mode names. Returns the :class:`SuiteResult`."""
+    dict); ``modes``: fnmatch patterns over mode names; ``accumulate``: as ``--accumulate``;
+    ``check_errors``: as ``--check-errors``. The group has ``world_size`` ranks (default 4) and
+    every mode's corner cases run at each world size 1..4 within it, so 2, 3 and 4 are all
+    checked; a world size from 2 up that no case reached (every one refused) is reported in
+    the AssertionError. Returns the :class:`SuiteResult`."""
     from .pool import Pool
     from .runner import Suite, modes_of, select_modes
 
@@ -74,13 +78,18 @@ def check(impl, *, examples=20, contract="exact", world_size=2, seed=0, supports
     try:
         result = Suite(pool, impl=impl, modes=chosen, examples=examples, seed=seed,
                        max_tokens=max_tokens, shrink_seconds=shrink_seconds, contract=contract,
-                       accumulate=accumulate, supports=supports).run()
+                       accumulate=accumulate, supports=supports,
+                       check_errors=check_errors).run()
     finally:
         if own:
             pool.close()
-    if not result.ok:
+    missing = [n for n in range(2, min(pool.world_size, 4) + 1)
+               if n not in result.world_sizes_checked]
+    if not result.ok or missing:
         reports = "\n\n".join(v.report() for v in result.failures)
-        raise AssertionError(f"epkit verify: {impl} fails contract {contract}\n"
+        uncovered = (f"\nworld sizes never checked (every case refused there): "
+                     f"{', '.join(map(str, missing))}" if missing else "")
+        raise AssertionError(f"epkit verify: {impl} fails contract {contract}{uncovered}\n"
                              f"{result.table()}\n{reports}\n{result.summary()}")
     return result
 

@@ -32,7 +32,8 @@ import sys
 from epkit.reference import payloads
 from .cases import ModeSpec
 
-__all__ = ["EpkitAdapter", "epkit_factory", "epkit_modes", "plain_torch", "load_factory",
+__all__ = ["EpkitAdapter", "ImplNotFound", "epkit_factory", "epkit_modes", "plain_torch",
+           "load_factory",
            "TRANSPORTS", "EXCHANGES", "PAYLOADS"]
 
 TRANSPORTS = ("dedup", "pairs", "hier")
@@ -91,6 +92,8 @@ def epkit_factory(group=None, **options) -> EpkitAdapter:
 
 
 epkit_factory.modes = epkit_modes()
+# epkit raises the reference's InputError on every rank: check it on every run
+epkit_factory.capabilities = {"check_errors": True}
 
 
 def plain_torch(group=None, exchange="ragged"):
@@ -105,25 +108,47 @@ plain_torch.modes = [ModeSpec("ragged"),
                      ModeSpec("padded", kwargs=(("exchange", "padded"),))]
 
 
+class ImplNotFound(LookupError):
+    """``--impl`` names nothing loadable: a usage error (one line, exit status 2)."""
+
+
 def load_factory(spec: str):
-    """``"package.module:name"`` or ``"path/to/file.py:name"`` -> the factory object."""
-    mod_name, sep, attr = spec.rpartition(":")
+    """``"package.module:name"`` or ``"path/to/file.py:name"`` -> the factory object. Raises
+    :class:`ImplNotFound` (one line) when the module, the file or the factory is missing;
+    errors raised by the module's own code propagate."""
+    mod_name, sep, attr = str(spec).rpartition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"--impl wants module:factory, got {spec!r}")
+        raise ImplNotFound(f"--impl wants module:factory or path/file.py:factory, got "
+                           f"{spec!r} (no ':factory')")
     if mod_name.endswith(".py") or os.sep in mod_name:
         path = os.path.abspath(mod_name)
+        if not os.path.isfile(path):
+            raise ImplNotFound(f"--impl {spec}: no file {path}")
         name = "_epkit_verify_impl_" + str(abs(hash(path)))
         module = sys.modules.get(name)
         if module is None:
             s = importlib.util.spec_from_file_location(name, path)
             if s is None or s.loader is None:
-                raise ImportError(f"cannot load {path}")
+                raise ImplNotFound(f"--impl {spec}: cannot load {path} as a Python module")
             module = importlib.util.module_from_spec(s)
             sys.modules[name] = module
-            s.loader.exec_module(module)
+            try:
+                s.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
     else:
-        module = importlib.import_module(mod_name)
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod_name.startswith(exc.name):  # the module itself, not its import
+                raise ImplNotFound(f"--impl {spec}: no module named {mod_name!r}") from None
+            raise
     obj = module
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ImplNotFound(f"--impl {spec}: {mod_name} has no factory {attr!r}")
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise ImplNotFound(f"--impl {spec}: {attr!r} is not callable (a factory(group))")
     return obj

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["ALIGNS", "ANY", "Capabilities", "FEATURES", "Feature", "parse_supports",
-           "resolve_capabilities"]
+__all__ = ["ALIGNS", "ANY", "Capabilities", "FEATURES", "Feature", "declarations",
+           "parse_supports", "resolve_capabilities"]
 
 ALIGNS = (1, 2, 4, 3, 8)  # the aligns drawn when any is allowed
 ANY = "any"
@@ -30,7 +30,10 @@ class Capabilities:
     ``"any"``. index_dtypes: a tuple of ``int32`` / ``int64``. max_topk: the largest top-k.
     padding: ``"zeros"`` (padding rows of expert_x / grad expert_y hold zeros) or ``"ignored"``
     (they are not looked at; contracts reordered / bounded only). accumulate: the accumulation
-    dtype of the sums (``float32`` / ``bfloat16``; ``--accumulate`` overrides it)."""
+    dtype of the sums, per dtype of the data summed (:mod:`epkit.verify.accumulate`: ``float32``,
+    ``native``, ``bfloat16:bfloat16,float32:float32``; ``--accumulate`` overrides it).
+    check_errors: invalid inputs are drawn, and every rank must raise where the reference
+    does (``--check-errors``)."""
 
     capacity: bool | None = None
     align: tuple | str | None = None
@@ -43,6 +46,7 @@ class Capabilities:
     zero_token_ranks: bool | None = None
     padding: str = "zeros"
     accumulate: str | None = None
+    check_errors: bool | None = None
 
     # -- what may be drawn ------------------------------------------------------------------
     def aligns(self) -> tuple:
@@ -94,9 +98,13 @@ _KEYS = {f.name for f in dataclasses.fields(Capabilities)}
 
 
 def _value(key: str, raw):
-    if key in ("padding", "accumulate"):
+    if key == "accumulate":
+        from .accumulate import describe_accumulate, parse_accumulate
+
+        return describe_accumulate(parse_accumulate(raw))
+    if key == "padding":
         v = str(raw).strip().lower()
-        allowed = ("zeros", "ignored") if key == "padding" else ("float32", "bfloat16")
+        allowed = ("zeros", "ignored")
         if v not in allowed:
             raise ValueError(f"--supports {key}: expected one of {', '.join(allowed)}, got {raw!r}")
         return v
@@ -176,12 +184,20 @@ def resolve_capabilities(factory, mode, supports=None) -> Capabilities:
 class Feature:
     """A refusable feature of a case: ``present(case)`` and ``remove(case)`` (the same case
     without it); ``key`` is the capability that declares it, ``words`` hint at it in a
-    refusal's message."""
+    refusal's message. ``flip``: removing it turns on another feature (unweighted for weighted,
+    the other index dtype), so it is tried only where the refusal names it."""
 
     key: str
     present: object
     remove: object
     words: tuple = ()
+    flip: bool = False
+
+    def declaration(self, case) -> str:
+        """The ``--supports`` declaration that keeps ``case``'s refused value out of draws."""
+        if self.key == "index_dtypes":
+            return "index_dtypes=" + ("int32" if case.idx_dtype == "int64" else "int64")
+        return f"{self.key}=" + {"align": "1", "max_topk": str(WIDE_TOPK)}.get(self.key, "no")
 
 
 def _has_unused(case) -> bool:
@@ -209,15 +225,34 @@ FEATURES = (
     Feature("unused_slots", _has_unused, _no_unused, ("-1", "unused", "negative")),
     Feature("mixed_dtypes", lambda c: c.y_dtype != c.dtype,
             lambda c: c.replace(y_dtype=c.dtype), ("dtype",)),
-    Feature("weighted", lambda c: c.weighted, lambda c: c.replace(weighted=False),
-            ("weight", "prob")),
+    Feature("weighted", lambda c: c.weighted, lambda c: c.replace(weighted=False,
+                                                                  special_weights=False),
+            ("weight", "prob"), flip=True),
     Feature("unweighted", lambda c: not c.weighted, lambda c: c.replace(weighted=True),
-            ("unweighted", "weight")),
+            ("unweighted",), flip=True),
     Feature("index_dtypes", lambda c: True,
             lambda c: c.replace(idx_dtype="int32" if c.idx_dtype == "int64" else "int64"),
-            ("int32", "int64", "index", "idx")),
+            ("int32", "int64", "index", "idx"), flip=True),
     Feature("max_topk", lambda c: c.topk > WIDE_TOPK, lambda c: c.replace(topk=WIDE_TOPK),
             ("topk", "top-k", "top_k")),
     Feature("zero_token_ranks", lambda c: 0 in c.tokens, _no_zero_ranks,
             ("zero", "empty", "no tokens")),
 )
+
+
+def declarations(refused: dict) -> list[str]:
+    """``--supports`` declarations for refusals ``{feature key: [refused cases]}``: one per
+    feature, none that contradict each other (weighted=no with unweighted=no, both index
+    dtypes) and none for a feature no draw was refused for."""
+    by_key = {f.key: f for f in FEATURES}
+    out = {}
+    for key, refused_cases in refused.items():
+        f = by_key.get(key)
+        if f is None:
+            continue
+        decls = {f.declaration(c) for c in refused_cases}
+        if len(decls) == 1:
+            out[key] = decls.pop()
+    if "weighted" in out and "unweighted" in out:
+        del out["weighted"], out["unweighted"]
+    return [out[k] for k in sorted(out)]

@@ -15,9 +15,14 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "STAGES", "np_dtype"]
+__all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "STAGES", "VIOLATIONS", "np_dtype"]
 
 FLOAT_DTYPES = ("float32", "bfloat16")
+# Invalid inputs a case can carry (``Case.violation``, drawn under ``check_errors``): each is an
+# InputError of the reference, which every rank of the implementation must raise too.
+VIOLATIONS = ("duplicate_id", "id_out_of_range", "nonfinite_weight", "topk_differs",
+              "hidden_differs", "dtype_differs", "experts_not_divisible", "weights_shape",
+              "idx_rows")
 # What a rank does with a case, in order (worker.py); a failure names its stage.
 STAGES = ("dispatch", "dispatch_backward", "combine", "combine_backward")
 
@@ -96,13 +101,18 @@ class Case:
     max_tokens: int = 32  # the bound tokens were drawn under (static modes get it)
     seed: int = 0
     ranks_per_node: int = 1  # nodes of the summation order (modes with ``nodes``; a divisor of R)
+    specials: bool = False  # real rows hold NaN, +-Inf, -0 and subnormals (x: finite if payload)
+    special_weights: bool = False  # some routing weights are exactly 0, -0 or 1
+    violation: str | None = None  # an invalid input (VIOLATIONS) on the last rank
 
     def __post_init__(self):
         if len(self.tokens) != self.world_size:
             raise ValueError("tokens must list one count per rank")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
             raise ValueError("ranks_per_node must divide world_size")
-        if self.num_experts % self.world_size:
+        if self.violation is not None and self.violation not in VIOLATIONS:
+            raise ValueError(f"violation must be one of {', '.join(VIOLATIONS)}")
+        if self.num_experts % self.world_size and self.violation != "experts_not_divisible":
             raise ValueError("num_experts must be a multiple of world_size")
 
     @property
@@ -120,7 +130,7 @@ class Case:
         """(x [T, H], topk_idx [T, K], topk_weights [T, K] float32) of one rank, as NumPy."""
         T, H, K, E, R = self.tokens[rank], self.hidden, self.topk, self.num_experts, self.world_size
         rng = self._rng(rank, 0)
-        x = _values(rng, (T, H), self.dtype)
+        x = _values(rng, (T, H), self.dtype, self.specials, nonfinite=self.payload is None)
         if self.zero_rows and T:
             rows = rng.random(T) < 0.25
             x[rows] = np.where(rng.random((int(rows.sum()), 1)) < 0.5, 0.0, -0.0).astype(x.dtype)
@@ -160,6 +170,14 @@ class Case:
         idx = idx.astype(self.idx_dtype)
         w = (rng.random((T, K)) * 2.0 - 0.5).astype(np.float32)
         w *= np.exp2(rng.integers(-3, 4, size=(T, K))).astype(np.float32)
+        if self.special_weights:
+            # exact 0 keeps its slot (a routing map built from probs != 0 loses it), -0 and 1
+            r = rng.random((T, K))
+            w = np.where(r < 0.15, np.float32(0.0), w)
+            w = np.where((r >= 0.15) & (r < 0.25), np.float32(-0.0), w)
+            w = np.where((r >= 0.25) & (r < 0.4), np.float32(1.0), w).astype(np.float32)
+        if self.violation is not None and rank == self.world_size - 1:
+            x, idx, w = _violate(self.violation, x, idx, w, E)
         return x, idx, w
 
     def all_inputs(self):
@@ -191,7 +209,8 @@ class Case:
         if self.nan_padding:
             out[~real] = np.nan
         for r in np.unique(s[real]):
-            table = _values(self._rng(int(r), tag + 32), (self.tokens[r] * K, H), "float32")
+            table = _values(self._rng(int(r), tag + 32), (self.tokens[r] * K, H), "float32",
+                            self.specials)
             rows = np.flatnonzero(real & (s == r))
             out[rows] = table[t[rows] * K + k[rows]]
         return out.astype(np_dtype(dtype))
@@ -208,14 +227,15 @@ class Case:
             out[~real] = np.nan
         for r in np.unique(s[real]):
             table = _values(np.random.default_rng([self.seed, int(r), tag + 64, rank]),
-                            (self.tokens[r], self.hidden), "float32")
+                            (self.tokens[r], self.hidden), "float32", self.specials)
             rows = np.flatnonzero(real & (s == r))
             out[rows] = table[t[rows]]
         return out.astype(np_dtype(dtype))
 
     def grad_out(self, rank: int) -> np.ndarray:
         """The gradient fed to combine's output on ``rank``: [T, H] in x's dtype."""
-        return _values(self._rng(rank, 3), (self.tokens[rank], self.hidden), self.dtype)
+        return _values(self._rng(rank, 3), (self.tokens[rank], self.hidden), self.dtype,
+                       self.specials)
 
     def snippet(self, impl: str, mode: str) -> str:
         return (
@@ -227,13 +247,56 @@ class Case:
 TAG_Y, TAG_GRAD_X = 1, 2
 
 
-def _values(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
+_SUBNORMAL_ROW = np.float32(2.0**-136)  # scales a row of normals into the subnormal range
+
+
+def _values(rng: np.random.Generator, shape, dtype: str, specials: bool = False,
+            nonfinite: bool = True) -> np.ndarray:
     """Real random floats: normal, each row scaled by its own power of two, so that summation
-    order shows in the last bits."""
+    order shows in the last bits. ``specials``: some rows lie wholly in the subnormal range (a
+    token with one such slot has a subnormal sum, which flushing to zero loses), and single
+    elements are NaN, +-Inf (``nonfinite``), -0 or subnormal."""
     v = rng.standard_normal(shape).astype(np.float32)
     if len(shape) == 2 and shape[0]:
         v *= np.exp2(rng.integers(-6, 7, size=(shape[0], 1))).astype(np.float32)
+    if specials and v.size:
+        v[rng.random(shape[0]) < 0.2] *= _SUBNORMAL_ROW
+        r = rng.random(shape)
+        tiny = (np.sign(rng.standard_normal(shape)) * np.exp2(-rng.integers(127, 150, shape)))
+        v = np.where(r < 0.08, tiny.astype(np.float32), v)
+        v = np.where((r >= 0.08) & (r < 0.11), np.float32(-0.0), v)
+        if nonfinite:
+            v = np.where((r >= 0.11) & (r < 0.12), np.float32(np.nan), v)
+            v = np.where((r >= 0.12) & (r < 0.13), np.float32(np.inf), v)
+            v = np.where((r >= 0.13) & (r < 0.14), np.float32(-np.inf), v)
     return v.astype(np_dtype(dtype))
+
+
+def _violate(kind: str, x, idx, w, E):
+    """One rank's inputs made invalid the way ``kind`` says (``experts_not_divisible`` is the
+    case's ``num_experts`` itself)."""
+    if kind == "duplicate_id" and idx.shape[0] and idx.shape[1] >= 2:
+        idx = idx.copy()
+        idx[0, 1] = idx[0, 0] = max(int(idx[0, 0]), 0)
+    elif kind == "id_out_of_range" and idx.size:
+        idx = idx.copy()
+        idx[0, 0] = E
+    elif kind == "nonfinite_weight" and w.size:
+        w = w.copy()
+        w[0, -1] = np.inf if w.shape[0] % 2 else np.nan
+    elif kind == "topk_differs":
+        idx = np.concatenate([idx, np.full((idx.shape[0], 1), -1, idx.dtype)], axis=1)
+        w = np.concatenate([w, np.zeros((w.shape[0], 1), w.dtype)], axis=1)
+    elif kind == "hidden_differs":
+        x = np.concatenate([x, np.zeros((x.shape[0], 1), x.dtype)], axis=1)
+    elif kind == "dtype_differs":
+        other = "float32" if x.dtype == np_dtype("bfloat16") else "bfloat16"
+        x = x.astype(np.float32).astype(np_dtype(other))
+    elif kind == "weights_shape":
+        w = np.concatenate([w, np.zeros((w.shape[0], 1), w.dtype)], axis=1)
+    elif kind == "idx_rows":
+        idx = np.concatenate([idx, np.full((1, idx.shape[1]), -1, idx.dtype)])
+    return x, idx, w
 
 
 def sane_row_src(row_src, rows: int, width: int = 3) -> np.ndarray:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epkit.reference import payloads
+from .accumulate import accumulation_dtype, parse_accumulate
 from .capabilities import Capabilities
 from .cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
 
@@ -152,13 +153,19 @@ def _kind_mismatch(got, want):
 
 
 def compare_bitwise(got, want) -> str | None:
-    """None when ``got`` has ``want``'s shape, dtype and bytes; else what differs."""
+    """None when ``got`` has ``want``'s shape, dtype and bytes (a NaN matches any NaN); else
+    what differs."""
     want = np.asarray(want)
     got, msg = _kind_mismatch(got, want)
     if msg or want.size == 0:
         return msg
     u = np.dtype(f"u{want.dtype.itemsize}")
     diff = np.ascontiguousarray(got).view(u) != np.ascontiguousarray(want).view(u)
+    if diff.any() and want.dtype.kind not in "iub":
+        # IEEE 754 leaves the sign and payload of a computed NaN open (x86 makes -NaN, torch's
+        # bfloat16 cast +NaN): a NaN matches any NaN; every other value, -0.0 included, its bits
+        with np.errstate(all="ignore"):
+            diff &= ~(np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64)))
     if not diff.any():
         return None
     first = int(np.flatnonzero(diff)[0])
@@ -226,38 +233,64 @@ def ulps(err, exact, dtype):
     return np.asarray(err) / spacing
 
 
+def special_ok(got, exact):
+    """``(special, ok)``: where ``exact`` (float64) is NaN or infinite, and whether ``got``
+    is NaN there / the same infinity. A sum with a NaN or an infinite term is exactly that
+    however it is summed, so no bound applies there."""
+    exact = np.asarray(exact, dtype=np.float64)
+    g = np.asarray(got, dtype=np.float64)
+    special = ~np.isfinite(exact)
+    ok = np.where(np.isnan(exact), np.isnan(g), g == exact)
+    return special, ok
+
+
 def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None):
-    """(message or None, worst ratio, its ulps): ``got`` against float64 ``exact``."""
+    """(message or None, worst ratio, its ulps): ``got`` against float64 ``exact``. Where
+    ``exact`` is NaN the result must be NaN, where it is infinite the same infinity; an
+    error against an exact zero is reported in absolute terms."""
     want_shape = np.shape(exact)
     got_a, msg = _kind_mismatch(got, np.zeros(want_shape, np_dtype(str(out_dtype))))
     if msg:
         return msg, np.inf, np.inf
     if got_a.size == 0:
         return None, 0.0, 0.0
+    exact = np.asarray(exact, dtype=np.float64)
     g = got_a.astype(np.float64)
-    bound = sum_bound(abs_sum, exact, nterms, out_dtype, accumulate)
-    err = np.abs(g - exact)
+    special, special_good = special_ok(g, exact)
+    finite_exact = np.where(special, 0.0, exact)
+    bound = sum_bound(np.where(special, 0.0, abs_sum), finite_exact, nterms, out_dtype,
+                      accumulate)
+    err = np.where(special, np.where(special_good, 0.0, np.inf), np.abs(g - finite_exact))
     over = ~(err <= bound)  # NaN counts as over
     if mask is not None:
         over &= mask
         err = np.where(mask, err, 0.0)
     ratio = np.where(np.isnan(err), np.inf, err / bound)
-    worst = int(np.argmax(ratio))
-    worst_ratio = float(ratio.reshape(-1)[worst])
-    worst_ulps = float(ulps(err.reshape(-1)[worst], np.asarray(exact).reshape(-1)[worst],
+    ratio = np.where(over, np.where(np.isfinite(ratio), ratio, np.inf), ratio)
+    worst = int(np.argmax(np.where(np.isfinite(ratio), ratio, -1.0)))
+    worst_ratio = float(ratio.reshape(-1)[worst]) if np.isfinite(ratio).any() else 0.0
+    worst_ulps = float(ulps(err.reshape(-1)[worst], finite_exact.reshape(-1)[worst],
                             out_dtype))
     if not over.any():
         return None, worst_ratio, worst_ulps
-    first = int(np.argmax(np.where(over, ratio, -1.0)))
-    ex = float(np.asarray(exact).reshape(-1)[first])
+    first = int(np.flatnonzero(over.reshape(-1))[np.argmax(ratio.reshape(-1)[over.reshape(-1)])])
+    ex = float(exact.reshape(-1)[first])
+    b = float(np.asarray(bound).reshape(-1)[first])
+    n = int(np.asarray(nterms).reshape(-1)[first])
+    head = (f"{got_a.dtype} {list(want_shape)}: worst at {_where(want_shape, first)}: got "
+            f"{_fmt(got_a.reshape(-1)[first])}, exact {ex!r}")
+    tail = (f"; {int(over.sum())} of {got_a.size} elements outside the bound")
+    if not np.isfinite(ex):
+        return (head + (" (a term is NaN or the infinities cancel: the result must be NaN)"
+                        if np.isnan(ex) else " (an infinite term: the result must be that "
+                        "infinity)") + tail), np.inf, np.inf
     e = float(err.reshape(-1)[first])
-    return (f"{got_a.dtype} {list(want_shape)}: worst at {_where(want_shape, first)}: got "
-            f"{_fmt(got_a.reshape(-1)[first])}, exact {ex!r}, |error| {e:.3g} = "
-            f"{float(ratio.reshape(-1)[first]):.3g} bounds "
-            f"({float(ulps(e, ex, out_dtype)):.3g} ulps; bound "
-            f"{float(np.asarray(bound).reshape(-1)[first]):.3g}, {int(nterms.reshape(-1)[first])}"
-            f" terms, accumulate {accumulate}); {int(over.sum())} of {got_a.size} elements "
-            "outside the bound"), worst_ratio, worst_ulps
+    if ex == 0.0:  # units of a bound that is itself ~2**-133 say nothing: absolute terms
+        return (head + f", |error| {e:.3g} against an exact zero (bound {b:.3g}, {n} terms, "
+                f"accumulate {accumulate})" + tail), worst_ratio, worst_ulps
+    return (head + f", |error| {e:.3g} = {float(ratio.reshape(-1)[first]):.3g} bounds "
+            f"({float(ulps(e, ex, out_dtype)):.3g} ulps; bound {b:.3g}, {n} terms, accumulate "
+            f"{accumulate})" + tail), worst_ratio, worst_ulps
 
 
 def weight_grad_tolerance(got, grad_outs, expert_ys, res, topk, hidden):
@@ -273,8 +306,10 @@ def weight_grad_tolerance(got, grad_outs, expert_ys, res, topk, hidden):
         if msg:
             bad[s] = msg
             continue
-        tol = hidden * 2.0**-23 * bound[s] + 2.0**-126
-        err = np.abs(g.astype(np.float64) - exact[s])
+        special, special_good = special_ok(g, exact[s])
+        tol = hidden * 2.0**-23 * np.where(special, 0.0, bound[s]) + 2.0**-126
+        err = np.where(special, np.where(special_good, 0.0, np.inf),
+                       np.abs(g.astype(np.float64) - np.where(special, 0.0, exact[s])))
         over = ~(err <= tol)  # NaN counts as over
         if over.any():
             first = int(np.flatnonzero(over)[0])
@@ -506,16 +541,27 @@ def _exact_dispatch(got: dict, want, case: Case, static: bool, ref):
 
 
 def _not_exact_layout(got: dict, want) -> str:
-    src = got.get("row_src")
+    """Why a layout that meets ``reordered`` is not exact: integer outputs of another dtype,
+    padding rows where the canonical layout has none or others, rows in another order."""
+    narrow = [n for n in ("tokens_per_expert", "expert_offsets", "row_src", "dropped_per_expert")
+              if got.get(n) is not None and np.asarray(got[n]).dtype != np.int64]
+    reasons = [f"integer dtypes ({', '.join(f'{np.asarray(got[n]).dtype} {n}' for n in narrow)})"
+               ] if narrow else []
     try:
-        src = np.asarray(src)
+        src = np.asarray(got.get("row_src")).astype(np.int64)
+        wsrc = np.asarray(want.row_src)
+        if src.shape == wsrc.shape and (src == wsrc).all():
+            same = all(compare_bitwise(_ints(got.get(n)), getattr(want, n)) is None
+                       for n in ("tokens_per_expert", "expert_offsets"))
+            if same and narrow:
+                return reasons[0]
         ours = src[(src >= 0).all(axis=1)]
-        theirs = np.asarray(want.row_src)[np.asarray(want.row_src)[:, 0] >= 0]
+        theirs = wsrc[wsrc[:, 0] >= 0]
         if ours.shape == theirs.shape and (ours == theirs).all():
-            return "padding rows"
+            return ", ".join(reasons + ["padding rows"])
     except Exception:  # noqa: BLE001 - a reason only
         pass
-    return "row order inside experts"
+    return ", ".join(reasons + ["row order inside experts"])
 
 
 # -- the check ----------------------------------------------------------------------------------
@@ -539,9 +585,16 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
     reached: dispatch, dispatch backward, combine, combine backward, weight gradient."""
     if contract not in CONTRACTS:
         raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}, got {contract!r}")
+    # NaN and infinities in the inputs are drawn on purpose: no floating-point warnings
+    with np.errstate(all="ignore"):
+        return _check_case(case, mode, results, impl, reference, contract, capabilities,
+                           accumulate)
+
+
+def _check_case(case, mode, results, impl, reference, contract, capabilities, accumulate):
     caps = capabilities or Capabilities()
     c = _Check(case, mode, results, impl, reference or _reference(), contract, caps,
-               accumulate or caps.accumulate or "float32")
+               parse_accumulate(accumulate or caps.accumulate or "float32"))
     xs, idxs, ws = case.all_inputs()
     try:
         c.res = c.ref.dispatch(xs, idxs, ws, num_experts=case.num_experts, align=case.align,
@@ -594,6 +647,13 @@ class _Check:
             v.fail(p, rank, output,
                    exact_msg if self.contract == "exact" else (weak_msg or exact_msg))
 
+    def acc_for(self, p) -> str:
+        """The accumulation dtype of property ``p``'s sums: the declaration's for the data
+        they read and write (x's dtype for dispatch's backward, x's and expert_y's else)."""
+        dtypes = (self.case.dtype,) if p == "dispatch_backward" else (self.case.dtype,
+                                                                      self.case.y_dtype)
+        return accumulation_dtype(self.acc, *dtypes)
+
     def value_check(self, p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None):
         bit = compare_bitwise(got, want) if mask is None else compare_bitwise(
             np.where(mask, got, want) if got is not None and np.shape(got) == np.shape(want)
@@ -601,7 +661,7 @@ class _Check:
         if bit is None:
             self.settle(p, r, output, "exact", None, None, None)
             return
-        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc, mask)
+        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc_for(p), mask)
         if np.isfinite(ratio):
             self.v.worst[p] = max(self.v.worst.get(p, (0.0, 0.0)), (ratio, u))
         reason = {"combine": "combine summation order",
@@ -616,13 +676,25 @@ class _Check:
 
     # -- the steps ---------------------------------------------------------------------------
     def expected_error(self, expected) -> Verdict:
-        """The reference raised: every rank must raise the same InputError, message included."""
+        """The reference raised: every rank must raise a ValueError from dispatch (returning
+        nothing), epkit the same InputError, message included."""
         v, errs, R = self.v, self.errs, self.R
-        bad = [r for r in range(R) if not (errs.get(r) or {}).get("input_error")]
+        bad = [r for r in range(R) if not (errs.get(r) or {}).get("input_error")
+               or errs[r].get("stage") not in ("dispatch", "factory")]
         if bad:
+            e = errs.get(bad[0])
+            if e is None:
+                what = "did not raise"
+            elif not e.get("input_error"):
+                first = (e["message"] or "").splitlines()[0] if e["message"] else ""
+                what = f"raised {e['type']} in stage {e['stage']}: {first}"
+            else:
+                what = f"returned from dispatch and raised only in stage {e['stage']}"
+            invalid = f" ({self.case.violation.replace('_', ' ')})" if self.case.violation else ""
             v.fail("dispatch", bad[0], "error",
-                   f"expected an input error on every rank ({expected}), rank {bad[0]} "
-                   + ("raised " + errs[bad[0]]["type"] if bad[0] in errs else "did not raise"))
+                   f"invalid input{invalid}: the reference raises {type(expected).__name__}: "
+                   f"{expected}; every rank must raise ValueError from dispatch, rank {bad[0]} "
+                   f"{what}")
         else:
             wrong = [r for r in range(R) if errs[r]["message"].startswith("epkit: ")
                      and errs[r]["message"] != str(expected)]
@@ -684,6 +756,23 @@ class _Check:
             if level is None or _RANK[level] > _RANK[self.contract]:
                 for name, msg in (exact if self.contract == "exact" else weak):
                     v.fail("dispatch", r, name, msg)
+                self.kept_dropped_slots(r, got, want)
+
+    def kept_dropped_slots(self, r, got, want):
+        """An implementation that keeps slots the case's capacity drops (it ignores
+        ``capacity``) is told so, with the three ways forward."""
+        if self.case.capacity is None:
+            return
+        src = sane_row_src(got.get("row_src"), int(np.shape(got.get("expert_x"))[0])
+                           if got.get("expert_x") is not None else 0)
+        kept, ref_kept = int((src[:, 0] >= 0).sum()), int((want.row_src[:, 0] >= 0).sum())
+        if kept > ref_kept:
+            self.v.mismatches.append(Mismatch(
+                "dispatch", r, "capacity",
+                f"holds {kept} slots where capacity {self.case.capacity} keeps {ref_kept}: "
+                "it keeps slots the capacity drops. Implement capacity, refuse it (raise "
+                "NotImplementedError when capacity is not None), or declare --supports "
+                "capacity=no"))
 
     def dispatch_backward(self):
         if not self.todo("dispatch_backward"):
@@ -743,7 +832,8 @@ class _Check:
         bad = weight_grad_tolerance(got_w, gos, ys, res, case.topk, case.hidden)
         ex64, ab, n = _weight_grad_exact(gos, ys, res, case.topk)
         for r in range(R):
-            msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32", self.acc)
+            msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32",
+                                     self.acc_for("weight_grad"))
             if np.isfinite(ratio):
                 v.worst["weight_grad"] = max(v.worst.get("weight_grad", (0.0, 0.0)), (ratio, u))
             level = "exact" if r not in bad else (None if msg else "bounded")

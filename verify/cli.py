@@ -21,21 +21,29 @@ import time
 __all__ = ["main", "build_parser"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line on stderr and exit status 2 (``--help`` shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
 def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
     from .runner import DEFAULT_IMPL
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
         description="Property-based conformance run: an expert-parallel dispatch/combine "
                     "implementation against epkit's NumPy reference, on a real process group.",
     )
-    p.add_argument("--world-size", type=int, default=4,
+    p.add_argument("--world-size", type=_count(1), default=4,
                    help="ranks of the local gloo group (cases use 1..N of them); under "
                         "torchrun the job's world size is used (default 4)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                    help="gloo: local worker processes (default); nccl: run under torchrun, "
                         "one process per GPU")
-    p.add_argument("--examples", type=int, default=20, help="hypothesis examples per mode")
+    p.add_argument("--examples", type=_count(0), default=20,
+                   help="random examples per mode, after the corner cases (default 20)")
     p.add_argument("--seed", type=int, default=None,
                    help="hypothesis seed (default: random, printed so the run can be repeated)")
     p.add_argument("--impl", default=DEFAULT_IMPL,
@@ -46,24 +54,37 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
                         "'dedup/*,*/ragged' (default: every mode)")
     p.add_argument("--list-modes", action="store_true", help="print the modes and exit")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=30.0,
+    p.add_argument("--timeout", type=_positive, default=30.0,
                    help="seconds a case may take before its group is torn down (default 30)")
-    p.add_argument("--max-tokens", type=int, default=24, help="largest tokens per rank drawn")
-    p.add_argument("--shrink-seconds", type=float, default=20.0,
+    p.add_argument("--max-tokens", type=_count(1), default=24,
+                   help="largest tokens per rank of an ordinary draw (one draw in eight has up "
+                        "to 320, H <= 8; default 24)")
+    p.add_argument("--shrink-seconds", type=_count(0, float), default=20.0,
                    help="time spent shrinking a failing case (default 20)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--contract", choices=("exact", "reordered", "bounded"), default="exact",
                    help="exact: canonical layout, bit for bit (default); reordered: any row "
                         "order inside an expert and any padding, values bit for bit; bounded: "
                         "reordered, sums within the stated error bound")
-    p.add_argument("--accumulate", choices=("float32", "bfloat16"), default=None,
-                   help="the implementation's accumulation dtype, for the bound (default: "
-                        "declared, else float32)")
+    p.add_argument("--accumulate", type=_accumulate, default=None,
+                   metavar="float32|native|DTYPE:ACC,...",
+                   help="the dtype the implementation sums in, per dtype of the data it sums, "
+                        "for the bound: float32 (every sum), native (bfloat16 data in "
+                        "bfloat16, float32 in float32; bfloat16 means the same), or per dtype "
+                        "such as bfloat16:bfloat16,float32:float32 (default: declared, else "
+                        "float32)")
+    p.add_argument("--check-errors", action=argparse.BooleanOptionalAction, default=None,
+                   help="also draw invalid inputs (duplicate or out-of-range ids, non-finite "
+                        "weights, ranks that disagree on K, H or dtype, E not a multiple of "
+                        "the group size, wrong shapes): every rank must raise ValueError from "
+                        "dispatch where the reference raises (default: as declared; on for "
+                        "epkit's own modes)")
     p.add_argument("--supports", action="append", default=[], metavar="KEY=VALUE",
                    help="declare a capability (repeatable): capacity=yes|no, align=1|1,2,4|any, "
                         "unused_slots=yes|no, mixed_dtypes=yes|no, weighted=yes|no, "
                         "unweighted=yes|no, index_dtypes=int32,int64, max_topk=N, "
-                        "zero_token_ranks=yes|no, padding=zeros|ignored")
+                        "zero_token_ranks=yes|no, padding=zeros|ignored, accumulate=..., "
+                        "check_errors=yes|no")
     p.add_argument("--junit-xml", metavar="PATH",
                    help="also write JUnit XML (one test case per mode and property)")
     p.add_argument("--kernels", choices=("cpp", "triton"), default=None,
@@ -72,6 +93,41 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
                         "run in Triton's interpreter, so keep --examples small); sets "
                         "EPKIT_KERNELS for the worker processes")
     return p
+
+
+def _count(lo: int, kind=int):
+    """An argparse type: a number of ``kind`` >= ``lo`` (argparse turns the error into one
+    usage line and exit status 2)."""
+
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected a number >= {lo}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _positive(text):
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return v
+
+
+def _accumulate(text):
+    from .accumulate import describe_accumulate, parse_accumulate
+
+    try:
+        return describe_accumulate(parse_accumulate(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
@@ -86,6 +142,8 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
         parts += ["--contract", args.contract]
     if args.accumulate:
         parts += ["--accumulate", args.accumulate]
+    if args.check_errors is not None:
+        parts += ["--check-errors" if args.check_errors else "--no-check-errors"]
     for item in args.supports:
         parts += ["--supports", item]
     if args.kernels:
@@ -103,15 +161,16 @@ def main(argv=None) -> int:
         import os
 
         os.environ["EPKIT_KERNELS"] = args.kernels
+    from .adapters import ImplNotFound
     from .capabilities import parse_supports
     from .runner import modes_of, select_modes
 
     try:
         parse_supports(args.supports)
-    except ValueError as exc:
+        modes = select_modes(modes_of(args.impl), args.modes)
+    except (ValueError, ImplNotFound) as exc:
         print(f"epkit verify: {exc}", file=sys.stderr)
         return 2
-    modes = select_modes(modes_of(args.impl), args.modes)
     if args.list_modes:
         for m in modes:
             print(m.name)
@@ -164,12 +223,16 @@ def _run_suite(args, modes, runner) -> int:
     suite = Suite(runner, impl=args.impl, modes=modes, examples=args.examples, seed=args.seed,
                   max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,
                   progress=bar.update if bar is not None else None, on_failure=on_failure,
-                  contract=args.contract, accumulate=args.accumulate, supports=args.supports)
+                  contract=args.contract, accumulate=args.accumulate, supports=args.supports,
+                  check_errors=args.check_errors)
     declared = sorted({c.describe() for c in suite.capabilities.values()})
-    print(f"epkit verify: impl {args.impl}, {len(modes)} modes x {args.examples} examples, "
-          f"world size {runner.world_size} ({args.backend}), seed {suite.seed}, contract "
-          f"{args.contract}" + (f" (accumulate {args.accumulate})" if args.accumulate else "")
-          + f"; capabilities: {' | '.join(declared)}", flush=True)
+    accumulate = sorted({suite.accumulate_of(c) for c in suite.capabilities.values()})
+    errors = sorted({suite.checks_errors(c) for c in suite.capabilities.values()})
+    print(f"epkit verify: impl {args.impl}, {len(modes)} modes x (corner cases + "
+          f"{args.examples} examples), world size {runner.world_size} ({args.backend}), seed "
+          f"{suite.seed}, contract {args.contract}, accumulate {' | '.join(accumulate)}, "
+          f"invalid inputs {' | '.join('checked' if e else 'not checked' for e in errors)}"
+          f"; capabilities: {' | '.join(declared)}", flush=True)
     t0 = time.monotonic()
     try:
         result = suite.run()

@@ -26,12 +26,13 @@ from xml.sax.saxutils import quoteattr
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 
+from .accumulate import describe_accumulate, parse_accumulate
 from .adapters import load_factory
-from .capabilities import FEATURES, resolve_capabilities
+from .capabilities import FEATURES, declarations, resolve_capabilities
 from .cases import ModeSpec
 from .checks import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
                                  Mismatch, Verdict, check_case, weaker)
-from .strategies import cases
+from .strategies import cases, corner_cases
 
 __all__ = ["DEFAULT_IMPL", "ModeResult", "Suite", "SuiteResult", "Tally", "modes_of",
            "select_modes"]
@@ -108,6 +109,11 @@ class ModeResult:
     not_exact: collections.Counter = field(default_factory=collections.Counter)
     worst: dict = field(default_factory=dict)  # property -> (bound units, ulps)
     redrawn: collections.Counter = field(default_factory=collections.Counter)  # features
+    refused_cases: dict = field(default_factory=dict)  # feature key -> refused draws
+    world_sizes: collections.Counter = field(default_factory=collections.Counter)  # checked
+    corners: int = 0  # corner cases run before the random draws
+    check_errors: bool = False
+    accumulate: str = "float32"
     failure: Verdict | None = None
     later_failures: int = 0  # failing examples after the reported (shrunk) one
 
@@ -122,6 +128,10 @@ class ModeResult:
             self.worst[p] = max(self.worst.get(p, (0.0, 0.0)), w)
         if v.refused_for:
             self.redrawn["+".join(v.refused_for)] += 1
+            for k in v.refused_for:
+                self.refused_cases.setdefault(k, []).append(v.redrawn_from)
+        if any(v.status.get(p) in (PASSED, FAILED) for p in PROPERTIES):
+            self.world_sizes[v.case.world_size] += 1
 
     def not_run(self, n: int, reason: str):
         for p in PROPERTIES:
@@ -153,6 +163,7 @@ class SuiteResult:
     seed: int
     contract: str = "exact"
     accumulate: str = "float32"
+    check_errors: bool | None = None
     modes: list = field(default_factory=list)
     results: dict = field(default_factory=dict)  # mode name -> ModeResult
     seconds: float = 0.0
@@ -178,6 +189,11 @@ class SuiteResult:
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.results.values())
+
+    @property
+    def world_sizes_checked(self) -> list[int]:
+        """The world sizes of the cases that were run and checked, over every mode."""
+        return sorted({n for r in self.results.values() for n in r.world_sizes})
 
     @property
     def unsupported_modes(self) -> list[str]:
@@ -235,10 +251,11 @@ class SuiteResult:
                              + ", ".join(w for w, _ in r.not_exact.most_common()))
             if r.redrawn:
                 what = ", ".join(f"{n} ({f})" for f, n in r.redrawn.most_common())
-                keys = sorted({k for f in r.redrawn for k in f.split("+")})
-                lines.append(f"{m.name}: refused draws redrawn without the feature: {what}; "
-                             "to draw only inside, declare " + " ".join(
-                                 f"--supports {k}={_WITHOUT.get(k, 'no')}" for k in keys))
+                decls = declarations(r.refused_cases)
+                hint = ("; to draw only inside, declare " + " ".join(
+                    f"--supports {d}" for d in decls)) if decls else ""
+                lines.append(f"{m.name}: refused draws redrawn without the feature: {what}"
+                             + hint)
             if self.contract == "bounded" and r.worst:
                 lines.append(f"{m.name}: largest error, in bounds (ulps): " + ", ".join(
                     f"{p} {w[0]:.2g} ({w[1]:.2g})" for p, w in r.worst.items()))
@@ -255,6 +272,8 @@ class SuiteResult:
             "seed": self.seed,
             "contract": self.contract,
             "accumulate": self.accumulate,
+            "check_errors": self.check_errors,
+            "world_sizes_checked": self.world_sizes_checked,
             "seconds": round(self.seconds, 3),
             "passed": self.passed,
             "failed": self.failed,
@@ -264,6 +283,9 @@ class SuiteResult:
                         for m, props in self.tallies.items()},
             "modes": {m: {"meets": self.met(m), "problem": r.problem,
                           "capabilities": r.capabilities.describe() if r.capabilities else None,
+                          "accumulate": r.accumulate, "check_errors": r.check_errors,
+                          "corner_cases": r.corners,
+                          "world_sizes_checked": dict(sorted(r.world_sizes.items())),
                           "not_exact": dict(r.not_exact), "redrawn": dict(r.redrawn),
                           "worst": {p: list(w) for p, w in r.worst.items()}}
                       for m, r in self.results.items()},
@@ -296,20 +318,53 @@ class SuiteResult:
         head = (f"<testsuite name=\"epkit verify\" tests=\"{len(cases_xml)}\" "
                 f"failures=\"{n_fail}\" errors=\"0\" skipped=\"{n_skip}\" "
                 f"time=\"{self.seconds:.3f}\">")
-        props = (f"  <properties><property name=\"impl\" value={quoteattr(self.impl)}/>"
-                 f"<property name=\"seed\" value=\"{self.seed}\"/><property name=\"contract\" "
-                 f"value=\"{self.contract}\"/></properties>")
+        caps = sorted({r.capabilities.describe() for r in self.results.values()
+                       if r.capabilities is not None})
+        recorded = [("impl", self.impl), ("seed", self.seed), ("contract", self.contract),
+                    ("accumulate", self.accumulate), ("capabilities", " | ".join(caps)),
+                    ("check_errors", self.check_errors), ("world_size", self.world_size),
+                    ("world_sizes_checked", ",".join(map(str, self.world_sizes_checked))),
+                    ("examples", self.examples),
+                    ("corner_cases", max((r.corners for r in self.results.values()),
+                                         default=0))]
+        props = "  <properties>" + "".join(
+            f"<property name={quoteattr(k)} value={quoteattr(str(v))}/>" for k, v in recorded
+        ) + "</properties>"
         return "\n".join(['<?xml version="1.0" encoding="utf-8"?>', head, props, *cases_xml,
                           "</testsuite>", ""])
-
-
-_WITHOUT = {"align": "1", "index_dtypes": "int64", "max_topk": "8"}  # a declaration per feature
 
 
 def _xml_text(text: str) -> str:
     from xml.sax.saxutils import escape
 
     return escape(text)
+
+
+class _private_hypothesis_home:
+    """Hypothesis keeps a cache (``.hypothesis/constants``) under its home directory, the
+    current directory by default, even with ``database=None``: a run writes nothing there.
+    Inside, the home is a private temporary directory unless the user chose one
+    (``HYPOTHESIS_STORAGE_DIRECTORY``)."""
+
+    def __enter__(self):
+        import os
+        import tempfile
+
+        from hypothesis import configuration
+
+        self.saved = getattr(configuration, "__hypothesis_home_directory", None)
+        self.tmp = None
+        if self.saved is None and not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+            self.tmp = tempfile.TemporaryDirectory(prefix="epkit-verify-hypothesis-")
+            configuration.set_hypothesis_home_dir(self.tmp.name)
+        return self
+
+    def __exit__(self, *exc):
+        from hypothesis import configuration
+
+        if self.tmp is not None:
+            configuration.set_hypothesis_home_dir(self.saved)
+            self.tmp.cleanup()
 
 
 class _CaseFailed(AssertionError):
@@ -321,14 +376,22 @@ class _CaseFailed(AssertionError):
 class Suite:
     """Run ``examples`` hypothesis cases per mode of ``impl`` on ``runner`` (a :class:`Pool`
     or :class:`TorchrunGroup`) under ``contract`` and tally the checks. ``supports``: the
-    command line's capability declarations (``["capacity=no", ...]`` or a dict)."""
+    command line's capability declarations (``["capacity=no", ...]`` or a dict);
+    ``accumulate``: the accumulation declaration (:mod:`epkit.verify.accumulate`), over the
+    capabilities' one; ``check_errors``: draw invalid inputs (None: as the capabilities say);
+    ``corners``: run the corner matrix (:func:`~epkit.verify.strategies.corner_cases`) before
+    the ``examples`` random draws of each mode."""
 
     def __init__(self, runner, *, impl: str = DEFAULT_IMPL, modes=None, examples: int = 20,
                  seed: int | None = None, max_tokens: int = 24, shrink_seconds: float = 20.0,
                  reference=None, progress=None, on_failure=None, strategy_kwargs=None,
-                 contract: str = "exact", accumulate: str | None = None, supports=None):
+                 contract: str = "exact", accumulate: str | None = None, supports=None,
+                 check_errors: bool | None = None, corners: bool = True):
         if contract not in CONTRACTS:
             raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}")
+        parse_accumulate(accumulate)  # a bad declaration is a ValueError here, not later
+        self.check_errors = check_errors
+        self.corners = corners
         self.runner = runner
         self.impl = impl
         self.modes = list(modes) if modes is not None else modes_of(impl)
@@ -352,17 +415,28 @@ class Suite:
         caps0 = next(iter(self.capabilities.values()), None)
         res = SuiteResult(impl=self.impl, world_size=self.runner.world_size,
                           examples=self.examples, seed=self.seed, modes=self.modes,
-                          contract=self.contract,
-                          accumulate=self.accumulate or getattr(caps0, "accumulate", None)
-                          or "float32")
-        for mode in self.modes:
-            mr = self.run_mode(mode)
-            res.results[mode.name] = mr
-            if mr.failure is not None:
-                self.on_failure(mr.failure)
+                          contract=self.contract, accumulate=self.accumulate_of(caps0),
+                          check_errors=self.check_errors)
+        with _private_hypothesis_home():
+            for mode in self.modes:
+                mr = self.run_mode(mode)
+                res.results[mode.name] = mr
+                if mr.failure is not None:
+                    self.on_failure(mr.failure)
         res.seconds = time.monotonic() - t0
         res.restarts = getattr(self.runner, "restarts", 0)
         return res
+
+    def accumulate_of(self, caps) -> str:
+        """The accumulation declaration a mode runs under, as text (``float32``, ``native``,
+        per dtype)."""
+        spec = self.accumulate or getattr(caps, "accumulate", None)
+        return describe_accumulate(parse_accumulate(spec))
+
+    def checks_errors(self, caps) -> bool:
+        if self.check_errors is not None:
+            return bool(self.check_errors)
+        return getattr(caps, "check_errors", None) is True
 
     # -- one mode --------------------------------------------------------------------------
     def run_mode(self, mode: ModeSpec) -> ModeResult:
@@ -395,7 +469,9 @@ class _ModeRun:
 
     def __init__(self, verifier, mode: ModeSpec, caps):
         self.vr, self.mode, self.caps = verifier, mode, caps
-        self.mr = ModeResult(mode=mode, capabilities=caps)
+        self.mr = ModeResult(mode=mode, capabilities=caps,
+                             check_errors=verifier.checks_errors(caps),
+                             accumulate=verifier.accumulate_of(caps))
         self.checked: dict = {}
         self.evaluated: dict = {}
         self.known: list = []
@@ -404,26 +480,56 @@ class _ModeRun:
         self.generated = 0
         self.no_shrink = False
         self.timeout = float(getattr(verifier.runner, "timeout", 30.0))
+        self.target = verifier.examples  # examples to tally: the corners, then the draws
+
+    def run_corners(self, errors: bool) -> Verdict | None:
+        """Run and tally the corner matrix; the first failing corner's verdict (not shrunk:
+        corners are small already), later failing ones counted."""
+        vr, mr = self.vr, self.mr
+        corners = corner_cases(vr.runner.world_size, self.mode, self.caps,
+                               max_tokens=vr.max_tokens, check_errors=errors)
+        mr.corners = len(corners)
+        self.target = len(corners) + vr.examples
+        first = None
+        for case in corners:
+            if self.no_shrink:
+                break
+            v = self.evaluate(case)
+            self.tally(v)
+            if v.failed:
+                if first is None:
+                    first = v
+                else:
+                    mr.later_failures += 1
+        return first
 
     def run(self) -> ModeResult:
         vr, mr = self.vr, self.mr
+        errors = mr.check_errors
+        corner_failure = self.run_corners(errors) if vr.corners else None
         strategy = cases(vr.runner.world_size, self.mode, max_tokens=vr.max_tokens,
-                         capabilities=self.caps, **vr.strategy_kwargs)
+                         capabilities=self.caps, check_errors=errors, **vr.strategy_kwargs)
         base_seed = vr.seed ^ zlib.crc32(self.mode.name.encode())
-        try:
-            vr._hypothesis(strategy, self.prop, vr.examples, base_seed,
-                           [Phase.explicit, Phase.generate, Phase.shrink])()
-        except _CaseFailed as exc:
-            mr.failure = exc.verdict
+        if not self.no_shrink:
+            try:
+                vr._hypothesis(strategy, self.prop, vr.examples, base_seed,
+                               [Phase.explicit, Phase.generate, Phase.shrink])()
+            except _CaseFailed as exc:
+                mr.failure = exc.verdict
+        if corner_failure is not None:
+            if mr.failure is None:  # the corner's report (random draws did not fail)
+                mr.failure = corner_failure
+            else:  # the shrunk random failure is reported; the corner counts as one more
+                mr.later_failures += 1
         # Every requested example runs: after a failure (shrunk and reported above), the rest
         # are drawn afresh and tallied without shrinking.
         for attempt in range(1, 4):
-            left = vr.examples - self.generated
+            left = self.target - self.generated
             if left <= 0 or self.no_shrink:
                 break
             vr._hypothesis(strategy, self.rest, left, base_seed ^ (0x9E3779B1 * attempt),
                            [Phase.generate])()
-        left = vr.examples - self.generated
+        left = self.target - self.generated
         if left > 0:
             mr.not_run(left, "not run (the implementation hung)" if self.no_shrink
                        else "not drawn")
@@ -478,21 +584,30 @@ class _ModeRun:
     def _without_refused(self, case, v):
         """The features whose removal makes a refused case run: ``(case', keys)`` or None.
         One feature at a time (the likeliest first: named in the refusal, or seen before),
-        then all of them together."""
-        present = [f for f in FEATURES if f.present(case)]
+        then the likeliest ones together, adding one at a time. A feature whose removal turns
+        on another (weighted <-> unweighted, int64 <-> int32) is removed together with others
+        only where the refusal names it or it was refused before, so the redraw never trips a
+        feature it did not need to change."""
         words = (v.refusal or "").lower()
-        present.sort(key=lambda f: (f.key not in self.known,
-                                    not any(w in words for w in f.words)))
-        for f in present:
+
+        def likely(f):
+            return f.key in self.known or any(w in words for w in f.words)
+
+        present = sorted((f for f in FEATURES if f.present(case)),
+                         key=lambda f: (f.key not in self.known, not likely(f)))
+        together = [f for f in present if not f.flip or likely(f)]
+        for f in together + [f for f in present if f not in together]:
             c2 = f.remove(case)
             if c2 != case and not self.run_check(c2).refused:
                 return c2, (f.key,)
-        if len(present) > 1:
-            c2 = case
-            for f in present:
-                c2 = f.remove(c2)
-            if not self.run_check(c2).refused:
-                return c2, tuple(f.key for f in present)
+        c2, keys = case, []
+        for f in together:
+            c3 = f.remove(c2)
+            if c3 == c2:
+                continue
+            c2, keys = c3, keys + [f.key]
+            if len(keys) > 1 and not self.run_check(c2).refused:
+                return c2, tuple(keys)
         return None
 
     def evaluate(self, case) -> Verdict:
@@ -523,7 +638,7 @@ class _ModeRun:
             if self.no_shrink:
                 return  # a timeout: the rest is reported as not run
         v = self.evaluate(case)
-        if self.failed_at is None and self.generated < vr.examples:
+        if self.failed_at is None and self.generated < self.target:
             self.tally(v)
         if v.failed:
             if self.failed_at is None:
@@ -534,7 +649,7 @@ class _ModeRun:
 
     def rest(self, case):
         """After the failure: further draws, tallied, not shrunk."""
-        if self.generated >= self.vr.examples or self.no_shrink:
+        if self.generated >= self.target or self.no_shrink:
             return
         v = self.evaluate(case)
         self.tally(v)

@@ -1,8 +1,10 @@
-"""Hypothesis strategies that draw whole-group cases.
+"""Hypothesis strategies that draw whole-group cases, and the fixed corner cases run first.
 
 Structure (world size, experts, top-k, hidden, tokens per rank, dtypes, align, capacity, ...)
 is drawn by hypothesis, so it shrinks to a small failing case; the values themselves come from a
 drawn seed (see :mod:`epkit.verify.cases`), which keeps examples cheap to draw and to print.
+:func:`corner_cases` is the matrix every mode runs before its random draws, so that every run
+reaches every regime whatever the seed (docs/verify.md, "What every run covers").
 """
 
 from __future__ import annotations
@@ -10,10 +12,21 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from epkit.reference import payloads
-from .capabilities import WIDE_TOPK, Capabilities
-from .cases import FLOAT_DTYPES, Case, ModeSpec
+from .capabilities import Capabilities
+from .cases import FLOAT_DTYPES, VIOLATIONS, Case, ModeSpec
 
-__all__ = ["cases"]
+__all__ = ["cases", "corner_cases", "MANY_TOKENS", "PEER_ROWS"]
+
+MAX_TOPK = 255  # the documented limit of both transports
+MAX_EXPERTS = 512
+MANY_TOKENS = 320  # the largest tokens per rank of a "many tokens" draw (H <= 8 there)
+SLOT_BUDGET = 512  # tokens x top-k per rank of a wide top-k draw (H <= 16 there)
+PEER_ROWS = (64, 128, 256)  # per-peer row counts the corner cases cross (buffer sizes)
+# K's bucket b draws K in [2**b, 2**(b+1)): log-uniform over 1..255, a little tilted to the
+# small K most models use; sampled_from shrinks to bucket 0 (K = 1).
+_K_BUCKETS = (0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 7)
+# Violations that need two ranks (they make one rank differ from another, or E % R != 0).
+_GROUP_VIOLATIONS = ("topk_differs", "hidden_differs", "dtype_differs", "experts_not_divisible")
 
 
 @st.composite
@@ -25,51 +38,60 @@ def cases(
     max_tokens: int = 24,
     min_world_size: int = 1,
     max_local_experts: int = 6,
-    max_topk: int = 8,
+    max_topk: int = MAX_TOPK,
     max_hidden: int = 72,
     capabilities: Capabilities | None = None,
-    wide_every: int = 20,
+    many_every: int = 8,
+    check_errors: bool = False,
 ) -> Case:
     """Draw a :class:`Case` for a group of up to ``world_size`` ranks, valid for ``mode`` and
     inside ``capabilities`` (:class:`~epkit.verify.capabilities.Capabilities`; default: all).
 
     ``mode`` (a :class:`ModeSpec`) constrains the draw: a quantized payload (``"mxfp8"``,
     ``"fp8_block128"``) gives ``H`` a multiple of its block (32, 128);
-    ``uniform`` gives uniform plans without capacity; ``static`` keeps every rank's tokens
-    within ``max_tokens``; ``nodes`` draws ``ranks_per_node``, a divisor of the world size
+    ``uniform`` gives uniform plans without capacity; ``static`` gets the case's token bound as
+    ``max_tokens``; ``nodes`` draws ``ranks_per_node``, a divisor of the world size
     (two-level nodes first, so a case shrinks to one with nodes of several ranks). Without a
     mode, payload and plan shape are drawn too.
 
-    (About 70 lines, most of them the Case's fields: the draws' order is what hypothesis
-    replays and shrinks by, so it reads here in one place.)
-
-    About one draw in ``wide_every`` (0: never) is a wide top-k case: ``K`` in 129..255 (within
-    ``max_topk`` of the capabilities) and up to 512 experts, with few tokens and a narrow hidden
-    size; it shrinks to an ordinary draw.
+    ``K`` is log-uniform over 1..min(255, ``max_topk``, the capabilities' ``max_topk``); above 8
+    the experts grow with it (up to 512) and tokens x K stays within 512 per rank, H within 16.
+    About one draw in ``many_every`` (0: never) has up to 320 tokens per rank (K <= 8, H <= 8);
+    the others up to ``max_tokens``. Values hold NaN, infinities, -0 and subnormals in real rows
+    (``specials``) and weights exact 0, -0 and 1 (``special_weights``) in about a third of the
+    draws each. ``check_errors``: about one draw in four carries one invalid input
+    (``violation``).
     """
     caps = capabilities or Capabilities()
     uniform_only = mode is not None and mode.uniform
     no_unused = not caps.allows("unused_slots")
+    # The mix (dtype, weighted, many tokens, special values, invalid inputs) comes from a
+    # seeded Random: hypothesis' own choices lean to the simplest value (measured: bfloat16
+    # in 16 % of 300 draws), these must be balanced. The Random's seed is drawn, so a case
+    # still replays; these knobs just do not shrink.
+    mix = draw(st.randoms(use_true_random=True), label="mix")
     # the draws, in this order (hypothesis replays and shrinks by it): the shape, the hidden
     # size, the routing and tokens, the dtypes, the options
-    R, G, wide, payload, E, K, max_tokens_drawn, max_h = _shape(
+    R, G, payload, E, K, max_tokens_drawn, max_h, many = _shape(
         draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk, max_tokens,
-        max_hidden, wide_every)
-    H = _hidden(draw, payload, wide, max_h)
+        max_hidden, many_every, mix)
+    H = _hidden(draw, payload, max_h)
     routing, K, tokens = _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused,
-                                             max_tokens_drawn)
-    dtype = draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
+                                             max_tokens_drawn, many)
+    dtype = FLOAT_DTYPES[mix.random() < 0.5]
     y_dtype = dtype
     if caps.allows("mixed_dtypes") and not draw(st.integers(0, 3), label="mixed dtypes?"):
         y_dtype = draw(st.sampled_from(FLOAT_DTYPES), label="y_dtype")
     capacity = None
     if not uniform_only and caps.allows("capacity") and draw(st.booleans(), label="use capacity"):
         capacity = draw(st.integers(0, 16), label="capacity")
-    if caps.allows("weighted") and caps.allows("unweighted"):
-        weighted = draw(st.integers(0, 3), label="weighted") != 0  # mostly weighted
-    else:
-        weighted = caps.allows("weighted")
-    return Case(
+    weighted = _weighted(caps, lambda: mix.random() < 0.5)
+    specials = mix.random() < 1 / 3
+    special_weights = mix.random() < 1 / 3 and weighted
+    violation = None
+    if mix.random() < 0.25 and check_errors:
+        violation = VIOLATIONS[int(mix.random() * len(VIOLATIONS))]
+    case = Case(
         world_size=R,
         num_experts=E,
         topk=K,
@@ -88,50 +110,62 @@ def cases(
         payload=payload,
         nan_padding=draw(st.booleans(), label="nan_padding"),
         zero_rows=draw(st.integers(0, 4), label="zero_rows") == 4,  # shrinks to False
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, max_tokens_drawn),
         seed=draw(st.integers(0, 2**32 - 1), label="seed"),
         ranks_per_node=G,
+        specials=specials,
+        special_weights=special_weights,
     )
+    return with_violation(case, violation) if violation else case
+
+
+def _weighted(caps, choose) -> bool:
+    """Weighted or not, half and half where both are allowed."""
+    if caps.allows("weighted") and caps.allows("unweighted"):
+        return not choose()
+    return caps.allows("weighted")
+
+
+def _topk_cap(caps, max_topk) -> int:
+    return max(1, min(MAX_TOPK, max_topk, caps.max_topk or MAX_TOPK))
 
 
 def _shape(draw, world_size, min_world_size, mode, caps, max_local_experts, max_topk,
-           max_tokens, max_hidden, wide_every):
+           max_tokens, max_hidden, many_every, mix):
     """World size, ranks per node (a mode with ``nodes``: a divisor of the world size, nodes of
-    several ranks first), the wide top-k switch, payload, experts and top-k; with the token and
-    hidden bounds that go with them."""
+    several ranks first), payload, experts and top-k; with the token and hidden bounds that go
+    with them."""
     R = draw(st.integers(min_world_size, world_size), label="world_size")
     G = 1
     if mode is not None and mode.nodes:
         divisors = [g for g in range(1, R + 1) if R % g == 0]
         G = draw(st.sampled_from([g for g in divisors if 1 < g < R] + [1, R][:len(divisors)]),
                  label="ranks_per_node")
-    cap_k = caps.max_topk or 255
-    wide = (wide_every > 0 and cap_k > WIDE_TOPK  # shrinks to False
-            and draw(st.sampled_from([False] * (wide_every - 1) + [True]), label="wide top-k"))
     payload = (mode.payload if mode is not None
                else draw(st.sampled_from([None, *payloads.NAMES]), label="payload"))
-    if wide:
-        lo_k = min(129, cap_k)
-        L = draw(st.integers(-(-lo_k // R), 512 // R), label="local_experts (wide)")
-        E = R * L
-        K = draw(st.integers(min(lo_k, E), min(255, E, cap_k)), label="topk (wide)")
-        return R, G, wide, payload, E, K, min(max_tokens, 6), 16
+    cap_k = _topk_cap(caps, max_topk)
+    b = draw(st.sampled_from([b for b in _K_BUCKETS if 2**b <= cap_k]), label="topk bucket")
+    K = draw(st.integers(2**b, min(2**(b + 1) - 1, cap_k)), label="topk")
+    if K > 8:  # wide: experts enough for K distinct ones, few tokens, narrow rows
+        lo = -(-K // R)
+        L = draw(st.integers(lo, max(lo, min(lo + 8, MAX_EXPERTS // R))), label="local_experts")
+        return R, G, payload, R * L, K, max(1, min(max_tokens, SLOT_BUDGET // K)), 16, False
     L = draw(st.integers(1, max_local_experts), label="local_experts")
-    E = R * L
-    K = draw(st.integers(1, min(max_topk, cap_k)), label="topk")
-    return R, G, wide, payload, E, K, max_tokens, max_hidden
+    if many_every and mix.random() < 1 / many_every:
+        return R, G, payload, R * L, K, MANY_TOKENS, 8, True
+    return R, G, payload, R * L, K, max_tokens, max_hidden, False
 
 
-def _hidden(draw, payload, wide, max_h) -> int:
+def _hidden(draw, payload, max_h) -> int:
     """H: a multiple of a quantized payload's block (1..3 blocks of 32, 1..2 of 128)."""
     block = payloads.get(payload).block
     if block:
-        return block * (1 if wide else draw(st.integers(1, max(2, 96 // block)),
-                                            label="hidden/block"))
+        return block * (1 if max_h <= 16 else draw(st.integers(1, max(2, 96 // block)),
+                                                    label="hidden/block"))
     return draw(st.integers(1, max_h), label="hidden")
 
 
-def _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused, max_tokens_drawn):
+def _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused, max_tokens_drawn, many):
     """``(routing, K, tokens per rank)``: every slot used where the capabilities say so (K
     distinct experts per token, none -1), zero-token ranks only where allowed."""
     routings = ["random", "grouped", "hot", "uniform"]
@@ -141,8 +175,120 @@ def _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused, max_tokens
     if no_unused:
         K = min(K, R) if routing == "uniform" else min(K, E)
     min_t = 0 if caps.allows("zero_token_ranks") else 1
+    if many:  # every rank's count from 64 to the hundreds, but the last one's (0 allowed)
+        hi = max_tokens_drawn
+        if routing == "uniform":
+            return routing, K, (R * draw(st.integers(64 // R + 1, hi // R), label="tokens/R"),) * R
+        tokens = draw(st.lists(st.integers(64, hi), min_size=R, max_size=R), label="tokens")
+        return routing, K, tuple(tokens[:-1]) + (draw(st.integers(min_t, hi), label="last"),)
     if routing == "uniform":
         T = R * draw(st.integers(min_t, max(max_tokens_drawn // R, min_t)), label="tokens/R")
         return routing, K, (T,) * R
     return routing, K, tuple(draw(st.lists(st.integers(min_t, max_tokens_drawn), min_size=R,
                                            max_size=R), label="tokens"))
+
+
+def with_violation(case: Case, kind: str) -> Case:
+    """``case`` made invalid by ``kind`` (on its last rank), adjusted so that the violation
+    really is one: two ranks where it compares ranks, a token and two slots where it needs
+    them, and random routing (a uniform plan needs E % R == 0)."""
+    if kind in _GROUP_VIOLATIONS and case.world_size < 2:
+        kind = "id_out_of_range"
+    tokens = list(case.tokens)
+    tokens[-1] = max(tokens[-1], 1)
+    kw = dict(violation=kind, tokens=tuple(tokens), routing="random", capacity=None,
+              payload=case.payload)
+    if kind == "duplicate_id":
+        kw.update(topk=max(case.topk, 2), unused_pct=0)
+    if kind == "experts_not_divisible":
+        kw.update(num_experts=case.num_experts + 1, ranks_per_node=1)
+    return case.replace(**kw)
+
+
+# -- the corner matrix ---------------------------------------------------------------------------
+def corner_cases(world_size: int, mode: ModeSpec | None = None,
+                 capabilities: Capabilities | None = None, *, max_tokens: int = 24,
+                 check_errors: bool = False) -> list[Case]:
+    """The fixed cases every mode runs before its random draws (inside ``capabilities``):
+
+    - for every world size ``R`` in 1..min(``world_size``, 4), x float32 and bfloat16, weighted
+      and unweighted: a case with a rank without tokens (the last one), and in turn K = 1,
+      K = E (every expert), every slot unused, one hot expert; NaN padding, special values
+      (NaN, infinities, -0, subnormals in real rows) and special weights (0, -0, 1) in half
+      of them;
+    - at the full world size, tokens enough that each rank sends a peer more than 64, 128 and
+      256 rows (the sizes of per-peer buffers), H = 4;
+    - with ``check_errors``: one case per kind of invalid input (``VIOLATIONS``).
+
+    Features the capabilities exclude are left out of a corner (a corner never leaves them).
+    """
+    caps = capabilities or Capabilities()
+    uniform = mode is not None and mode.uniform
+    payload = mode.payload if mode is not None else None
+    block = payloads.get(payload).block
+    H = block or 8
+    aligns = list(caps.aligns())
+    idx_dtypes = list(caps.index_dtypes or ("int64", "int32"))
+    weights = [w for w in (True, False) if caps.allows("weighted" if w else "unweighted")]
+    zero_ok = caps.allows("zero_token_ranks")
+    no_unused = not caps.allows("unused_slots")
+    cap_k = _topk_cap(caps, MAX_TOPK)
+    out, i = [], 0
+    for R in range(1, min(world_size, 4) + 1):
+        for dtype in FLOAT_DTYPES:
+            for weighted in weights:
+                kind = ("k1", "kE", "unused", "hot")[i % 4]
+                if kind == "unused" and no_unused:
+                    kind = "k1"
+                L = 2
+                E = R * L
+                K = {"k1": 1, "kE": min(E, cap_k), "unused": min(3, cap_k),
+                     "hot": min(2, cap_k, E)}[kind]
+                T = 3 + i % 3
+                tokens = [T] * R
+                if zero_ok:
+                    tokens[-1] = 0
+                routing = {"hot": "hot"}.get(kind, "random")
+                if uniform:
+                    routing, tokens = "uniform", [0 if zero_ok else R] * R
+                    K = min(K, R) if no_unused else K
+                out.append(Case(
+                    world_size=R, num_experts=E, topk=K, hidden=H, tokens=tuple(tokens),
+                    dtype=dtype, y_dtype=dtype, idx_dtype=idx_dtypes[i % len(idx_dtypes)],
+                    routing=routing, unused_pct=100 if kind == "unused" else 0,
+                    align=aligns[i % len(aligns)], weighted=weighted, payload=payload,
+                    nan_padding=True, zero_rows=i % 3 == 1, max_tokens=max(max_tokens, T),
+                    seed=1000 + i, ranks_per_node=_nodes(mode, R), specials=i % 2 == 0,
+                    special_weights=weighted and i % 4 < 2))
+                i += 1
+    R = min(world_size, 4)
+    if R > 1:
+        K = min(4, cap_k, R * 2)
+        for rows in PEER_ROWS:
+            T = rows * R * 5 // 4 // K + 1  # each peer gets about 1.25 x rows rows
+            if uniform:
+                T = -(-T // R) * R
+            out.append(Case(
+                world_size=R, num_experts=R * 2, topk=K, hidden=block or 4, tokens=(T,) * R,
+                dtype=FLOAT_DTYPES[rows % 3 % 2], y_dtype=FLOAT_DTYPES[rows % 3 % 2],
+                idx_dtype=idx_dtypes[0], routing="uniform" if uniform else "random",
+                unused_pct=0, align=aligns[0], weighted=weights[0], payload=payload,
+                nan_padding=True, max_tokens=max(max_tokens, T), seed=2000 + rows,
+                ranks_per_node=_nodes(mode, R)))
+    if check_errors:
+        base = Case(world_size=min(world_size, 2), num_experts=2 * min(world_size, 2), topk=2,
+                    hidden=H, tokens=(3,) * min(world_size, 2), payload=payload,
+                    weighted=weights[0], idx_dtype=idx_dtypes[0], max_tokens=max_tokens,
+                    seed=3000, unused_pct=0)
+        out += [with_violation(base.replace(seed=3000 + j), kind)
+                for j, kind in enumerate(VIOLATIONS)
+                if world_size > 1 or kind not in _GROUP_VIOLATIONS]
+    return out
+
+
+def _nodes(mode, R) -> int:
+    """ranks_per_node of a corner: two-level nodes where the world size allows them."""
+    if mode is None or not mode.nodes:
+        return 1
+    inner = [g for g in range(2, R) if R % g == 0]
+    return inner[0] if inner else 1

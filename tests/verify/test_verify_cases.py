@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from epkit.verify.adapters import epkit_modes
 from epkit.verify.cases import Case, ModeSpec, valid_rows
-from epkit.verify.strategies import cases
+from epkit.verify.strategies import MANY_TOKENS, cases
 
 MODES = {m.name: m for m in epkit_modes()}
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -36,7 +36,9 @@ def _check_routing(c: Case):
         assert xs[r].shape == (T, c.hidden) and str(xs[r].dtype) == c.dtype
         assert idx[r].shape == (T, c.topk) and idx[r].dtype == np.dtype(c.idx_dtype)
         assert ws[r].shape == (T, c.topk) and ws[r].dtype == np.float32
-        assert np.isfinite(ws[r]).all() and np.isfinite(xs[r].astype(np.float32)).all()
+        assert np.isfinite(ws[r]).all()
+        assert c.specials or np.isfinite(xs[r].astype(np.float32)).all()
+        assert c.payload is None or np.isfinite(xs[r].astype(np.float32)).all()
         assert ((idx[r] >= -1) & (idx[r] < c.num_experts)).all()
         for row in idx[r]:
             used = row[row >= 0]
@@ -73,8 +75,9 @@ def test_equal_mode_draws_uniform_plans(c):
 @given(cases(2, MODES["pairs/static/mxfp8"], max_tokens=10))
 def test_static_mxfp8_mode_bounds_tokens_and_hidden(c):
     _check_routing(c)
-    assert c.hidden % 32 == 0 and c.payload == "mxfp8" and max(c.tokens) <= 10
-    assert MODES["pairs/static/mxfp8"].factory_kwargs(c)["max_tokens_per_rank"] == 10
+    assert c.hidden % 32 == 0 and c.payload == "mxfp8" and max(c.tokens) <= c.max_tokens
+    assert c.max_tokens in (10, MANY_TOKENS)
+    assert MODES["pairs/static/mxfp8"].factory_kwargs(c)["max_tokens_per_rank"] == c.max_tokens
 
 
 @FAST
@@ -139,26 +142,102 @@ def test_draws_stay_inside_declared_capabilities(c):
     assert all((i >= 0).all() for i in idx), c
 
 
-def test_about_one_draw_in_twenty_is_wide_under_both_transports():
+def _draws(mode, n=300, seed=20, **kw):
     from hypothesis import Phase
     from hypothesis import seed as hseed
 
-    for name in ("dedup/ragged", "pairs/static"):
-        seen = []
+    seen = []
 
-        @hseed(20)
-        @settings(max_examples=300, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        @given(cases(4, MODES[name]))
-        def draw(c):
-            seen.append(c)
+    @hseed(seed)
+    @settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(cases(4, mode, **kw))
+    def draw(c):
+        seen.append(c)
 
-        draw()
-        wide = [c for c in seen if c.topk > 128]
-        assert 5 <= len(wide) <= 45, (name, len(wide))
-        assert max(c.topk for c in wide) <= 255 and max(c.num_experts for c in wide) <= 512
-        for c in wide[:3]:
-            _check_routing(c)
+    draw()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["dedup/ragged", "pairs/static"])
+def test_random_draws_reach_every_regime(name):
+    """K over 1..255 (every power-of-two bucket), tokens in the hundreds now and then,
+    special values and weights, and a balanced mix of dtypes and weighted / unweighted."""
+    seen = _draws(MODES[name])
+    n = len(seen)
+    buckets = {c.topk.bit_length() - 1 for c in seen}
+    assert buckets == set(range(8)), sorted(buckets)
+    assert max(c.topk for c in seen) <= 255 and max(c.num_experts for c in seen) <= 512
+    assert any(9 <= c.topk <= 128 for c in seen)
+    many = [c for c in seen if max(c.tokens) > 64]
+    assert len(many) >= n // 30 and max(max(c.tokens) for c in many) <= MANY_TOKENS
+    for share, what in ((sum(c.dtype == "bfloat16" for c in seen) / n, "bfloat16"),
+                        (sum(c.weighted for c in seen) / n, "weighted")):
+        assert 0.35 <= share <= 0.65, (what, share)
+    assert sum(c.specials for c in seen) >= n // 6
+    assert sum(c.special_weights for c in seen) >= n // 12
+    for c in [c for c in seen if c.topk > 8][:3] + many[:2]:
+        _check_routing(c)
+
+
+def test_special_values_sit_in_real_rows():
+    c = Case(world_size=2, num_experts=4, topk=2, hidden=16, tokens=(40, 30), specials=True,
+             special_weights=True, seed=3)
+    xs, _, ws = c.all_inputs()
+    x = np.concatenate(xs).astype(np.float32)
+    w = np.concatenate(ws)
+    assert np.isnan(x).any() and np.isposinf(x).any() and np.isneginf(x).any()
+    tiny = (x != 0) & (np.abs(x) < 2.0**-126)
+    assert tiny.any() and (np.signbit(x) & (x == 0)).any()
+    assert (w == 1).any() and ((w == 0) & ~np.signbit(w)).any() and ((w == 0) & np.signbit(w)).any()
+    quantized = c.replace(payload="mxfp8", hidden=32)
+    assert all(np.isfinite(x.astype(np.float32)).all() for x in quantized.all_inputs()[0])
+
+
+def test_invalid_draws_make_the_reference_raise():
+    import epkit.reference as ref
+    from epkit.verify.cases import VIOLATIONS
+
+    seen = _draws(MODES["dedup/ragged"], n=200, check_errors=True)
+    kinds = {c.violation for c in seen if c.violation}
+    assert len(kinds) >= len(VIOLATIONS) - 3, kinds  # every kind: the corner matrix
+    for c in [c for c in seen if c.violation][:25]:
+        xs, idx, ws = c.all_inputs()
+        with pytest.raises(ValueError):
+            ref.dispatch(xs, idx, ws, num_experts=c.num_experts, align=c.align,
+                         capacity=c.capacity, payload=c.payload)
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_the_corner_matrix_covers_every_combination(world):
+    from epkit.verify.strategies import PEER_ROWS, corner_cases
+
+    corners = corner_cases(world, MODES["dedup/ragged"], check_errors=True)
+    plain = [c for c in corners if c.violation is None and max(c.tokens) < 32]
+    combos = {(c.world_size, c.dtype, c.weighted) for c in plain if 0 in c.tokens}
+    assert combos == {(R, d, w) for R in range(1, min(world, 4) + 1)
+                      for d in ("float32", "bfloat16") for w in (True, False)}
+    if world >= 2:
+        assert any(c.topk == 1 for c in plain) and any(c.topk == c.num_experts for c in plain)
+        assert any(c.unused_pct == 100 for c in plain) and any(c.routing == "hot" for c in plain)
+    assert any(c.specials for c in plain) and any(c.special_weights for c in plain)
+    big = [c for c in corners if max(c.tokens) >= 32]
+    if world > 1:
+        for rows in PEER_ROWS:  # some rank sends some peer more than `rows` rows
+            assert any(_max_peer_rows(c) > rows for c in big), rows
+    from epkit.verify.cases import VIOLATIONS
+
+    single = {"topk_differs", "hidden_differs", "dtype_differs", "experts_not_divisible"}
+    assert sorted(c.violation for c in corners if c.violation) == sorted(
+        v for v in VIOLATIONS if world > 1 or v not in single)
+    for c in plain + big:
+        _check_routing(c)
+
+
+def _max_peer_rows(c):
+    _, idx, _ = c.all_inputs()
+    L = c.local_experts
+    return max(int(np.bincount(i[i >= 0] // L, minlength=c.world_size).max()) for i in idx)
 
 
 def test_supports_parse_and_layer():

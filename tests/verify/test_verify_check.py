@@ -183,7 +183,8 @@ def test_expected_input_error_must_be_raised_everywhere_with_the_same_text():
     bad = CASE.replace(hidden=5, payload="mxfp8")  # H % 32 != 0: every rank must refuse
     results = [{"rank": r, "error": None} for r in range(3)]
     v = check_case(bad, ModeSpec(payload="mxfp8"), results)
-    assert v.failed_properties == ["dispatch"] and "expected an input error" in v.report()
+    assert v.failed_properties == ["dispatch"] and "every rank must raise ValueError" in v.report()
+    assert "rank 0 did not raise" in v.report()
     try:
         xs, idx, ws = bad.all_inputs()
         ref.dispatch(xs, idx, ws, num_experts=6, align=2, capacity=3, payload="mxfp8")
