@@ -1,0 +1,137 @@
+"""``epkit kernels --compile``: it finds each violation planted in a small kernel
+(``gate_kernels.py``) on the target that shows it, passes the clean twins, and passes epkit's
+own declared specialisations. The gate runs as a command (it re-executes itself with
+``TRITON_INTERPRET=0``: this process runs Triton interpreted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GATE_KERNELS = os.path.join(HERE, "gate_kernels.py")
+TARGETS = ("sm_90", "gfx942")
+
+
+def gate(*args, tmp_path=None):
+    """Run ``epkit kernels`` with ``args``: (exit status, output, json rows or None)."""
+    out_json = os.path.join(str(tmp_path), "gate.json") if tmp_path is not None else None
+    cmd = [sys.executable, "-m", "epkit.tools.kernels", *args] + (["--json", out_json] if out_json else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    rows = None
+    if out_json and os.path.exists(out_json):
+        with open(out_json) as f:
+            rows = json.load(f)["rows"]
+    return proc.returncode, proc.stdout + proc.stderr, rows
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    """(kernel, target) -> the rules broken, for every specialisation of gate_kernels.py."""
+    rc, out, rows = gate("--compile", ",".join(TARGETS), "--module", GATE_KERNELS,
+                         tmp_path=tmp_path_factory.mktemp("gate"))
+    assert rows is not None, out
+    assert rc == 1, out  # planted violations: the gate must fail
+    return {(r["kernel"], r["target"]): [v["rule"] for v in r["violations"]] for r in rows}
+
+
+def broken(planted, kernel, target, words):
+    rules = planted[(kernel, target)]
+    return any(words in rule for rule in rules)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", ["fused_mul_add", "fusion_on"])
+def test_fused_multiply_add_is_caught(planted, kernel, target):
+    # tl.fma, and a * b + a compiled with fusion left on: fma.rn.f32 / v_fmac_f32
+    assert broken(planted, kernel, target, "fused multiply-add"), planted[(kernel, target)]
+
+
+def test_slash_division_is_caught_on_nvidia(planted):
+    assert broken(planted, "slash_division", "sm_90", "approximate division"), planted[("slash_division", "sm_90")]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", ["to_bf16", "to_e4m3"])
+def test_float_conversion_is_caught(planted, kernel, target):
+    assert broken(planted, kernel, target, "conversion between float formats"), planted[(kernel, target)]
+
+
+@pytest.mark.parametrize("kernel,words", [("to_bf16", "cvt.rn.bf16.f32"), ("to_e4m3", "fp8 conversion")])
+def test_hardware_conversion_is_caught_in_ptx(planted, kernel, words):
+    assert broken(planted, kernel, "sm_90", words), planted[(kernel, "sm_90")]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_int32_program_id_product_is_caught(planted, target):
+    assert broken(planted, "int32_pid_product", target, "int32 multiply fed by a program id")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_spill_is_caught(planted, target):
+    assert broken(planted, "spill", target, "register spill"), planted[("spill", target)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_shared_memory_over_the_limit_is_caught(planted, target):
+    assert broken(planted, "too_much_shared", target, "over " + target), planted[("too_much_shared", target)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", ["clean_mul_add", "clean_div_rn", "clean_int64_rows", "clean_tile",
+                                    "not_exact_division"])
+def test_clean_kernels_pass(planted, kernel, target):
+    # clean_div_rn multiplies and adds after an IEEE division: on gfx942 its Newton-step fmas
+    # must not be taken for fusion; not_exact_division is exempt from the numeric rules.
+    assert planted[(kernel, target)] == []
+
+
+def test_slash_division_is_ieee_on_amd(planted):
+    # AMD compiles / to the IEEE expansion: nothing to report, and its fmas are not flagged.
+    assert planted[("slash_division", "gfx942")] == []
+
+
+def test_exit_status(tmp_path):
+    rc, out, rows = gate("--compile", "sm_90", "--module", GATE_KERNELS, "--only", "clean_",
+                         tmp_path=tmp_path)
+    assert rc == 0, out
+    assert rows and all(r["violations"] == [] for r in rows)
+    rc, out, _ = gate("--compile", "sm_42", "--module", GATE_KERNELS)
+    assert rc == 2 and "unknown target" in out
+
+
+# A gfx942 division expansion (tl.div_rn(a, b) * b + a compiled with fusion on) with the user's
+# multiply-add moved inside the expansion's window: the data flow, not the position, decides.
+AMD_DIVISION_THEN_FMA = """
+	v_div_scale_f32 v4, s[4:5], v2, v2, v1
+	v_rcp_f32_e32 v5, v4
+	v_div_scale_f32 v6, vcc, v1, v2, v1
+	v_fma_f32 v7, -v4, v5, 1.0
+	v_fmac_f32_e32 v5, v7, v5
+	v_fmac_f32_e32 v10, v11, v12
+	v_mul_f32_e32 v7, v6, v5
+	v_fma_f32 v8, -v4, v7, v6
+	v_fmac_f32_e32 v7, v8, v5
+	v_fma_f32 v4, -v4, v7, v6
+	v_div_fmas_f32 v4, v4, v5, v7
+	v_div_fixup_f32 v4, v4, v2, v1
+	v_fmac_f32_e32 v1, v2, v4
+"""
+
+
+def test_amd_fma_inside_a_division_window_is_caught():
+    from epkit.tools.kernel_rules import amdgcn_violations
+
+    found = [evidence for rule, evidence in amdgcn_violations(AMD_DIVISION_THEN_FMA)]
+    assert found == ["v_fmac_f32_e32 v10, v11, v12", "v_fmac_f32_e32 v1, v2, v4"]
+
+
+@pytest.mark.slow
+def test_epkit_specialisations_keep_the_rules(tmp_path):
+    """Every specialisation epkit's kernel modules declare compiles for both targets within the
+    rules. Fails, naming file, kernel and rule, while a kernel breaks one."""
+    rc, out, rows = gate("--compile", ",".join(TARGETS), tmp_path=tmp_path)
+    assert rows, out
+    assert rc == 0, out
