@@ -14,6 +14,7 @@ _LAZY = {
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
     "layout": "epkit.api",
+    "group_of_one": "epkit.api",
     "quantize_mxfp8": "epkit.payloads.mxfp8",
     "dequantize_mxfp8": "epkit.payloads.mxfp8",
     "quantize_fp8_block128": "epkit.payloads.fp8_block128",

@@ -33,7 +33,7 @@ from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
 from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError,
                                    Reason, error, factor_bits)
 
-__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "quantize_mxfp8",
+__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one", "quantize_mxfp8",
            "dequantize_mxfp8", "quantize_fp8_block128", "dequantize_fp8_block128"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -85,8 +85,15 @@ class Dispatch:
         expert_x: ``[M, H]`` x's dtype. Segments of local experts ``0..L-1`` in order; rows of
             an expert ordered by source rank, then source token; each segment zero-padded to a
             multiple of ``align``.
-        tokens_per_expert: ``[L]`` int64, rows per local expert before padding.
-        expert_offsets: ``[L+1]`` int64, padded start of each segment; last entry ``M``.
+        tokens_per_expert: ``[L]`` int64, rows per local expert before padding: the routed
+            slots an expert received, *not* its segment's length when ``align > 1``. A grouped
+            GEMM that is given lengths (torchtitan's ``cumsum`` of counts, Megatron's
+            ``split``) needs ``padded_tokens_per_expert``: the unpadded counts would misplace
+            every segment after the first padded one.
+        expert_offsets: ``[L+1]`` int64, padded start of each segment; last entry ``M`` (the
+            static exchange: the canonical rows, zero rows after it).
+        padded_tokens_per_expert: ``[L]`` int64, each segment's length, padding included:
+            ``expert_offsets.diff()``, ``tokens_per_expert`` rounded up to ``align``.
         row_src: ``[M, 3]`` int64, ``(source rank, token, k)`` per row; ``-1`` on padding.
         row_weight: ``[M]`` float32, the routing weight of each row; ``0`` on padding.
             Differentiable (its gradient flows to ``topk_weights``).
@@ -108,6 +115,7 @@ class Dispatch:
     bytes_sent: torch.Tensor
     expert_scale: Optional[torch.Tensor] = None
     expert_x_hp: Optional[torch.Tensor] = None
+    padded_tokens_per_expert: Optional[torch.Tensor] = None
     # The handle combine and the backward passes reuse.
     _topk_idx: torch.Tensor = field(default=None, repr=False)
     _topk_weights: torch.Tensor = field(default=None, repr=False)
@@ -136,7 +144,9 @@ class Dispatcher:
 
     Args:
         group: the expert-parallel process group (default: the default group). Expert ``e``
-            lives on rank ``e // L`` of this group, ``L = num_experts // group size``.
+            lives on rank ``e // L`` of this group, ``L = num_experts // group size``. ``None``
+            means the whole default group, never "no expert parallelism": at expert-parallel
+            size 1 pass a group of one (``epkit.group_of_one()``), whatever the world size.
         num_experts: ``E``, a multiple of the group size.
         align: pad every expert's segment to a multiple of this (``>= 1``).
         capacity: keep at most this many slots per expert, the first in (source rank, token)
@@ -321,6 +331,7 @@ class Dispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
         """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
+        topk_weights = _widened(topk_weights)
         if torch.compiler.is_compiling():
             if self.transport == "hier":  # every rank traces the same program: all refuse
                 raise error(0, Reason.HIER_UNSUPPORTED, 4)
@@ -412,6 +423,7 @@ class Dispatcher:
             bytes_sent=plan[sl["send_bytes"]].clone() if bytes_sent is None else bytes_sent,
             expert_scale=expert_scale,
             expert_x_hp=expert_x_hp,
+            padded_tokens_per_expert=plan[sl["offsets"]].diff(),
             _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
             _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype, _seq=seq,
             _rows=expert_x.shape[0], _hidden=expert_x.shape[1],
@@ -487,6 +499,15 @@ class Dispatcher:
             bool(weighted), d._x_dtype, check, cfg._ws)
 
 
+def _widened(w):
+    """bfloat16 / float16 routing weights as float32 (exact: every value of either is a float32;
+    docs/semantics.md), differentiable, so the gradient returns in the weights' own dtype.
+    Anything else as given (the checks name a bad dtype)."""
+    if isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16):
+        return w.to(torch.float32)
+    return w
+
+
 def _seal_of(d: Dispatch) -> tuple:
     """What combine and the backward passes read from a Dispatch besides row_weight: the plan,
     the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
@@ -527,7 +548,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         topk_idx: ``[T, K]`` int64, int32, int16, int8 or uint8 (the same bits whatever the
             width), expert ids in ``[0, E)`` or ``-1`` for an unused slot; no expert twice in a
             row.
-        topk_weights: ``[T, K]`` float32, finite routing weights (differentiable).
+        topk_weights: ``[T, K]`` float32, bfloat16 or float16, finite routing weights
+            (differentiable); bfloat16 and float16 are widened to float32 first (exactly), so
+            ``row_weight`` is float32 and the gradient returns in the weights' dtype.
         num_experts: ``E``; see :class:`Dispatcher` for the other options (``capacity`` or
             ``capacity_factor``, ``align``, ``transport``, ``exchange``, ``payload``,
             ``max_tokens_per_rank``, ``ranks_per_node``).
@@ -561,6 +584,24 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
     if not isinstance(config, Dispatcher):  # not a Dispatch: refused over the default group
         config = Dispatcher(workspace=False)
     return config.combine(expert_y, dispatch, weighted)
+
+
+_GROUPS_OF_ONE: dict = {}
+
+
+def group_of_one():
+    """This rank's group of one, the expert-parallel group at expert-parallel size 1 (every
+    expert local, no exchange with anyone). Made on first use by ``dist.new_subgroups(1)``,
+    which is collective over the default group: every rank calls it the first time, together
+    (model set-up, say), and later calls return the same group."""
+    if not dist.is_initialized():
+        raise RuntimeError("epkit.group_of_one: torch.distributed is not initialized; epkit runs "
+                           "over a process group even at expert-parallel size 1 (a one-process "
+                           "job: dist.init_process_group('gloo', world_size=1, rank=0, ...))")
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS_OF_ONE:
+        _GROUPS_OF_ONE[key] = dist.new_subgroups(1)[0]
+    return _GROUPS_OF_ONE[key]
 
 
 def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):

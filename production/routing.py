@@ -23,7 +23,14 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
         probs: ``[T, E]`` float, the weight of each (token, expert); read only where
             ``routing_map`` is set (converted to float32, exactly for float32 / bfloat16).
         topk: ``K``. Default: the most experts any row of this rank names. Pass the model's
-            top-k: every rank of a group must use the same ``K``.
+            top-k: every rank of a group must use the same ``K``. A drop-and-pad map
+            (Megatron-Core's ``moe_pad_expert_input_to_capacity``: every expert's column holds
+            exactly ``capacity`` tokens, padded with tokens the router did not pick, whose
+            ``probs`` are 0) may name more than top-k experts in a row: pass
+            ``topk=routing_map.shape[1]`` (``E``), the most any row can name. Dispatched
+            as is, with no ``capacity`` or ``align`` of epkit's, it gives every local expert
+            exactly ``R * capacity`` rows (source rank, then token order, as Megatron's),
+            the padding entries with weight 0.
 
     Slot ``k`` of a row holds the row's ``k``-th routed expert in ascending expert order;
     the remaining slots of a row with fewer than ``K`` experts are ``-1`` with weight ``0``.
@@ -41,7 +48,9 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
     K = most if topk is None else int(topk)
     if K < most:
         raise ValueError(f"epkit.topk_from_routing_map: a row routes to {most} experts, more "
-                         f"than topk={K}")
+                         f"than topk={K}. A drop-and-pad routing map (Megatron-Core's "
+                         f"moe_pad_expert_input_to_capacity) names up to E experts per row: pass "
+                         f"topk=routing_map.shape[1] ({E}), the same on every rank")
     # A stable sort of "not routed" puts each row's routed experts first, ascending.
     order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :K]
     used = torch.arange(K, device=mask.device).unsqueeze(0) < per_row.unsqueeze(1)

@@ -109,6 +109,7 @@ class DispatchResult:
         expert_scale        [M, H/block] or None                 the payload's scales, in its
                                                                  scale dtype (0 on padding)
         tokens_per_expert   [L] int64                            kept rows per local expert
+        padded_tokens_per_expert  [L] int64 (a property)         segment lengths, padding included
         expert_offsets      [L+1] int64                          padded segment starts; last is M
         row_src             [M, 3] int64                         (s, t, k); (-1, -1, -1) on padding
         row_weight          [M] float32                          topk_weights_s[t, k]; 0 on padding
@@ -165,6 +166,12 @@ class DispatchResult:
     @property
     def num_rows(self) -> int:
         return int(self.expert_x.shape[0])
+
+    @property
+    def padded_tokens_per_expert(self) -> np.ndarray:
+        """``[L]`` int64, each segment's length with its padding (``tokens_per_expert`` rounded
+        up to ``align``): the lengths a grouped GEMM given lengths, not offsets, needs."""
+        return np.diff(self.expert_offsets)
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.EXPERT_Y_ROWS: f"expert_y has {a} rows but the dispatch produced {b}",
         Reason.EXPERT_Y_HIDDEN: f"expert_y has hidden size {a} but the dispatch has {b}",
         Reason.X_DTYPE: f"x must be float32 or bfloat16, got {dtype_name(a)}",
-        Reason.WEIGHTS_DTYPE: f"topk_weights must be float32, got {dtype_name(a)}",
+        Reason.WEIGHTS_DTYPE: f"topk_weights must be float32, bfloat16 or float16, got {dtype_name(a)}",
         Reason.STATIC_OVERFLOW: f"{a} tokens exceed max_tokens_per_rank={b}",
         Reason.EQUAL_NONUNIFORM: "exchange='equal' needs a uniform plan (every count the same)",
         Reason.NUM_EXPERTS: f"num_experts must be in [1, {MAX_EXPERTS}], got {a}",

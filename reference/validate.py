@@ -15,7 +15,8 @@ Order of the checks on one rank (the first failing one is reported):
    ``capacity >= 0``, ``num_experts >= 1``, ``num_experts % R == 0``, transport, exchange,
    payload names (``OPTION``, ``b = -1``), ``max_tokens_per_rank >= 0`` under the static exchange,
    ``ranks_per_node`` a divisor of ``R`` (``RANKS_PER_NODE``);
-2. dtypes: x float32 or bfloat16; topk_idx an integer dtype (not bool); topk_weights float32;
+2. dtypes: x float32 or bfloat16; topk_idx an integer dtype (not bool); topk_weights float32,
+   bfloat16 or float16 (the last two widened to float32, exactly, before anything reads them);
 3. shapes: x 2-D; topk_idx 2-D; topk_idx rows == x rows; topk_weights 2-D; its shape == topk_idx's;
 4. index range: the first entry, in row-major order, outside ``[-1, E)`` (``a`` = the entry);
 5. duplicates: the first row naming an expert twice (``b`` = the smallest such expert);
@@ -40,12 +41,16 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import payloads
-from .common import EXCHANGES, FLOAT32, FLOAT_DTYPES, TRANSPORTS, dtype_code
+from .common import BFLOAT16, EXCHANGES, FLOAT32, FLOAT_DTYPES, TRANSPORTS, dtype_code
 from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 
 Triple = Tuple[int, int, int]
 OK: Triple = (Reason.OK, 0, 0)
 HEADER_WORDS = 8
+# What topk_weights may be: bfloat16 and float16 values are all float32 values, so widening them
+# loses nothing (the routers of Megatron-Core and torchtitan give bfloat16 weights in bfloat16
+# training).
+WEIGHT_DTYPES = (FLOAT32, BFLOAT16, np.dtype(np.float16))
 
 
 def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exchange=None,
@@ -118,7 +123,7 @@ def local_triple(x: np.ndarray, idx: np.ndarray, w: np.ndarray, num_experts: int
         return (Reason.X_DTYPE, dtype_code(x.dtype), 0)
     if _idx_dtype_triple(idx)[0] != Reason.OK:
         return _idx_dtype_triple(idx)
-    if w.dtype != FLOAT32:
+    if w.dtype not in WEIGHT_DTYPES:
         return (Reason.WEIGHTS_DTYPE, dtype_code(w.dtype), 0)
     if x.ndim != 2:
         return (Reason.X_NOT_2D, x.ndim, 0)
@@ -186,7 +191,7 @@ def check_dispatch(xs, topk_idx, topk_weights, *, num_experts, align=1, capacity
     err = group_error(headers)
     if err is not None:
         raise err
-    return xs, [i.astype(np.int64) for i in idx], ws
+    return xs, [i.astype(np.int64) for i in idx], [w.astype(FLOAT32) for w in ws]
 
 
 def check_layout(topk_idx, num_experts) -> List[np.ndarray]:

@@ -42,7 +42,7 @@ CASES = [
     ("bool index", lambda x, i, w, r: _set(i, r, i[r] > 0), {},
      Reason.INDEX_DTYPE, "topk_idx must have an integer dtype, got bool"),
     ("weights dtype", lambda x, i, w, r: _set(w, r, w[r].astype(np.float64)), {},
-     Reason.WEIGHTS_DTYPE, "topk_weights must be float32, got float64"),
+     Reason.WEIGHTS_DTYPE, "topk_weights must be float32, bfloat16 or float16, got float64"),
     ("x 3-D", lambda x, i, w, r: _set(x, r, x[r][:, :, None]), {},
      Reason.X_NOT_2D, "x must be 2-D [T, H], got 3 dimensions"),
     ("idx 1-D", lambda x, i, w, r: _set(i, r, i[r][:, 0]), {},
