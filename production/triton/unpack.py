@@ -48,7 +48,7 @@ from .pack import _excl, _place, _rank_in_key
 from .wirechecks import (check_dim, check_dtype, check_nonneg, check_plan_chunks,
                          check_plan_header, check_plan_tensor, check_transport, fail, row_bytes)
 
-__all__ = ["unpack", "status_word", "STATUS_BITS"]
+__all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
 byterows.declare("unpack.rows", 0, False)
 
@@ -262,15 +262,10 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
     return status, src, at, row_src, row_weight, recv_map
 
 
-def unpack(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
-           dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int):
-    """recv [recv_bytes] uint8, plan [n] int64 -> (expert_x [expert_rows, hidden] dtype,
-    row_src [expert_rows, 3] int64 (source rank, token, k; -1 on padding), row_weight
-    [expert_rows] float32, recv_map [recv_rows, 1 (pairs) or topk (dedup)] int64).
-
-    A received chunk that disagrees with the plan: on CPU tensors a RuntimeError (as the C++
-    kernel raises), on CUDA the outputs in their "nothing received" form and the bits in
-    :func:`status_word` (module docstring)."""
+def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
+                       dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int):
+    """:func:`unpack`'s outputs and this call's status (a 0-d int32 tensor on recv's device;
+    nonzero: the outputs are in their "nothing received" form), raising nothing for the data."""
     M, N, H, K = int(expert_rows), int(recv_rows), int(hidden), int(topk)
     p = _check(recv, plan, transport, H, dtype, K, N, M)
     recv = recv.contiguous()
@@ -278,21 +273,34 @@ def unpack(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
     status, src, at, row_src, row_weight, recv_map = _unpack(recv, plan, transport, P, K, N,
                                                              M, p)
     expert_x = torch.empty((M, H), dtype=dtype, device=recv.device)
-    has = src >= 0
-    src_off = torch.where(has, at[src.clamp(min=0)] if N else src, -1)
+    src_off = torch.where(src >= 0, at[src.clamp(min=0)], -1) if N else torch.full_like(src, -1)
     out_off = torch.arange(M, dtype=torch.int64, device=recv.device) * P
     byterows.write_rows(expert_x, out_off, P, recv, src_off, P)
+    return (expert_x, row_src, row_weight, recv_map), status
+
+
+def unpack(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
+           dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int):
+    """recv [recv_bytes] uint8, plan [n] int64 -> (expert_x [expert_rows, hidden] dtype,
+    row_src [expert_rows, 3] int64 (source rank, token, k; -1 on padding), row_weight
+    [expert_rows] float32, recv_map [recv_rows, 1 (pairs) or topk (dedup)] int64).
+
+    A received chunk that disagrees with the plan: on CPU tensors a RuntimeError after the
+    launch (what the C++ kernel raises), on CUDA the outputs in their "nothing received" form
+    and the bits OR-ed into :func:`status_word` (module docstring)."""
+    out, status = unpack_with_status(recv, plan, transport, hidden, dtype, topk, recv_rows,
+                                     expert_rows)
     if recv.device.type == "cpu":
         _raise_on_cpu(status)
     else:
-        status_word(recv.device).bitwise_or_(status)
+        status_word(recv.device).bitwise_or_(status)  # on the stream: no wait
         if os.environ.get("EPKIT_CUDA_CHECKS"):
-            bits = int(status[0]) if status.dim() else int(status)  # a host wait, by request
+            bits = int(status)  # a host wait, by request
             if bits:
                 raise RuntimeError(f"epkit.unpack: the received chunks disagree with the plan "
                                    f"(status {bits}: {describe(bits)}); the outputs were "
                                    "zero-filled")
-    return expert_x, row_src, row_weight, recv_map
+    return out
 
 
 def _raise_on_cpu(status: torch.Tensor) -> None:
