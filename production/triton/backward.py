@@ -1,0 +1,163 @@
+"""The backward kernels in Triton (cpu/backward.cpp), bit for bit the C++ kernels' outputs:
+combine_backward_dest (the combine backward's expert side), gather_slot_values and
+scatter_slot_values (the weight gradients' way back).
+
+The weight gradient ``<g, y>`` is summed in the C++ kernel's 16-lane order (csrc/lanes.h,
+cpu/backward.cpp ``weighted_row``): lane i sums the products g_h * y_h of h = i (mod 16) in
+ascending h, the tail h >= 16 * (H // 16) goes into lane 0, then ``+0.0 + lane_0 + ... +
+lane_15``. A program owns ROWS rows and walks H 16 columns at a time, a [ROWS, 16] tile being
+those lanes (the tail one more masked tile), so every float32 operation is the C++ kernel's,
+in its order. The lanes are read
+out one at a time by an integer max over their bits (exact: one nonzero candidate), never by a
+float reduction.
+
+Rows are kept as integer views (bfloat16 as int16, float32 as int32), converted on the bits
+(``bits.py``). Maps out of range are masked (read and write nothing); on CPU tensors the C++
+kernel's error is raised too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import bits
+from . import rowchecks as ck
+from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+
+__all__ = ["combine_backward_dest", "gather_slot_values", "scatter_slot_values"]
+
+# Rows per program: the 16-lane walk along H is serial per row, so a program's parallelism is
+# ROWS x 16 lanes; the interpreter pays per operation and takes many rows.
+ROWS = 64 if INTERPRETED else 8
+
+
+def _iview(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@triton.jit
+def _lane(lanes, i: tl.constexpr):
+    """Lane i of a [ROWS, 16] float32 tile as a [ROWS] vector, exactly (an unsigned max over
+    the bits, the other lanes masked to 0)."""
+    sel = tl.arange(0, 16)[None, :] == i
+    b = tl.where(sel, lanes.to(tl.uint32, bitcast=True), 0)
+    return tl.max(b, axis=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
+                 G_BF16: tl.constexpr, Y_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
+                 ROWS: tl.constexpr):
+    """Rows m of grad_y [M, H] (integer view of y's dtype) and grad_w [M] float32: the received
+    row n = src[m] // C of recv [N, H] (integer view) times row_weight[m] (weighted), cast to
+    y's dtype; grad_w[m] = <g, y[m]> in 16 lanes (weighted, else 0); src[m] < 0: zeros."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < M
+    s = tl.load(src + rows, mask=rmask, other=-1)
+    has = rmask & (s >= 0)
+    n = tl.where(has, s // C, 0)
+    hm = has[:, None]
+    lane16 = tl.arange(0, 16)
+    H16 = H // 16 * 16
+    if WEIGHTED:
+        w = tl.load(row_weight + rows, mask=has, other=0.0)
+    lanes = tl.zeros([ROWS, 16], tl.float32)
+    for h0 in range(0, H16, 16):
+        cols = h0 + lane16
+        g = bits.to_f32(tl.load(recv + n[:, None] * H + cols[None, :], mask=hm, other=0), G_BF16)
+        if WEIGHTED:
+            yv = bits.to_f32(tl.load(y + rows[:, None] * H + cols[None, :], mask=hm, other=0),
+                             Y_BF16)
+            gy = bits.from_f32(w[:, None] * g, Y_BF16)
+            lanes = lanes + g * yv
+        else:
+            gy = bits.from_f32(g, Y_BF16)
+        tl.store(grad_y + rows[:, None] * H + cols[None, :], tl.where(hm, gy, 0),
+                 mask=rmask[:, None])
+    # the tail (fewer than 16 columns): one masked tile, its products added into lane 0 in
+    # ascending h; a masked column adds +0.0, which changes no bit (lane 0 starts at +0.0, so
+    # it is never -0.0, and a NaN stays itself)
+    cols = H16 + lane16
+    tm = hm & (cols < H)[None, :]
+    g = bits.to_f32(tl.load(recv + n[:, None] * H + cols[None, :], mask=tm, other=0), G_BF16)
+    if WEIGHTED:
+        yv = bits.to_f32(tl.load(y + rows[:, None] * H + cols[None, :], mask=tm, other=0),
+                         Y_BF16)
+        gy = bits.from_f32(w[:, None] * g, Y_BF16)
+        prod = tl.where(tm, g * yv, 0.0)
+        lane0 = _lane(lanes, 0)
+        for j in tl.static_range(15):
+            lane0 = lane0 + _lane(prod, j)
+    else:
+        gy = bits.from_f32(g, Y_BF16)
+    tl.store(grad_y + rows[:, None] * H + cols[None, :], tl.where(hm, gy, 0),
+             mask=rmask[:, None] & (cols < H)[None, :])
+    if WEIGHTED:
+        dot = tl.zeros([ROWS], tl.float32) + lane0
+        for i in tl.static_range(1, 16):
+            dot = dot + _lane(lanes, i)
+        tl.store(grad_w + rows, tl.where(has, dot, 0.0), mask=rmask)
+    else:
+        tl.store(grad_w + rows, tl.zeros([ROWS], tl.float32), mask=rmask)
+
+
+def _source_rows(op: str, recv_map: torch.Tensor, M: int) -> torch.Tensor:
+    """checks.h source_rows as torch ops: for each of the M rows, the flat entry of recv_map
+    that names it, or -1. On CPU, the C++ errors: the first entry (in flat order) outside
+    [-1, M) or naming a row named before."""
+    flat = recv_map.reshape(-1)
+    ok = (flat >= 0) & (flat < M)
+    if ck.on_host(recv_map):
+        twice = torch.bincount(flat[ok], minlength=M).gt(1).any() if M else torch.tensor(False)
+        if bool(twice) or bool((~ok & (flat != -1)).any()):
+            seen: dict[int, int] = {}
+            for i, m in enumerate(flat.tolist()):
+                if m != -1 and not 0 <= m < M:
+                    ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
+                if m >= 0 and m in seen:
+                    ck.fail(op, f"recv_map entries {seen[m]} and {i} both name row {m} "
+                                "(rows of expert_y)")
+                seen.setdefault(m, i)
+    src = torch.full((M + 1,), -1, dtype=torch.int64, device=recv_map.device)  # [M]: a sink
+    src.scatter_(0, torch.where(ok, flat, M), torch.arange(flat.numel(), device=flat.device))
+    return src[:M]
+
+
+def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
+                          expert_y: torch.Tensor, weighted: bool):
+    """cpu/backward.cpp combine_backward_dest_cpu. recv [N, H] float32 or bfloat16 (grad_out
+    rows as the sources sent them), recv_map [N, C] int64 (each expert-major row named at most
+    once), row_weight [M] float32 (read when weighted), expert_y [M, H] float32 or bfloat16.
+    Returns grad_y [M, H] in y's dtype (cast(c_m * g), zeros for padding rows) and grad_w [M]
+    float32 (<g, y[m]> in 16 lanes when weighted, else 0)."""
+    op = "epkit.combine_backward_dest"
+    ck.check_combine_backward_dest_args(recv, recv_map, row_weight, expert_y, weighted)
+    recv, y = recv.contiguous(), expert_y.contiguous()
+    recv_map = recv_map.contiguous()
+    M, H = y.shape
+    src = _source_rows(op, recv_map, M)
+    grad_y = torch.empty((M, H), dtype=y.dtype, device=y.device)
+    grad_w = torch.empty((M,), dtype=torch.float32, device=y.device)
+    w = row_weight.contiguous() if weighted else grad_w  # (unread when unweighted)
+    launch(_dest_kernel, (cdiv(M, ROWS),), _iview(recv), src, _iview(y), w, _iview(grad_y),
+           grad_w, M, H, max(recv_map.shape[1], 1), G_BF16=recv.dtype == torch.bfloat16,
+           Y_BF16=y.dtype == torch.bfloat16, WEIGHTED=weighted, ROWS=ROWS)
+    return grad_y, grad_w
+
+
+# ---- what the compile gate compiles ---------------------------------------------------------
+def _ptr(bf16: bool) -> str:
+    return "*i16" if bf16 else "*i32"
+
+
+for _gb in (True, False):
+    for _yb in (True, False):
+        for _w in (True, False):
+            specialization(
+                f"backward.dest[{'bf16' if _gb else 'f32'} grad, {'bf16' if _yb else 'f32'} y"
+                f"{',weighted' if _w else ''}]", _dest_kernel,
+                {"recv": _ptr(_gb), "src": "*i64", "y": _ptr(_yb), "row_weight": "*fp32",
+                 "grad_y": _ptr(_yb), "grad_w": "*fp32", "M": "i32", "H": "i32", "C": "i32",
+                 "G_BF16": "constexpr", "Y_BF16": "constexpr", "WEIGHTED": "constexpr",
+                 "ROWS": "constexpr"},
+                {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "ROWS": ROWS})
