@@ -30,8 +30,8 @@ __all__ = ["bf16_to_f32", "f32_to_bf16", "to_f32", "from_f32", "f32_to_e4m3", "p
 def bf16_to_f32(b):
     """bfloat16 bits (int16 or uint16) -> float32: the bits as the high half, exact for every
     pattern (subnormals and NaN payloads included)."""
-    u = b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-    return u.to(tl.float32, bitcast=True)
+    # (int16 -> int32 sign-extends; the shift drops the extension)
+    return (b.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
