@@ -19,3 +19,21 @@ def cpp():
     import epkit.ops  # noqa: F401  (loads the library)
 
     return torch.ops.epkit
+
+
+@pytest.fixture(autouse=True)
+def race_checked():
+    """Every launch of every test here runs under the race checker (``race.py``): a launch whose
+    programs write one byte twice, or read what another program writes, fails the test.
+    ``EPKIT_RACE_CHECK=0`` turns it off (to time its cost)."""
+    if os.environ.get("EPKIT_RACE_CHECK", "1") == "0":
+        yield
+        return
+    import race
+    from epkit.triton import _runtime
+
+    _runtime.LAUNCH_HOOKS.append(race.check_races)
+    try:
+        yield
+    finally:
+        _runtime.LAUNCH_HOOKS.remove(race.check_races)
