@@ -103,7 +103,10 @@ class FullTopK:
             free = [e for e in range(num_experts) if e not in set(filled[t].tolist())]
             for k in torch.nonzero(unused[t]).reshape(-1).tolist():
                 filled[t, k] = free.pop(0)
-        d = self.inner.dispatch(x, filled.to(topk_idx.dtype), topk_weights,
+        # a filled slot's weight gets no gradient (the spec's 0 for an unused slot), not
+        # 0 * <g, 0>, which is NaN where grad_out holds an infinity
+        weights = torch.where(unused, topk_weights.detach(), topk_weights)
+        d = self.inner.dispatch(x, filled.to(topk_idx.dtype), weights,
                                 num_experts=num_experts, align=align, capacity=capacity)
         d = d.wait() if hasattr(d, "wait") and not hasattr(d, "expert_x") else d
         src = d.row_src.cpu().long()

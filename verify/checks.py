@@ -233,18 +233,21 @@ def ulps(err, exact, dtype):
     return np.asarray(err) / spacing
 
 
-def special_ok(got, exact):
+def special_ok(got, exact, inf_may_be_nan=False):
     """``(special, ok)``: where ``exact`` (float64) is NaN or infinite, and whether ``got``
     is NaN there / the same infinity. A sum with a NaN or an infinite term is exactly that
-    however it is summed, so no bound applies there."""
+    however it is summed, so no bound applies there. ``inf_may_be_nan``: the sum converts
+    float32 factors to a narrower accumulation dtype, where a subnormal factor may become 0
+    and its product with an infinity NaN."""
     exact = np.asarray(exact, dtype=np.float64)
     g = np.asarray(got, dtype=np.float64)
     special = ~np.isfinite(exact)
-    ok = np.where(np.isnan(exact), np.isnan(g), g == exact)
+    ok = np.where(np.isnan(exact), np.isnan(g), (g == exact) | (inf_may_be_nan & np.isnan(g)))
     return special, ok
 
 
-def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None):
+def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None,
+             inf_may_be_nan=False):
     """(message or None, worst ratio, its ulps): ``got`` against float64 ``exact``. Where
     ``exact`` is NaN the result must be NaN, where it is infinite the same infinity; an
     error against an exact zero is reported in absolute terms."""
@@ -256,7 +259,7 @@ def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None):
         return None, 0.0, 0.0
     exact = np.asarray(exact, dtype=np.float64)
     g = got_a.astype(np.float64)
-    special, special_good = special_ok(g, exact)
+    special, special_good = special_ok(g, exact, inf_may_be_nan)
     finite_exact = np.where(special, 0.0, exact)
     bound = sum_bound(np.where(special, 0.0, abs_sum), finite_exact, nterms, out_dtype,
                       accumulate)
@@ -654,6 +657,15 @@ class _Check:
                                                                       self.case.y_dtype)
         return accumulation_dtype(self.acc, *dtypes)
 
+    def narrowed(self, p) -> bool:
+        """Does ``p``'s sum multiply float32 factors converted to bfloat16 (the declared
+        accumulation)? Then an infinite exact value may come out NaN (special_ok)."""
+        case = self.case
+        factors = {"combine": (case.y_dtype, "float32" if case.weighted else case.y_dtype),
+                   "combine_backward": (case.dtype, "float32" if case.weighted else case.dtype),
+                   "weight_grad": (case.dtype, case.y_dtype)}.get(p, ())
+        return self.acc_for(p) == "bfloat16" and "float32" in factors
+
     def value_check(self, p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None):
         bit = compare_bitwise(got, want) if mask is None else compare_bitwise(
             np.where(mask, got, want) if got is not None and np.shape(got) == np.shape(want)
@@ -661,7 +673,8 @@ class _Check:
         if bit is None:
             self.settle(p, r, output, "exact", None, None, None)
             return
-        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc_for(p), mask)
+        msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc_for(p), mask,
+                                 self.narrowed(p))
         if np.isfinite(ratio):
             self.v.worst[p] = max(self.v.worst.get(p, (0.0, 0.0)), (ratio, u))
         reason = {"combine": "combine summation order",
@@ -833,7 +846,8 @@ class _Check:
         ex64, ab, n = _weight_grad_exact(gos, ys, res, case.topk)
         for r in range(R):
             msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32",
-                                     self.acc_for("weight_grad"))
+                                     self.acc_for("weight_grad"), None,
+                                     self.narrowed("weight_grad"))
             if np.isfinite(ratio):
                 v.worst["weight_grad"] = max(v.worst.get("weight_grad", (0.0, 0.0)), (ratio, u))
             level = "exact" if r not in bad else (None if msg else "bounded")

@@ -112,6 +112,7 @@ class ModeResult:
     refused_cases: dict = field(default_factory=dict)  # feature key -> refused draws
     world_sizes: collections.Counter = field(default_factory=collections.Counter)  # checked
     corners: int = 0  # corner cases run before the random draws
+    first_failed_at: int | None = None  # the example (1-based, corners first) that failed first
     check_errors: bool = False
     accumulate: str = "float32"
     failure: Verdict | None = None
@@ -284,7 +285,7 @@ class SuiteResult:
             "modes": {m: {"meets": self.met(m), "problem": r.problem,
                           "capabilities": r.capabilities.describe() if r.capabilities else None,
                           "accumulate": r.accumulate, "check_errors": r.check_errors,
-                          "corner_cases": r.corners,
+                          "corner_cases": r.corners, "first_failed_at": r.first_failed_at,
                           "world_sizes_checked": dict(sorted(r.world_sizes.items())),
                           "not_exact": dict(r.not_exact), "redrawn": dict(r.redrawn),
                           "worst": {p: list(w) for p, w in r.worst.items()}}
@@ -626,6 +627,8 @@ class _ModeRun:
         self.generated += 1
         self.vr.progress(1)
         self.mr.count(v)
+        if v.failed and self.mr.first_failed_at is None:
+            self.mr.first_failed_at = self.generated
 
     def prop(self, case):
         """The hypothesis property: raises _CaseFailed on a failure of the first failing
