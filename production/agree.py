@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather, resolve_group, small_device
+from .device import mark_host, to_host
 from epkit.reference.errors import Reason, error
 
 __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", "serial",
@@ -190,6 +191,8 @@ def agree(group, words: list[int], what: str, cause: Optional[BaseException] = N
     else:
         mine = torch.tensor(words, dtype=torch.int64, device=dev)
     gathered = torch.empty(R * HEADER, dtype=torch.int64, device=dev)
+    if dev.type == "cpu":  # a CPU backend's memory: host memory on the device path too
+        mark_host(gathered)
     all_gather(gathered, mine, group, what)
     h = gathered.view(R, HEADER)
     if capturing:
@@ -197,7 +200,7 @@ def agree(group, words: list[int], what: str, cause: Optional[BaseException] = N
         state.pending.append((group_error_tensor(h), h))
         state.seq += 1
         return
-    rows = h.tolist()  # the one host read (on gloo: host memory already)
+    rows = to_host(h).tolist()  # on a CPU backend host memory already; NCCL alone: a wait
     _raise(state, group_error(rows), [row[W_SEQ] for row in rows], cause)
 
 
@@ -214,9 +217,9 @@ def raise_pending(group) -> None:
     state = _state(group if group is not None else resolve_group(None))
     pending, state.pending = state.pending, []
     for err, h in pending:
-        code, rank, a, b = err.tolist()
+        code, rank, a, b = to_host(err).tolist()
         if code:
-            state.seq = max(state.seq, max(h[:, W_SEQ].tolist()) + 1)
+            state.seq = max(state.seq, max(to_host(h[:, W_SEQ]).tolist()) + 1)
             raise error(rank, code, a, b)
 
 

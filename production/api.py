@@ -27,6 +27,7 @@ from .agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, he
                          serial, tensor_error)
 from .collectives import CODES as EXCHANGE_CODES
 from .collectives import dtype_code, group_name, is_group, resolve_group
+from .device import device_path
 from .workspace import Workspace
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
@@ -376,7 +377,7 @@ class Dispatcher:
                               pre_error + [max_tokens], pl.code)
         # CUDA static: the shape that sizes the plan's host mirror without a host wait.
         shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
-                 if static and x.is_cuda else None)
+                 if static and device_path(x) else None)
         plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
                                   EXCHANGE_CODES[self.exchange], max_tokens, shape, factor,
                                   topk_idx if code == Reason.OK else None, G)
@@ -395,7 +396,8 @@ class Dispatcher:
             M = R * max_tokens * per + L * (align - 1)
         else:
             # The one host read of a dispatch (on CPU the plan is host memory already).
-            SB, N, M = ops.host_plan(plan)[[ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
+            hp = ops.host_plan(plan)  # (single words: views of the mirror, host memory)
+            SB, N, M = (int(hp[f]) for f in (ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS))
         build = functools.partial(self._result, seq, x, topk_idx, topk_weights, plan)
         if self.exchange == "lazy":
             return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),

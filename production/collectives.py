@@ -112,8 +112,28 @@ def small_device(group) -> torch.device:
     alone, which takes no CPU tensor: reading the words back is then a host wait)."""
     backend = str(dist.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
+        _warn_nccl_only(backend)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_WARNED_NCCL_ONLY = False
+
+
+def _warn_nccl_only(backend: str) -> None:
+    """Once per process: an NCCL-only group makes every call header a host wait (docs/design.md,
+    "Host reads"), which ``cpu:gloo,cuda:nccl`` avoids."""
+    global _WARNED_NCCL_ONLY
+    if _WARNED_NCCL_ONLY:
+        return
+    _WARNED_NCCL_ONLY = True
+    import warnings
+
+    warnings.warn(f"epkit: the process group's backend is {backend!r}, with no CPU backend: every "
+                  "epkit call's header (dispatch, combine, both backward passes) is then a CUDA "
+                  "tensor read on the host, one host wait per call. init_process_group("
+                  "'cpu:gloo,cuda:nccl') carries the headers over gloo, and leaves a dispatch "
+                  "its one wait and combine and the backward passes none", stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """epkit on CUDA: where the plan lives, the one host wait, and the lazy form's side stream.
 
-On CPU every function here is the identity or a no-op, so the CPU path does what it always did.
+Off the *device path* (:func:`device_path`: CUDA tensors, or any tensor not in host memory under
+``EPKIT_KERNELS=triton``, where the interpreted Triton kernels stand in for the GPU's) every
+function here is the identity or a no-op, so the default CPU path does what it always did. On
+it, every host read of device memory goes through :func:`to_host`, which
+:func:`count_host_reads` counts (epkit/hostreads.py; docs/design.md, "Host reads").
 
 **The plan.** ``count_exchange`` all-gathers the count words on their device (NCCL) and computes
 the plan there (``epkit::plan`` has a CUDA kernel), so on CUDA the plan is a device tensor that
@@ -38,83 +42,191 @@ from typing import Optional
 
 import torch
 
-__all__ = ["HOST", "host_plan", "count_exchange", "check_static", "unpack_status",
-           "UnpackMismatch", "Side"]
+__all__ = ["HOST", "device_path", "mark_host", "is_host", "to_host", "host_plan",
+           "count_exchange", "check_static", "unpack_status", "UnpackMismatch", "Side",
+           "count_host_reads"]
 
 HOST = "_epkit_host"  # attribute of a device plan: its host mirror
+HOST_MEMORY = "_epkit_host_memory"  # attribute of a tensor in host memory on the device path
+
+
+def device_path(t) -> bool:
+    """Whether ``t`` is device memory as far as epkit's Python is concerned, so that reading it
+    on the host is a wait (the *device path*): a CUDA tensor, or, with the Triton kernels
+    registered for CPU (``EPKIT_KERNELS=triton``, interpreted), any CPU tensor not marked as
+    host memory (:func:`mark_host`: the plan's mirror, the call header on a CPU backend). So
+    the interpreted path takes the CUDA path's branches: the plan's host mirror, no host read
+    of a device word except through :func:`to_host`. Streams, graphs and NCCL stay keyed on
+    real CUDA (``t.is_cuda``)."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and _interpreted() and not is_host(t)
+
+
+def _interpreted() -> bool:
+    from . import triton
+
+    return "CPU" in triton.registered_keys()
+
+
+def mark_host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` (and so its views) as host memory on the device path; returns ``t``."""
+    setattr(t, HOST_MEMORY, True)
+    return t
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """``t`` or the tensor it views was marked by :func:`mark_host`."""
+    base = t._base
+    return getattr(t, HOST_MEMORY, False) or (base is not None and
+                                              getattr(base, HOST_MEMORY, False))
+
+
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself off the device path (CPU, the mirror), else a copy, a
+    host wait on CUDA (into pinned memory with ``pinned``; a plain CPU copy stands in on the
+    interpreted path). Every host read of device memory epkit means to make goes through here,
+    so :func:`count_host_reads` counts it."""
+    if not device_path(t):
+        return t
+    from . import hostreads
+
+    hostreads.record("to_host", t)
+    with hostreads.quiet():
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            host.copy_(t)  # blocking device-to-host copy: the host waits for the stream here
+        else:
+            host = t.clone()
+    return mark_host(host)
+
+
+def count_host_reads():
+    """A context counting the host reads of device memory on the device path (epkit/hostreads.py)."""
+    from .hostreads import count_host_reads as counting
+
+    return counting()
 
 
 def host_plan(plan: torch.Tensor) -> torch.Tensor:
-    """The plan's words on the host: the plan itself on CPU; on CUDA its mirror (a copy with a
-    host wait, should a plan have lost it: correct, and caught by the sync-count tests)."""
-    if plan.device.type == "cpu":
+    """The plan's words on the host: the plan itself on CPU; on the device path its mirror (a
+    copy with a host wait, should a plan have lost it: correct, and counted by
+    :func:`count_host_reads`)."""
+    if not device_path(plan):
         return plan
     mirror = getattr(plan, HOST, None)
-    return mirror if mirror is not None else plan.cpu()
+    return mirror if mirror is not None else to_host(plan)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t)  # blocking device-to-host copy: the host waits for the stream here
-    return host
+    return to_host(t, pinned=True)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in pinned memory where there is CUDA (else itself), marked as host."""
+    return mark_host(t.pin_memory() if torch.cuda.is_available() else t)
+
+
+TEMPLATE = "_epkit_template"  # attribute of a mirror that is a routing-free template
+
+
+def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
+    """The plan (CPU kernel) of a routing-free template, as a host mirror: every rank with zero
+    counts and ``shape`` = ``[H, K, dtype code, payload]``: exactly the plan's
+    routing-independent words (ranks, experts, capacity, the static caps). Marked as a template
+    (:data:`TEMPLATE`: epkit.moves.may_drop then answers "a capacity is set")."""
+    from . import ops
+    from epkit.reference import abi
+
+    template = mark_host(torch.zeros((R, W), dtype=torch.int64))
+    F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
+    for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
+        template[:, F[field]] = int(value)
+    mirror = mark_host(ops.C.plan(template, *args))
+    setattr(mirror, TEMPLATE, True)
+    return mirror
 
 
 def count_exchange(words: torch.Tensor, group, rank: int, num_experts: int, align: int,
                    capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
                    static_shape: Optional[list] = None,
-                   topk_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   topk_idx: Optional[torch.Tensor] = None,
+                   capacity_factor: float = -1.0) -> torch.Tensor:
     """``epkit::count_exchange`` for device words: the device plan with its host mirror attached;
     raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
 
-    dedup with capacity drops: the second all-gather of the token rows (ops.token_rows_gather)
-    and the plan again; eager: when the mirror shows drops (a second host wait then); static:
-    whenever a capacity is set, with no host read (the words equal tokens_per_rank when nothing
-    was dropped, so the plan is the same)."""
+    Host reads (docs/design.md, "Host reads"): one for an eager exchange, the mirror. dedup with
+    a capacity gathers the token rows (ops.token_rows_gather) and plans again whether or not a
+    slot was dropped (the words equal tokens_per_rank when nothing was, so the plan is the
+    same), so the one copy carries the final plan and the first plan's error words. A
+    ``capacity_factor`` needs the gathered counts on the host: they are the one read, and the
+    plan is made there (a second read only for dedup's token rows when a slot was dropped).
+    static: no host read, unless a ``capacity_factor`` is set."""
     import torch.distributed as dist
 
     from . import ops
     from .collectives import all_gather
-    from epkit.reference import abi
     from epkit.reference.errors import error
 
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
+    host_words = None
+    if capacity_factor > 0:  # the gathered counts decide the capacity: read them once
+        host_words = _pinned_copy(gathered).view(R, -1)
+        capacity = ops._factor_capacity(host_words, num_experts, capacity_factor)
     args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
     static = max_tokens_per_rank >= 0
+    planned_rows = False  # dedup's token rows gathered and planned already
     if static:
         plan = ops.C.plan(gathered.view(R, -1), *args)
         if static_shape is None:
             raise ValueError("epkit: the static exchange on CUDA needs the dispatch's static_shape "
                              "[H, K, dtype code, payload] to size its chunks without a host wait")
-        H, K, dtype_code, payload = (int(v) for v in static_shape)
-        template = torch.zeros((R, words.shape[0]), dtype=torch.int64)
-        F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
-        for field, value in (("hidden", H), ("topk", K), ("x_dtype", dtype_code),
-                             ("payload", payload)):
-            template[:, F[field]] = value
-        mirror = ops.C.plan(template, *args)  # the CPU kernel: routing-independent words
+        mirror = _template(R, words.shape[0], args, static_shape)
         if transport == ops.DEDUP and capacity >= 0:
             setattr(plan, HOST, mirror)  # may_drop: a capacity is set
             words2 = ops.token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
             plan = ops.C.plan(words2, *args)
-    elif os.environ.get("EPKIT_HOST_PLAN") == "1":
-        mirror = ops.C.plan(_pinned_copy(gathered).view(R, -1), *args).pin_memory()
-        plan = mirror.to(words.device, non_blocking=True)
+    elif host_words is not None or os.environ.get("EPKIT_HOST_PLAN") == "1":
+        if host_words is None:
+            host_words = _pinned_copy(gathered).view(R, -1)  # the one host wait
+        mirror = _pinned(ops.C.plan(host_words, *args))
+        plan = (mirror.to(words.device, non_blocking=True) if words.is_cuda else mirror.clone())
+    elif transport == ops.DEDUP and capacity >= 0:
+        first = ops.C.plan(gathered.view(R, -1), *args)
+        setattr(first, HOST, _template(R, words.shape[0], args))  # may_drop: a capacity is set
+        plan = ops.C.plan(ops.token_rows_gather(gathered, first, topk_idx, group, R,
+                                                num_experts), *args)
+        # the one host wait: the first plan's error words (the group's error, raised before
+        # anything that the token rows' plan might say) and the final plan, in one copy
+        both = _pinned_copy(torch.cat([first[: ops.ERR_RANK + 1], plan]))
+        _raise(both, error)
+        mirror = both[ops.ERR_RANK + 1:]
+        planned_rows = True
     else:
         plan = ops.C.plan(gathered.view(R, -1), *args)
         mirror = _pinned_copy(plan)  # the one host wait of an eager dispatch
     setattr(plan, HOST, mirror)
     if not static:
-        code = int(mirror[ops.ERR_CODE])
-        if code:
-            raise error(int(mirror[ops.ERR_RANK]), code, int(mirror[ops.ERR_A]),
-                        int(mirror[ops.ERR_B]))
-        if transport == ops.DEDUP and int(mirror[ops.DROPPED_ANY]):
+        _raise(mirror, error)
+        if transport == ops.DEDUP and not planned_rows and int(mirror[ops.DROPPED_ANY]):
             words2 = ops.token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
             plan = ops.C.plan(words2, *args)
             setattr(plan, HOST, _pinned_copy(plan))  # a second host wait, only with drops
     return plan
+
+
+def _raise(mirror: torch.Tensor, error) -> None:
+    """Raise the error the plan's host words carry, if any."""
+    from . import ops
+
+    code = int(mirror[ops.ERR_CODE])
+    if code:
+        raise error(int(mirror[ops.ERR_RANK]), code, int(mirror[ops.ERR_A]),
+                    int(mirror[ops.ERR_B]))
 
 
 class UnpackMismatch(RuntimeError):
@@ -153,7 +265,7 @@ def unpack_status(device=None, clear: bool = True) -> int:
     word = _status_word(torch.device(device))
     if word is None:
         return 0
-    bits = int(word.item())
+    bits = int(to_host(word)[0])
     if bits and clear:
         word.zero_()
     return bits
@@ -176,7 +288,7 @@ def check_static(dispatch_or_plan) -> None:
     word = _status_word(plan.device)
     if word is not None:  # one copy to the host: the error words and the status together
         head = torch.cat([head, word.to(torch.int64)])
-    words = head.tolist()
+    words = to_host(head).tolist()
     code, a, b, rank = words[:4]
     if code:
         raise error(int(rank), int(code), int(a), int(b))

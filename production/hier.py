@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .device import mark_host, to_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
 from .collectives import all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
@@ -225,10 +226,14 @@ def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str
     """The count exchange's hier all-gather, and ``reference.hier.plan`` on its result (raises
     EQUAL_NONUNIFORM on every rank alike)."""
     L, N = E // R, R // G
-    mine = _counts_of(kept, R, L, G).to(small_device(group))
+    mine, dev = _counts_of(kept, R, L, G), small_device(group)
+    if dev.type == "cpu":  # a CPU backend carries them: from the device, one host read
+        mine = to_host(mine)
     got = mine.new_empty((R * mine.shape[0],))
+    if dev.type == "cpu":
+        mark_host(got)
     all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
-    w = got.view(R, -1).cpu().numpy().astype(np.int64)
+    w = to_host(got).view(R, -1).numpy().astype(np.int64)
     c = spec.NodeCounts(tokens=w[:, :R], multi=w[:, R:2 * R], slots=w[:, 2 * R:3 * R],
                         node_tokens=w[:, 3 * R:3 * R + N], node_multi=w[:, 3 * R + N:])
     # reference.hier.plan reads the group's ranks_per_node and exchange only

@@ -13,7 +13,7 @@ import torch
 
 from . import _build, workspace
 from .collectives import all_gather, all_to_all, group_from_name
-from .device import host_plan
+from .device import TEMPLATE, device_path, host_plan, mark_host
 from .plan import *  # noqa: F401,F403  (the plan's word positions)
 from .plan import _F
 
@@ -63,10 +63,11 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
 
 def may_drop(plan: torch.Tensor) -> bool:
     """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
-    ``DROPPED_ANY``; under the static exchange on CUDA, whose host mirror is a routing-free
-    template (epkit/device.py), whether a capacity is set at all."""
+    ``DROPPED_ANY``; where the host mirror is a routing-free template (epkit/device.py: the
+    static exchange on the device path, and the token-row gather before the one host read),
+    whether a capacity is set at all."""
     hp = host_plan(plan)
-    if plan.is_cuda and int(hp[STATIC_CAP]) >= 0:
+    if getattr(hp, TEMPLATE, False):
         return int(hp[_F["capacity"]]) >= 0
     return bool(int(hp[DROPPED_ANY]))
 
@@ -121,7 +122,8 @@ def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, topk_idx, grou
     got = gathered.new_empty((R * R,))
     all_gather(got, rows.to(gathered.device).contiguous(), group,
                "epkit.dispatch (count exchange: token rows)")
-    if not got.is_cuda:  # (on CUDA a host read; there the plan kernel sees negative words)
+    if not device_path(got):  # (on the device a host read; there the plan kernel sees the
+        # negative words)
         if bool((got < 0).any()):
             raise ValueError("epkit.count_exchange: capacity dropped slots and a rank gave no "
                              "topk_idx, which the dedup transport's token rows need")
@@ -143,25 +145,48 @@ def _back_layout(hp, per: int):
     return min(slot, per * tok), 0
 
 
+def _ragged_bounds(hp, per: int) -> list:
+    """dedup's ragged way back on the device path: ``[send, recv]`` rows per peer from the
+    plan's host words alone, ``min(slot rows, per * token rows)`` of each chunk (the expert
+    side sends to s what it received from s; the source receives from d what it sent d). Exact
+    for ``per = 1`` (float32: a unit per token row) and whenever no token row has more than
+    ``per`` kept slots; else a bound, the rest of the chunk unread padding. The exact counts
+    (``min(n, per)`` summed) live only on the device: reading them is a host wait per combine
+    and backward pass, which this avoids."""
+    sl = plan_slices(int(hp[RANKS]), int(hp[EXPERTS]))
+
+    def chunks(rows, slots):
+        return [min(s, per * r) for r, s in zip(hp[sl[rows]].tolist(), hp[sl[slots]].tolist())]
+
+    return [chunks("recv_counts", "recv_slots"), chunks("send_counts", "send_slots")]
+
+
 def _row_chunks(hp, n: int, recv: bool) -> torch.Tensor:
     """``[n] int64``: the peer (chunk) of each row of the dispatch's row space (``recv``: the
     received rows, else the sent ones): compact along the plan's counts, or static chunks."""
     R = int(hp[RANKS])
     if int(hp[STATIC_CAP]) >= 0:
-        return torch.arange(n) // (1 + int(hp[STATIC_CAP]))
+        return mark_host(torch.arange(n) // (1 + int(hp[STATIC_CAP])))
     counts = hp[plan_slices(R, int(hp[EXPERTS]))["recv_counts" if recv else "send_counts"]]
-    return torch.repeat_interleave(torch.arange(R), counts.cpu(), output_size=n)
+    return mark_host(torch.repeat_interleave(torch.arange(R), counts.cpu(), output_size=n))
 
 
 def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
     """Where the way back puts each token row's rows. ``u [n]``: rows of each token row (row
-    space order, chunk-major), ``chunk_of [n]``: its peer. Returns ``(pos [n, per] int64``: the
-    way-back row of its i-th row, -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
+    space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact), the rows
+    of every chunk (fixed chunks), or a list of each peer's chunk rows (bounded chunks, from
+    the plan's host words). Returns ``(pos [n, per] int64``: the way-back row of its i-th row,
+    -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
     per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
     base = torch.cumsum(u, 0) - u                                    # compact: rows before it
-    if chunk is not None:                                            # fixed chunks
+    if chunk is not None:                                            # fixed or bounded chunks
         first = torch.cumsum(per_chunk, 0) - per_chunk
-        base = chunk_of * chunk + hdr + base - first[chunk_of]
+        if isinstance(chunk, list):
+            starts = mark_host(torch.tensor([sum(chunk[:p]) for p in range(R)]))
+            start = starts.to(u.device)[chunk_of]
+        else:
+            start = chunk_of * chunk
+        base = start + hdr + base - first[chunk_of]
     i = torch.arange(per, device=u.device)
     return torch.where(i < u.unsqueeze(1), base.unsqueeze(1) + i, -1), per_chunk
 
@@ -208,19 +233,24 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     per = 4 // expert_y.dtype.itemsize
     N = recv_map.shape[0]
     chunk, hdr = _back_layout(hp, per)
+    # ragged on the device path: each peer's chunk from the plan's host words (no host read)
+    bounds = _ragged_bounds(hp, per) if chunk is None and device_path(expert_y) else None
     # expert side: each received token row's first unit, laid out for the variant
     u = (recv_map >= 0).sum(1).clamp(max=per)
-    first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1, chunk, hdr)
-    total = int(send.sum()) if chunk is None else R * chunk
+    first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1,
+                                  chunk if bounds is None else bounds[0], hdr)
+    total = (R * chunk if chunk is not None else sum(bounds[0]) if bounds is not None
+             else int(send.sum()))
     buf = workspace.empty(workspace.allocator(ws, workspace.SEND), (total, expert_y.shape[1]),
                           expert_y.dtype, expert_y)
     C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
     # source side: where each of its token rows' units arrive
     S = int(hp[SEND_ROWS])
     u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
-    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, 1, chunk,
-                               hdr)
-    sizes = ([send.tolist(), recv.tolist()] if chunk is None else [[chunk] * R] * 2)
+    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, 1,
+                               chunk if bounds is None else bounds[1], hdr)
+    sizes = ([[chunk] * R] * 2 if chunk is not None else bounds if bounds is not None
+             else [send.tolist(), recv.tolist()])
     move = all_to_all(buf, *sizes, group_from_name(group_name),
                       "ragged" if chunk is None else "equal", chunk or 0, async_op=async_op,
                       what=what, alloc=workspace.allocator(ws, workspace.RECV))

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from . import _build
-from .device import host_plan
+from .device import device_path, host_plan
 from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header, serial)
 from .collectives import all_gather, dtype_code, group_from_name
 from .workspace import RECV, SEND, allocator
@@ -71,16 +71,12 @@ def _count_exchange(words, group_name, rank, num_experts, align, capacity, trans
     import torch.distributed as dist
 
     group = group_from_name(group_name)
-    if words.is_cuda:
+    if device_path(words):  # CUDA, or the interpreted Triton kernels standing in for it
         from . import device
 
-        if capacity_factor > 0:  # the gathered counts decide the capacity: read them once
-            R = dist.get_world_size(group)
-            gathered = words.new_empty((R * words.shape[0],))
-            all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
-            capacity = _factor_capacity(gathered.view(R, -1).cpu(), num_experts, capacity_factor)
         return device.count_exchange(words, group, rank, num_experts, align, capacity, transport,
-                                     exchange, max_tokens_per_rank, static_shape, topk_idx)
+                                     exchange, max_tokens_per_rank, static_shape, topk_idx,
+                                     capacity_factor)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
@@ -102,7 +98,8 @@ def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) ->
 
     from epkit.reference.errors import MAX_CAPACITY
 
-    used = int(gathered[:, WORD_HEADER:WORD_HEADER + num_experts].sum())
+    # summed in Python from the words as read: host memory on every path, no tensor made
+    used = sum(map(sum, gathered[:, WORD_HEADER:WORD_HEADER + num_experts].tolist()))
     return min(capacity_from_factor(used, num_experts, factor), MAX_CAPACITY)  # huge: keeps all
 
 
@@ -175,7 +172,7 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
     if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
-    SB, N, M = hp[[SEND_BYTES, RECV_ROWS, EXPERT_ROWS]].tolist()
+    SB, N, M = (int(hp[f]) for f in (SEND_BYTES, RECV_ROWS, EXPERT_ROWS))  # views of the mirror
     return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
                              SB, N, M, workspace), plan)
 
