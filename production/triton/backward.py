@@ -145,6 +145,107 @@ def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight
     return grad_y, grad_w
 
 
+# ---- the weight gradients' way back ----------------------------------------------------------
+TAKE_BLOCK = 4096 if INTERPRETED else 1024
+
+
+@triton.jit
+def _take_kernel(values, index, out, N, V, BLOCK: tl.constexpr):
+    """out[i] = values[index[i]] for index[i] in [0, V), else 0 (both [N] int32 views of
+    float32: moved as bits)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    i = tl.load(index + offs, mask=m, other=-1)
+    ok = m & (i >= 0) & (i < V)
+    tl.store(out + offs, tl.load(values + i, mask=ok, other=0), mask=m)
+
+
+def _take(values: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
+    out = torch.empty(shape, dtype=torch.float32, device=values.device)
+    n = out.numel()
+    launch(_take_kernel, (cdiv(n, TAKE_BLOCK),), values.contiguous().view(torch.int32),
+           index.contiguous(), out.view(torch.int32), n, values.numel(), BLOCK=TAKE_BLOCK)
+    return out
+
+
+def gather_slot_values(values: torch.Tensor, recv_map: torch.Tensor, first: torch.Tensor,
+                       out_rows: int) -> torch.Tensor:
+    """cpu/backward.cpp gather_slot_values_cpu. values [M] float32 (one per expert-major row),
+    recv_map [N, C] int64, first [N] int64 -> out [out_rows] float32: received row n's entries
+    that name a row (c ascending) at first[n], first[n] + 1, ...; every other place 0.
+    Output-indexed: a place's source entry comes from an integer scatter, then one take."""
+    op = "epkit.gather_slot_values"
+    B = out_rows
+    ck.check_gather_slot_values_args(values, recv_map, first, B)
+    recv_map, first = recv_map.contiguous(), first.contiguous()
+    M = values.numel()
+    named = recv_map != -1
+    at = first[:, None] + named.cumsum(1) - 1  # C++: at = first[n], then ++ per named entry
+    in_map = (recv_map >= 0) & (recv_map < M)
+    placed = (at >= 0) & (at < B)
+    if ck.on_host(recv_map):
+        i = ck.first_bad(named & ~(in_map & placed))
+        if i >= 0:
+            n, c = divmod(i, recv_map.shape[1])
+            if not bool(in_map.reshape(-1)[i]):
+                ck.check_map_range(op, "recv_map", recv_map, M, "entries of values")
+            ck.fail(op, f"first[{n}] = {int(first[n])} places entry {c} of row {n} at "
+                        f"{int(at[n, c])}, outside [0, {B}) (out_rows)")
+    good = in_map & placed
+    src = torch.full((B + 1,), -1, dtype=torch.int64, device=values.device)  # [B]: a sink
+    src.scatter_(0, torch.where(good, at, B).reshape(-1),
+                 torch.where(good, recv_map, -1).reshape(-1))
+    return _take(values, src[:B], (B,))
+
+
+def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Tensor,
+                        first: torch.Tensor, num_experts: int, num_ranks: int,
+                        transport: int) -> torch.Tensor:
+    """cpu/backward.cpp scatter_slot_values_cpu. back [B] float32 (as gather_slot_values laid it
+    out), send_map [T, C] int64, topk_idx [T, K] integer (the kept routing), first [S] int64
+    -> out [T, K] float32: slot (t, k) to rank d = e / L reads back[first[r] + rank], r =
+    send_map[t, k] (pairs, rank 0) or send_map[t, d] (dedup, rank = its place among t's kept
+    slots on d, k ascending: from a stable sort by d); 0 for unused and dropped slots."""
+    op = "epkit.scatter_slot_values"
+    E, R = num_experts, num_ranks
+    ck.check_scatter_slot_values_args(back, send_map, topk_idx, first, E, R, transport)
+    send_map, first = send_map.contiguous(), first.contiguous()
+    idx = topk_idx.to(torch.int64).contiguous()
+    T, K = idx.shape
+    L, S, B = E // R, first.shape[0], back.shape[0]
+    pairs = transport == ck.PAIRS
+    ok_e = (idx >= 0) & (idx < E)
+    d = torch.where(ok_e, idx // L, R)
+    if pairs:
+        r, rank = send_map, torch.zeros_like(idx)
+    else:
+        r = torch.gather(send_map, 1, d.clamp(max=R - 1))
+        ds, order = torch.sort(d, dim=1, stable=True)
+        i = torch.arange(K, device=idx.device).expand(T, K)
+        prev = torch.cat([torch.full_like(ds[:, :1], -1), ds[:, :-1]], 1)
+        q = i - torch.where(ds != prev, i, 0).cummax(1).values  # place among t's slots on d
+        rank = torch.empty_like(q).scatter_(1, order, q)
+    ok_r = (r >= 0) & (r < S)
+    f = first[r.clamp(0, max(S - 1, 0))] if S > 0 else torch.zeros_like(r)
+    at = f + rank
+    fits = (f >= 0) & (at < B)
+    if ck.on_host(back):
+        bad_e = ~ok_e & (idx != -1)
+        bad_r = ok_e & ~ok_r & (r != -1)
+        j = ck.first_bad(bad_e | bad_r | (ok_e & ok_r & ~fits))
+        if j >= 0:
+            t, k = divmod(j, K)
+            if bool(bad_e.reshape(-1)[j]):
+                ck.check_expert_range(op, idx, E)
+            if bool(bad_r.reshape(-1)[j]):
+                entry = j if pairs else t * send_map.shape[1] + int(idx[t, k]) // L
+                ck.fail(op, f"send_map entry {entry} is {int(r[t, k])}, outside [-1, {S}) "
+                            "(rows of first)")
+            ck.fail(op, f"first[{int(r[t, k])}] = {int(f[t, k])} places slot ({t}, {k}) at "
+                        f"{int(at[t, k])}, outside [0, {B}) (rows of back)")
+    return _take(back, torch.where(ok_e & ok_r & fits, at, -1), (T, K))
+
+
 # ---- what the compile gate compiles ---------------------------------------------------------
 def _ptr(bf16: bool) -> str:
     return "*i16" if bf16 else "*i32"
@@ -161,3 +262,6 @@ for _gb in (True, False):
                  "G_BF16": "constexpr", "Y_BF16": "constexpr", "WEIGHTED": "constexpr",
                  "ROWS": "constexpr"},
                 {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "ROWS": ROWS})
+specialization("backward.take", _take_kernel,
+               {"values": "*i32", "index": "*i64", "out": "*i32", "N": "i32", "V": "i32",
+                "BLOCK": "constexpr"}, {"BLOCK": TAKE_BLOCK})

@@ -79,3 +79,75 @@ def test_combine_backward_dest_past_2_31_bytes(cpp):
     got, want = tb.combine_backward_dest(recv, rmap, w, y, True), \
         cpp.combine_backward_dest(recv, rmap, w, y, True)
     assert same(got[0], want[0]) and same(got[1], want[1])
+
+
+# ---- the weight gradients' way back -------------------------------------------------------------
+def slot_layout(rng, counts, gaps):
+    """first [len(counts)] (-1 where nothing is placed) and the buffer's length."""
+    first = np.full(len(counts), -1, np.int64)
+    at = 0
+    for n, k in enumerate(counts):
+        at += int(rng.integers(0, 3)) if gaps else 0
+        if k:
+            first[n], at = at, at + int(k)
+    return torch.from_numpy(first), at + (1 if gaps else 0)
+
+
+@pytest.mark.parametrize("N,C,M", [(0, 3, 4), (13, 1, 20), (17, 5, 60)])
+def test_gather_slot_values(cpp, N, C, M):
+    rng = np.random.default_rng(N + C)
+    rmap = random_map(rng, N, C, M, min(N * C, M) // 2 + (N > 0))
+    values = special(rng, (M,), torch.float32)  # NaN payloads travel as they are
+    for gaps in (False, True):
+        first, B = slot_layout(rng, (rmap >= 0).sum(1).tolist(), gaps)
+        got = tb.gather_slot_values(values, rmap, first, B)
+        assert same(got, cpp.gather_slot_values(values, rmap, first, B))
+
+
+@pytest.mark.parametrize("transport", [PAIRS, DEDUP])
+@pytest.mark.parametrize("T,K", [(0, 4), (21, 6), (9, 1)])
+def test_scatter_slot_values(cpp, transport, T, K):
+    rng = np.random.default_rng(T * 10 + K + transport)
+    R, L = 4, 3
+    idx, smap, _, _, E = source_side(rng, T, R, L, K, 1, torch.float32, transport, False)
+    if transport == PAIRS:  # a value per send row
+        counts = [1] * (int(smap.max()) + 1 if smap.numel() else 0)
+    else:  # a value per kept slot of the token row
+        counts = [0] * (int(smap.max()) + 1 if smap.numel() else 0)
+        for t in range(T):
+            for d in range(R):
+                if smap[t, d] >= 0:
+                    counts[smap[t, d]] = int(((idx[t] >= 0) & (idx[t] // L == d)).sum())
+    for gaps in (False, True):
+        first, B = slot_layout(rng, counts, gaps)
+        back = special(rng, (B,), torch.float32)
+        for ids in (idx, idx.to(torch.int32)):
+            args = (back, smap, ids, first, E, R, transport)
+            assert same(tb.scatter_slot_values(*args), cpp.scatter_slot_values(*args))
+
+
+def test_slot_values_refuse_what_cpp_refuses(cpp):
+    rmap = torch.tensor([[0, -1, 2], [1, -1, -1]])
+    values, first = torch.arange(3.0), torch.tensor([0, 2])
+    gather_cases = [((values, rmap, first, 2), r"first\[1\] = 2 places entry 0 of row 1 at 2"),
+                    ((values, torch.tensor([[0, -1, 8], [1, -1, -1]]), first, 4),
+                     r"recv_map entry 2 is 8, outside \[-1, 3\)"),
+                    ((values, rmap, first[:1], 4), "first must have size")]
+    for args, match in gather_cases:
+        for impl in (cpp, tb):
+            with pytest.raises(RuntimeError, match=match):
+                impl.gather_slot_values(*args)
+    idx = torch.tensor([[0, 5, -1], [3, 1, 2]])  # E = 6, R = 2: L = 3
+    smap = torch.tensor([[0, 1], [2, -1]])
+    back, sfirst = torch.arange(6.0), torch.tensor([0, 1, 2])
+    scatter_cases = [((back[:3], smap, idx, sfirst, 6, 2, DEDUP),  # row 2's 2 values at 2, 3
+                      r"first\[2\] = 2 places slot \(1, 2\) at 3, outside \[0, 3\)"),
+                     ((back, smap, torch.tensor([[0, 6, -1], [3, 1, 2]]), sfirst, 6, 2, DEDUP),
+                      r"topk_idx entry 1 is 6, outside \[-1, 6\)"),
+                     ((back, torch.tensor([[0, 7], [2, -1]]), idx, sfirst, 6, 2, DEDUP),
+                      r"send_map entry 1 is 7, outside \[-1, 3\)"),
+                     ((back, smap, idx, sfirst, 6, 3, DEDUP), "one column per rank")]
+    for args, match in scatter_cases:
+        for impl in (cpp, tb):
+            with pytest.raises(RuntimeError, match=match):
+                impl.scatter_slot_values(*args)
