@@ -216,6 +216,8 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
       K = E (every expert), every slot unused, one hot expert; NaN padding, special values
       (NaN, infinities, -0, subnormals in real rows) and special weights (0, -0, 1) in half
       of them;
+    - at the full world size, top-k wide: K = E = 40 (every slot past 16 used) and K = 255
+      (within ``max_topk``), two tokens per rank, H = 4;
     - at the full world size, tokens enough that each rank sends a peer more than 64, 128 and
       256 rows (the sizes of per-peer buffers), H = 4;
     - with ``check_errors``: one case per kind of invalid input (``VIOLATIONS``).
@@ -262,6 +264,19 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
                     special_weights=weighted and i % 4 < 2))
                 i += 1
     R = min(world_size, 4)
+    for j, K in enumerate(k for k in sorted({min(cap_k, 40), cap_k}) if k > 8):
+        # wide top-k: every slot past 16 used (K = E), then K = 255 with unused slots
+        E = R * -(-K // R) if j == 0 else R * -(-max(K, 256) // R)
+        E = min(E, R * (MAX_EXPERTS // R))
+        K = min(E, cap_k) if j == 0 else min(K, E)
+        out.append(Case(
+            world_size=R, num_experts=E, topk=K, hidden=block or 4,
+            tokens=(R,) * R if uniform else (2,) * R, dtype=FLOAT_DTYPES[j % 2],
+            y_dtype=FLOAT_DTYPES[j % 2], idx_dtype=idx_dtypes[0],
+            routing="uniform" if uniform else "random", unused_pct=0 if no_unused else 20 * j,
+            align=aligns[0], weighted=weights[-1 - j % len(weights)], payload=payload,
+            nan_padding=True, max_tokens=max(max_tokens, R), seed=2500 + j,
+            ranks_per_node=_nodes(mode, R), specials=j == 1, special_weights=j == 1))
     if R > 1:
         K = min(4, cap_k, R * 2)
         for rows in PEER_ROWS:

@@ -363,3 +363,29 @@ BUGS = {
 }
 VALID = ("reversed_rows", "padding_inside_segments", "int32_metadata", "garbage_padding",
          "flat_float32_order", "float64_sums", "titan_native")
+
+
+# -- refusals: a dispatcher that refuses several features, each by name ------------------------
+class RefusesMany(Validating):
+    """Refuses capacity, -1 slots, int32 ids and unweighted combines, each with a
+    NotImplementedError naming it (as torchtitan's dispatcher does), on every rank alike."""
+
+    def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
+        flag = torch.tensor([int((topk_idx < 0).any())])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if capacity is not None:
+            raise NotImplementedError("capacity (token dropping) is not supported")
+        if int(flag):
+            raise NotImplementedError("-1 (unused) slots are not supported")
+        if topk_idx.dtype == torch.int32:
+            raise NotImplementedError("int32 topk_idx is not supported")
+        return super().dispatch(x, topk_idx, topk_weights, num_experts=num_experts,
+                                align=align, capacity=capacity)
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        if not weighted:
+            raise NotImplementedError("unweighted combine is not supported")
+        return super().combine(expert_y, dispatched, weighted=weighted)
+
+
+refuses_many = RefusesMany

@@ -221,6 +221,8 @@ def test_the_corner_matrix_covers_every_combination(world):
         assert any(c.topk == 1 for c in plain) and any(c.topk == c.num_experts for c in plain)
         assert any(c.unused_pct == 100 for c in plain) and any(c.routing == "hot" for c in plain)
     assert any(c.specials for c in plain) and any(c.special_weights for c in plain)
+    assert any(c.topk == c.num_experts > 16 for c in plain)  # every slot past 16 used
+    assert any(c.topk == 255 for c in plain)
     big = [c for c in corners if max(c.tokens) >= 32]
     if world > 1:
         for rows in PEER_ROWS:  # some rank sends some peer more than `rows` rows

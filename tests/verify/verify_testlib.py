@@ -12,3 +12,4 @@ PLAIN = "epkit.verify.adapters:plain_torch"
 WORLD = 3
 GATE = str(HERE / "gate_adapters.py")
 TITAN = str(HERE / "titan_port.py")
+ESCAPES = str(HERE / "escape_adapters.py")
