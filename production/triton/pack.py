@@ -30,6 +30,8 @@ the buffer all zeros (as csrc/cuda/pack.cu did).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from epkit.reference import abi
@@ -135,8 +137,10 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     tok_h = [tokcap if tokcap >= 0 else c for c in p[sl["send_counts"]]]
     slot_h = [0] * R if pairs else [slotcap if slotcap >= 0 else c for c in p[sl["send_slots"]]]
     QA, QB = sum(tok_h), sum(slot_h)
+    align = math.gcd(B, SLOT, *p[sl["send_bytes"]])  # of every row's byte offset
     if any(nb != a * B + b * SLOT for nb, a, b in zip(p[sl["send_bytes"]], tok_h, slot_h)):
         send.zero_()  # bytes outside every row (no plan of epkit.plan has them): zeros
+        align = 1
 
     # The plan's routing words, on the device.
     pl = plan
@@ -176,7 +180,7 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
         words = torch.stack([_take(v, s) for v in (t, k, j, wbits)], 1)
         meta = torch.where(has[:, None], words, 0).to(torch.int32)
         byterows.write_rows(send, offA, B, x, torch.where(has, _take(t, s) * P, -1), P, meta,
-                            hdrA)
+                            hdrA, align=math.gcd(align, P))
         return send_map
 
     # dedup: kept slots per (token, destination); token rows by an exclusive cumsum over t.
@@ -194,7 +198,8 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     has, s = src >= 0, src.clamp(min=0)
     words = torch.stack([s // R, _take(n_td.reshape(-1), s)], 1)
     meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    byterows.write_rows(send, offA, B, x, torch.where(has, (s // R) * P, -1), P, meta, hdrA)
+    byterows.write_rows(send, offA, B, x, torch.where(has, (s // R) * P, -1), P, meta, hdrA,
+                        align=math.gcd(align, P))
 
     # Slot rows: chunk d's kept slots in (t, k) order, after its token section.
     u = _rank_in_key(torch.where(kept, d, R), R)
@@ -206,7 +211,8 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     words = torch.stack([code.to(torch.int64), _take(wbits, s)], 1)
     meta = torch.where(has[:, None], words, 0).to(torch.int32)
     hdrB = torch.where(ok & (posB == 0), nslots[dB], -1) if hdr else None
-    byterows.write_rows(send, offB, SLOT, x, torch.full_like(offB, -1), 0, meta, hdrB)
+    byterows.write_rows(send, offB, SLOT, x, torch.full_like(offB, -1), 0, meta, hdrB,
+                        align=align)
     return send_map
 
 
@@ -249,7 +255,8 @@ def _scatter_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) 
     frm = _place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
                                             device=src.device) // max(C, 1))
     off = torch.arange(S, dtype=torch.int64, device=src.device) * nbytes
-    byterows.write_rows(out, off, nbytes, src, torch.where(frm >= 0, frm * nbytes, -1), nbytes)
+    byterows.write_rows(out, off, nbytes, src, torch.where(frm >= 0, frm * nbytes, -1), nbytes,
+                        align=nbytes)
 
 
 def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ receives nothing and sets no bit (check_static raises the plan's error).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -275,7 +276,10 @@ def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, h
     expert_x = torch.empty((M, H), dtype=dtype, device=recv.device)
     src_off = torch.where(src >= 0, at[src.clamp(min=0)], -1) if N else torch.full_like(src, -1)
     out_off = torch.arange(M, dtype=torch.int64, device=recv.device) * P
-    byterows.write_rows(expert_x, out_off, P, recv, src_off, P)
+    # every source offset is a chunk start plus rows of B bytes, every output one of P bytes
+    chunks = p[W.plan_slices(p[W.RANKS], p[W.EXPERTS])["recv_bytes"]]
+    align = math.gcd(P, row_bytes(transport, P), SLOT, *chunks)
+    byterows.write_rows(expert_x, out_off, P, recv, src_off, P, align=align)
     return (expert_x, row_src, row_weight, recv_map), status
 
 
