@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	fi
 	@$(VPY) -c 'import torch' 2>/dev/null || $(VPY) -m pip install -q "torch==2.13.0"
 	@$(VPY) -c 'import triton' 2>/dev/null || $(VPY) -m pip install -q "$(TRITON)"
-	$(VPY) -m pip install -q -e ".[test,plot]"
+	$(VPY) -m pip install -q -e ".[test,plot,frameworks]"
 	$(VPY) -c 'import epkit.ops' && echo "epkit: C++ extension built"
 	@touch $(STAMP)
 
