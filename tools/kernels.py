@@ -224,7 +224,9 @@ def _table(rows: list[dict]) -> str:
 def _compile_all(args, targets: list[str]) -> int:
     import triton
 
-    specs = declared(args.module)
+    specs = _declared_or_report(args.module)
+    if specs is None:
+        return 1
     if args.only:
         specs = [s for s in specs if args.only in s.name]
     if not specs:
@@ -269,8 +271,24 @@ def _compile_all(args, targets: list[str]) -> int:
     return 1 if broken else 0
 
 
+def _declared_or_report(modules):
+    """declared(modules), or None after saying which module does not import (a kernel module
+    that breaks at import breaks every op it serves: a failure, not a usage error)."""
+    try:
+        return declared(modules)
+    except Exception as exc:  # noqa: BLE001 - reported, with where it came from
+        import traceback
+
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"epkit kernels: a kernel module does not import: {type(exc).__name__}: {exc} "
+              f"({last.filename}:{last.lineno})", file=sys.stderr)
+        return None
+
+
 def _list(args) -> int:
-    specs = declared(args.module)
+    specs = _declared_or_report(args.module)
+    if specs is None:
+        return 1
     for s in specs:
         if args.only and args.only not in s.name:
             continue
