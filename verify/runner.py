@@ -424,6 +424,7 @@ class Suite:
                 res.results[mode.name] = mr
                 if mr.failure is not None:
                     self.on_failure(mr.failure)
+        res.check_errors = any(r.check_errors for r in res.results.values())
         res.seconds = time.monotonic() - t0
         res.restarts = getattr(self.runner, "restarts", 0)
         return res

@@ -31,8 +31,10 @@ def test_plain_torch_run_passes_with_table_json_and_closing_line(tmp_path, capsy
     assert "mode" in text and "dispatch_backward" in text and "padded" in text
     data = json.loads(out_json.read_text())
     assert data["failed"] == 0 and data["passed"] == n and data["seed"] == 3
-    assert data["results"]["ragged"]["combine"]["passed"] == 4
-    assert data["results"]["padded"]["dispatch"]["passed"] == 4
+    corners = data["modes"]["ragged"]["corner_cases"]
+    assert corners >= 4 and data["modes"]["padded"]["corner_cases"] == corners
+    assert data["results"]["ragged"]["combine"]["passed"] == 4 + corners
+    assert data["results"]["padded"]["dispatch"]["passed"] == 4 + corners
 
 
 def test_a_broken_impl_exits_non_zero_with_a_report(capsys):
@@ -134,3 +136,52 @@ def test_a_short_mode_exits_1_with_a_one_line_reason(capsys):
     assert rc == 1
     assert "default: FAILED: only 0 of 4 examples checked for combine: 4 refused" in text
     assert not _last_line(text).endswith(" 0 failed")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--impl", "nosuchmodule:make"],
+    ["--impl", "tests/verify/broken_adapters.py:nosuch"],
+    ["--impl", "tests/verify/broken_adapters.py"],
+    ["--impl", "no/such/file.py:make"],
+    ["--world-size", "0"],
+    ["--examples", "-1"],
+    ["--timeout", "zero"],
+    ["--accumulate", "float16"],
+    ["--supports", "capacity=perhaps"],
+])
+def test_usage_errors_are_one_line_and_exit_2(argv):
+    proc = subprocess.run([sys.executable, "-m", "epkit.verify", *argv, "--list-modes"],
+                          capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode == 2, (argv, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("epkit verify: ") and "_epkit_verify_impl_" not in lines[0]
+
+
+def test_reports_record_the_run_and_nothing_lands_in_the_current_directory(
+        tmp_path, monkeypatch, capsys):
+    import xml.etree.ElementTree as ET
+
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("HYPOTHESIS_STORAGE_DIRECTORY", raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = main(["--world-size", "2", "--examples", "2", "--impl", PLAIN, "--seed", "4",
+               "--modes", "ragged", "--contract", "bounded", "--accumulate", "native",
+               "--supports", "capacity=no", "--no-progress", "--json", str(out / "r.json"),
+               "--junit-xml", str(out / "r.xml")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert list(work.iterdir()) == [], list(work.iterdir())
+    assert "accumulate native" in text and "invalid inputs not checked" in text
+    props = {p.get("name"): p.get("value")
+             for p in ET.parse(out / "r.xml").getroot().iter("property")}
+    assert props["contract"] == "bounded" and props["accumulate"] == "native"
+    assert props["seed"] == "4" and props["examples"] == "2" and props["world_size"] == "2"
+    assert "capacity=no" in props["capabilities"] and props["check_errors"] == "False"
+    assert props["world_sizes_checked"] == "1,2"
+    data = json.loads((out / "r.json").read_text())
+    assert data["accumulate"] == "native" and data["world_sizes_checked"] == [1, 2]
+    assert data["modes"]["ragged"]["capabilities"] == "capacity=no"

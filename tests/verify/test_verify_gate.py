@@ -25,7 +25,7 @@ def test_false_green_refuses_capacity_and_halves_combine_fails(pool, supports, s
     res = _run(pool, "false_green", supports=supports, shrink_seconds=shrink)
     assert not res.ok and res.failed > 0
     t = res.tallies["default"]["combine"]
-    assert t.requested == EXAMPLES and t.failed > 0, res.table()
+    assert t.requested == EXAMPLES + res.results["default"].corners and t.failed > 0, res.table()
     assert res.failures[0].failed_properties[0] == "combine"  # shrinking kept the property
 
 
@@ -35,7 +35,8 @@ def test_refused_draws_are_redrawn_counted_and_every_example_is_checked(pool):
     r = res.results["default"]
     assert r.redrawn["capacity"] > 0
     for p, t in r.tallies.items():
-        assert t.checked == t.requested and (p == "weight_grad" or t.requested == EXAMPLES)
+        assert t.checked == t.requested and (p == "weight_grad"
+                                             or t.requested == EXAMPLES + r.corners)
     assert "refused draws redrawn without the feature" in res.table()
     assert "(capacity)" in res.table()
 
@@ -52,7 +53,7 @@ def test_declared_no_capacity_never_draws_it(pool):
 
 
 def test_a_stage_always_refused_fails_with_a_reason(pool):
-    res = _run(pool, f"{MISBEHAVING}:combine_not_implemented", examples=8)
+    res = _run(pool, f"{MISBEHAVING}:combine_not_implemented", examples=8, corners=False)
     assert not res.ok and res.failed >= 8
     problem = res.results["default"].problem
     assert problem.startswith("only 0 of 8 examples checked for combine: 8 refused"), problem
@@ -94,7 +95,7 @@ def test_check_entry_point_passes_and_fails(pool):
 def test_a_rank_major_adapter_passes_against_the_reference_rank_major_output(pool):
     res = _run(pool, "rank_major", examples=20)
     assert res.ok and res.met("default") == "exact", res.table()
-    assert res.tallies["default"]["combine"].checked == 20
+    assert res.tallies["default"]["combine"].checked == 20 + res.results["default"].corners
     assert res.tallies["default"]["weight_grad"].requested == 0  # combine takes no weights
     reordered = _run(pool, "rank_major_reordered", examples=20, contract="reordered")
     assert reordered.ok and reordered.met("default") == "reordered", reordered.table()
