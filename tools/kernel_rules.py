@@ -29,8 +29,8 @@ def _ptx_instructions(ptx: str):
 
 
 def ptx_violations(ptx: str) -> list[tuple[str, str]]:
-    """An exact kernel's PTX: no fused multiply-add, no approximate division or reciprocal, no
-    flush-to-zero, no hardware narrowing to bfloat16 or fp8 (the spec rounds on the bits)."""
+    """An exact kernel's PTX: no fused multiply-add, no approximate division, reciprocal or other
+    ``.approx`` math, no flush-to-zero, no hardware narrowing to bfloat16 or fp8 (the spec rounds on the bits)."""
     found: list[tuple[str, str]] = []
     for mnemonic, text in _ptx_instructions(ptx):
         parts = mnemonic.split(".")
@@ -42,6 +42,8 @@ def ptx_violations(ptx: str) -> list[tuple[str, str]]:
             rule = "approximate division (div.full / div.approx): use tl.div_rn"
         elif op == "rcp" and "approx" in parts:
             rule = "approximate reciprocal (rcp.approx): use tl.div_rn"
+        elif "approx" in parts:  # ex2 / lg2 / sqrt / rsqrt / sin / cos / tanh .approx
+            rule = "approximate math (.approx): the interpreter computes it exactly"
         elif "ftz" in parts:
             rule = "flush-to-zero (.ftz)"
         elif op == "cvt" and len(parts) >= 3:
