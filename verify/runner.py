@@ -231,7 +231,8 @@ class SuiteResult:
                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
 
         out = [line(head), line(["-" * w for w in widths]), *map(line, rows)]
-        out.append(f"cells: checked/requested examples (contract {self.contract}); FAILED "
+        out.append(f"cells: checked/requested examples, corner cases included (contract "
+                   f"{self.contract}); FAILED "
                    "f/requested; SHORT = fewer checked than requested (a failure); - = not "
                    "applicable; meets: the strongest contract every example met")
         out += self.notes()

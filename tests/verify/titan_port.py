@@ -86,4 +86,4 @@ def make(group):
     return FullTopK(Titan(group), group)
 
 
-make.capabilities = {"capacity": False, "accumulate": "bfloat16"}
+make.capabilities = {"capacity": False, "accumulate": "native"}  # sums in the token dtype
