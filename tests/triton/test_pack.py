@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from epkit import ops
 from epkit.triton import byterows
 from epkit.triton import pack as tp
-from wire_cases import make_group
+from wire_cases import check_launches, make_group
+
+
+@pytest.fixture(autouse=True)
+def _one_writer_per_byte():
+    remove = check_launches()
+    yield
+    remove()
 
 EXCHANGES = ("ragged", "padded", "equal", "static")
 TRANSPORTS = ("pairs", "dedup")

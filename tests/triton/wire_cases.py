@@ -5,6 +5,7 @@ payload's wire rows from the C++ quantizer)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -97,3 +98,28 @@ def make_group(C, R, L, K, Ts, H, transport="pairs", exchange="ragged", capacity
     for p in plans:
         assert int(p[ops.ERR_CODE]) == 0, p[:4]
     return Group(R, E, K, tr, rows, idxs, ws, plans, [p.tolist() for p in plans])
+
+
+@contextlib.contextmanager
+def _disjoint_rows(kernel, grid, args, constexprs):
+    """A launch hook: the row writer's output rows never overlap (one writer per byte), and
+    it reads nothing it writes (source and output are different memory)."""
+    from epkit.triton import byterows
+
+    if kernel is byterows._rows_kernel:
+        out, src, out_off, W, U = args[0], args[1], args[2], args[8], constexprs["U"]
+        starts = torch.sort(out_off[out_off >= 0]).values
+        assert bool((starts.diff() >= W * U).all()), "two rows of one launch overlap"
+        if out.numel() and src.numel():
+            o0, s0 = out.data_ptr(), src.data_ptr()
+            o1, s1 = o0 + out.numel() * out.element_size(), s0 + src.numel() * src.element_size()
+            assert o1 <= s0 or s1 <= o0, "the writer reads the memory it writes"
+    yield
+
+
+def check_launches():
+    """Install :func:`_disjoint_rows` for a test (a fixture's body)."""
+    from epkit.triton import _runtime
+
+    _runtime.LAUNCH_HOOKS.append(_disjoint_rows)
+    return lambda: _runtime.LAUNCH_HOOKS.remove(_disjoint_rows)
