@@ -24,7 +24,7 @@ __all__ = ["quantize_fp8_block128"]
 
 BLOCK = 128
 BR = 256 if INTERPRETED else 4
-AMAX_MIN_BITS = 0x38D1B717  # float32(1e-4), DeepEP's clamp of the block maximum
+AMAX_MIN_BITS = tl.constexpr(0x38D1B717)  # float32(1e-4), DeepEP's clamp of the block maximum
 
 
 @triton.jit
