@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
-from .device import mark_host, to_host
+from .device import device_path, mark_host, to_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
 from .collectives import all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
@@ -195,15 +195,35 @@ def _move_on_parent(rows, send, recv, sec: Section, what: str) -> torch.Tensor:
                      + [got[:0]])
 
 
+def _true_at(mask: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    """The flat positions of ``mask``'s ``n`` true entries (row-major, as ``t[mask]`` takes
+    them), ``n`` known on the host (the plan's counts): on the device path, where reading the
+    mask (a boolean index) would be a host wait; None off it (``t[mask]`` as it is)."""
+    if not device_path(mask):
+        return None
+    return torch.nonzero_static(mask.reshape(-1), size=n).squeeze(1)
+
+
+def _masked(t: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[mask]``, ``n`` rows (:func:`_true_at`)."""
+    at = _true_at(mask, n)
+    return t[mask] if at is None else t.reshape(-1, *t.shape[mask.dim():])[at]
+
+
 def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor, sec: Section,
                me: int, what: str) -> torch.Tensor:
     """The way back: ``rows [n, u, H]``, of which row i sends its first ``units[i]``; returns
     ``[m, u, H]`` (zeros past ``recv_units``), the received rows' units in place."""
     u = rows.shape[1]
     lane = torch.arange(u, device=rows.device)
-    got = move(rows[lane < units.unsqueeze(1)], sec, me, what)
+    got = move(_masked(rows, lane < units.unsqueeze(1), sum(sec.send(me))), sec, me, what)
     out = rows.new_zeros((recv_units.shape[0], u, rows.shape[2]))
-    out[lane < recv_units.unsqueeze(1)] = got
+    into = lane < recv_units.unsqueeze(1)
+    at = _true_at(into, sum(sec.recv(me)))
+    if at is None:
+        out[into] = got
+    else:
+        out.view(-1, rows.shape[2]).index_copy_(0, at, got)
     return out
 
 
@@ -331,36 +351,46 @@ def _meta(rows: torch.Tensor, at: int, n: int) -> torch.Tensor:
     return _reinterpret(rows[:, at:at + 4 * n], torch.int32, (rows.shape[0], n)).to(torch.int64)
 
 
-def _stage1_send(payload, kept, w, N: int, GL: int):
+def _stage1_send(payload, kept, w, N: int, GL: int, rows: int, slots: int):
     """Source: (token rows [S1, P + 8], slot rows [S1s, 8], and the HierState fields
-    send1_map, rows1_t, n1, slots1), node ascending, then t, then k."""
+    send1_map, rows1_t, n1, slots1), node ascending, then t, then k. ``rows``, ``slots``: S1
+    and S1s, from the plan."""
     T, K = kept.shape
     dev = kept.device
     node = torch.where(kept >= 0, kept // GL, N)
     cnt = torch.zeros((T, N + 1), dtype=torch.int64, device=dev).scatter_add_(
         1, node, torch.ones_like(node))[:, :N]
-    nn_, tt = (cnt > 0).t().nonzero(as_tuple=True)                    # (node, t) order
+    nn_, tt = _nonzero(cnt > 0, rows)                                 # (node, t) order
     send1_map = torch.full((T, N), -1, dtype=torch.int64, device=dev)
     send1_map[tt, nn_] = torch.arange(tt.numel(), device=dev)
     tok = torch.cat([payload[tt], _int32_rows(tt, cnt[tt, nn_])], 1)
     flat = node.reshape(-1)
     key = flat * (T * K) + torch.arange(T * K, device=dev)
-    slots1 = torch.argsort(key)[:int((flat < N).sum())]                # (node, t, k) order
+    slots1 = torch.argsort(key)[:slots]                                # (node, t, k) order
     e, n = kept.reshape(-1)[slots1], flat[slots1]
     slot = _slot_rows(slots1 % K, e - n * GL, w.reshape(-1)[slots1])
     return tok, slot, dict(send1_map=send1_map, rows1_t=tt, n1=cnt[tt, nn_], slots1=slots1)
 
 
-def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int):
+def _nonzero(mask: torch.Tensor, n: int):
+    """``mask.t().nonzero(as_tuple=True)``, ``n`` entries known from the plan: on the device
+    path without a host wait (``nonzero_static``)."""
+    if not device_path(mask):
+        return mask.t().nonzero(as_tuple=True)
+    return tuple(torch.nonzero_static(mask.t(), size=n).unbind(1))
+
+
+def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
-    arrival), and the maps of the way back (a dict of HierState fields)."""
+    arrival), and the maps of the way back (a dict of HierState fields). ``rows``: its stage-2
+    token rows, from the plan."""
     dev = tok1.device
     A = tok1.shape[0]
     src = torch.repeat_interleave(torch.tensor(inter_ranks, device=dev),
                                   torch.tensor(src_counts, device=dev), output_size=A)
     meta = _meta(tok1, P, 2)
     arr_t, arr_n = meta[:, 0], meta[:, 1]
-    if int(arr_n.sum()) != slot1.shape[0]:
+    if not device_path(arr_n) and int(arr_n.sum()) != slot1.shape[0]:  # (a wait on the device)
         raise RuntimeError("epkit.hier: stage-1 token rows do not claim every slot row")
     k, jn, w = _decode_slots(slot1)
     sa = torch.repeat_interleave(torch.arange(A, device=dev), arr_n, output_size=slot1.shape[0])
@@ -371,7 +401,7 @@ def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: in
     fw[sa, k] = w
     n_ad = torch.zeros((A, G), dtype=torch.int64, device=dev).index_put_(
         (sa, dl), torch.ones_like(sa), accumulate=True)
-    fd, fa = (n_ad > 0).t().nonzero(as_tuple=True)                     # (rank, arrival) order
+    fd, fa = _nonzero(n_ad > 0, rows)                                  # (rank, arrival) order
     fan_map = torch.full((A, G), -1, dtype=torch.int64, device=dev)
     fan_map[fa, fd] = torch.arange(fa.numel(), device=dev)
     fan_n = n_ad[fa, fd]
@@ -397,13 +427,14 @@ def _raw_index(sa, fan_row, arr_n, fan_n, order2):
     return sa, i, fan_row, q
 
 
-def _receive(tok2, slot2, R: int, P: int):
+def _receive(tok2, slot2, R: int, P: int, hp):
     """Destination: stage-2 rows -> dedup's receive buffer (chunks by source s ascending, token
-    rows by t, then their slot rows) and (perm, to_dedup, n2)."""
+    rows by t, then their slot rows) and (perm, to_dedup, n2). ``hp``: the dedup plan's host
+    words (its receive counts: the rows and slot rows of each source)."""
     dev = tok2.device
     meta = _meta(tok2, P, 3)
     s, t, n2 = meta[:, 0], meta[:, 1], meta[:, 2]
-    if int(n2.sum()) != slot2.shape[0]:
+    if not device_path(n2) and int(n2.sum()) != slot2.shape[0]:  # (a wait on the device)
         raise RuntimeError("epkit.hier: stage-2 token rows do not claim every slot row")
     perm = torch.argsort(s * (1 << 32) + t)
     to_dedup = torch.empty_like(perm)
@@ -414,8 +445,12 @@ def _receive(tok2, slot2, R: int, P: int):
                                  output_size=slot2.shape[0])
     slots = slot2[at + torch.arange(slot2.shape[0], device=dev)]
     tok = torch.cat([tok2[perm, :P], tok2[perm, P + 4:P + 12]], 1)   # payload | t | n
-    rows_of = torch.bincount(s, minlength=R).tolist()
-    slots_of = torch.zeros(R, dtype=torch.int64, device=dev).index_add_(0, s, n2).tolist()
+    if device_path(s):  # the dedup plan's receive layout, read from its host mirror
+        sl = ops.plan_slices(R, int(hp[ops.EXPERTS]))
+        rows_of, slots_of = hp[sl["recv_counts"]].tolist(), hp[sl["recv_slots"]].tolist()
+    else:
+        rows_of = torch.bincount(s, minlength=R).tolist()
+        slots_of = torch.zeros(R, dtype=torch.int64, device=dev).index_add_(0, s, n2).tolist()
     parts = [p for a, b in zip(torch.split(tok, rows_of), torch.split(slots, slots_of))
              for p in (a.reshape(-1), b.reshape(-1))]
     buf = torch.cat(parts) if parts else tok.new_zeros((0,))
@@ -438,19 +473,21 @@ def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
     K, L = st.kept.shape[1], st.E // t.R
     P = x.shape[1] * x.element_size()
     payload = _reinterpret(x, torch.uint8, (x.shape[0], P))
-    tok1, slot1, fields = _stage1_send(payload, st.kept, w, t.N, t.G * L)
+    tok1, slot1, fields = _stage1_send(payload, st.kept, w, t.N, t.G * L,
+                                       sum(st.section("s1_tok").send(me)),
+                                       sum(st.section("s1_slot").send(me)))
     for name, v in fields.items():
         setattr(st, name, v)
     tok1 = move(tok1, st.section("s1_tok"), me, "stage 1 token rows")
     slot1 = move(slot1, st.section("s1_slot"), me, "stage 1 slot rows")
     tok2, slot2, fields = _forward(tok1, slot1, st.section("s1_tok").recv(me), t.inter.ranks,
-                                   t.G, L, K, P)
+                                   t.G, L, K, P, sum(st.section("s2_tok").send(me)))
     for name, v in fields.items():
         setattr(st, name, v)
     tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
     slot2 = move(slot2, st.section("s2_slot"), me, "stage 2 slot rows")
-    buf, st.perm, st.to_dedup, st.n2 = _receive(tok2, slot2, t.R, P)
     hp = ops.host_plan(st.dedup_plan)
+    buf, st.perm, st.to_dedup, st.n2 = _receive(tok2, slot2, t.R, P, hp)
     N, M = int(hp[ops.RECV_ROWS]), int(hp[ops.EXPERT_ROWS])
     out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M)
     st.recv_map = out[3]
@@ -521,7 +558,12 @@ def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out
     r1 = _reinterpret(node, ys.dtype, (node.shape[0], u, H)).clone()
     sa, i, fr, q = st.raw_at
     raw = st.arr_n[sa] <= u                                          # the node's rows themselves
-    r1[sa[raw], i[raw]] = got2[fr[raw], q[raw]]
+    if not device_path(raw):
+        r1[sa[raw], i[raw]] = got2[fr[raw], q[raw]]
+    else:  # without a boolean index (a host wait): every slot writes, the others what is there
+        # (an arrival's slots are all raw or none, so two writes to one place write one value)
+        ic, qc = i.clamp(max=u - 1), q.clamp(max=u - 1)
+        r1[sa, ic] = torch.where(raw.unsqueeze(1), got2[fr, qc], r1[sa, ic])
     got1 = move_units(r1, st.arr_n.clamp(max=u), st.n1.clamp(max=u), st.section("back1", u), me,
                       "stage 1 back")
     return C.reduce_tokens(got1.reshape(-1, u * H), st.send1_map, st.kept,
@@ -543,7 +585,8 @@ def weight_grads_back(st: HierState, grad_row_weight) -> torch.Tensor:
     rm = st.recv_map  # [N, K] values in received-row order, 0 where a slot names no row
     g = grad_row_weight.contiguous()
     vals = torch.where(rm >= 0, g[rm.clamp(min=0)], g.new_zeros(()))[st.to_dedup]
-    got2 = move(vals[st.recv_map[st.to_dedup] >= 0], st.section("w2"), me, "weight gradients 2")
+    got2 = move(_masked(vals, st.recv_map[st.to_dedup] >= 0, sum(st.section("w2").send(me))),
+                st.section("w2"), me, "weight gradients 2")
     arrival = torch.empty_like(got2)
     arrival[st.order2] = got2
     got1 = move(arrival, st.section("w1"), me, "weight gradients 1")
