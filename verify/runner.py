@@ -586,31 +586,35 @@ class _ModeRun:
 
     def _without_refused(self, case, v):
         """The features whose removal makes a refused case run: ``(case', keys)`` or None.
-        One feature at a time (the likeliest first: named in the refusal, or seen before),
-        then the likeliest ones together, adding one at a time. A feature whose removal turns
-        on another (weighted <-> unweighted, int64 <-> int32) is removed together with others
-        only where the refusal names it or it was refused before, so the redraw never trips a
-        feature it did not need to change."""
-        words = (v.refusal or "").lower()
 
-        def likely(f):
-            return f.key in self.known or any(w in words for w in f.words)
+        One feature at a time, the likeliest first (named in the refusal's message, or
+        refused before); where removing one leaves the case refused for something else (the
+        next refusal in the implementation's order), that removal is kept and the search goes
+        on from there, guided by the new message. Removing weighted, unweighted or an index
+        dtype turns on the other one, so such a removal is kept only where the message names
+        it: the redraw never trips a feature it did not need to change."""
+        c, keys, refusal = case, [], v.refusal
+        for _ in range(len(FEATURES)):
+            words = (refusal or "").lower()
 
-        present = sorted((f for f in FEATURES if f.present(case)),
-                         key=lambda f: (f.key not in self.known, not likely(f)))
-        together = [f for f in present if not f.flip or likely(f)]
-        for f in together + [f for f in present if f not in together]:
-            c2 = f.remove(case)
-            if c2 != case and not self.run_check(c2).refused:
-                return c2, (f.key,)
-        c2, keys = case, []
-        for f in together:
-            c3 = f.remove(c2)
-            if c3 == c2:
-                continue
-            c2, keys = c3, keys + [f.key]
-            if len(keys) > 1 and not self.run_check(c2).refused:
-                return c2, tuple(keys)
+            def likely(f):
+                return f.key in self.known or any(w in words for w in f.words)
+
+            present = [f for f in FEATURES if f.key not in keys and f.present(c)]
+            step = None
+            for f in sorted(present, key=lambda f: (not likely(f), f.flip)):
+                c2 = f.remove(c)
+                if c2 == c:
+                    continue
+                v2 = self.run_check(c2)
+                if not v2.refused:
+                    return c2, tuple(keys + [f.key])
+                if v2.refusal != refusal and (likely(f) or not f.flip):
+                    step = (c2, f.key, v2.refusal)
+                    break
+            if step is None:
+                return None
+            c, keys, refusal = step[0], keys + [step[1]], step[2]
         return None
 
     def evaluate(self, case) -> Verdict:
