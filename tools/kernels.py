@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "instead of epkit.triton's; repeatable")
     ap.add_argument("--only", metavar="TEXT", default=None,
                     help="only the specialisations whose name contains TEXT")
+    ap.add_argument("--jobs", metavar="N", type=int, default=min(4, os.cpu_count() or 1),
+                    help="compiling processes at most (one per 32 compilations)")
     return ap
 
 
@@ -221,9 +223,34 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-def _compile_all(args, targets: list[str]) -> int:
+_WORKER: dict = {}
+
+
+def _worker_init(modules, only, specs=None) -> None:
+    """A compiling process: the specialisations (imported again in a spawned worker: kernels
+    do not pickle, the declaration order is the same), the ptxas log on, a scratch directory."""
+    import atexit
+
     import triton
 
+    if specs is None:
+        specs = declared(modules)
+        specs = [s for s in specs if not only or only in s.name]
+    triton.knobs.nvidia.dump_ptxas_log = True   # the ptxas -v log carries the spill counts
+    triton.knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
+    tmp = tempfile.mkdtemp(prefix="epkit-kernels-")
+    atexit.register(shutil.rmtree, tmp, True)
+    _WORKER.update(specs=specs, tmp=tmp)
+
+
+def _worker_compile(index: int, name: str, target: str) -> dict:
+    spec = _WORKER["specs"][index]
+    if spec.name != name:  # the modules declared in another order here: say so, do not guess
+        raise RuntimeError(f"specialisation {index} is {spec.name!r} in a worker, {name!r} in the parent")
+    return compile_one(spec, target, _WORKER["tmp"])
+
+
+def _compile_all(args, targets: list[str]) -> int:
     specs = _declared_or_report(args.module)
     if specs is None:
         return 1
@@ -233,34 +260,51 @@ def _compile_all(args, targets: list[str]) -> int:
         print("epkit kernels: no specialisation declared" + (f" matching {args.only!r}" if args.only else ""),
               file=sys.stderr)
         return 1
-    triton.knobs.nvidia.dump_ptxas_log = True   # the ptxas -v log carries the spill counts
-    triton.knobs.compilation.always_compile = True  # a cache hit would skip ptxas and its log
-    jobs = [(s, t) for s in specs for t in targets]
-    memo: dict = {}
-    rows = []
+    # One compilation per distinct compiled form (two names may share one), spread over
+    # processes: compiling is CPU-bound and each target's backend is single-threaded.
+    keys = [(i, (id(spec.kernel), repr(sorted(spec.signature.items())),
+                 repr(sorted(spec.constexprs.items())), spec.exact, target))
+            for i, spec in enumerate(specs) for target in targets]
+    unique = {}
+    for i, key in keys:
+        unique.setdefault(key, (i, key[-1]))
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc="compiling", unit="kernel", file=sys.stderr, leave=False)
+        bar = tqdm(total=len(unique), desc="compiling", unit="kernel", file=sys.stderr, leave=False)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="epkit-kernels-") as tmp:
-        for spec, target in jobs:
-            key = (id(spec.kernel), repr(sorted(spec.signature.items())),
-                   repr(sorted(spec.constexprs.items())), spec.exact, target)
-            if key not in memo:  # two names for one compiled form: compile it once
-                memo[key] = compile_one(spec, target, tmp)
-            rows.append(dict(memo[key], kernel=spec.name))
+    done: dict = {}
+    # A spawned worker first imports torch, Triton and the kernels again (seconds): worth it
+    # only over a few dozen compilations.
+    jobs = max(1, min(args.jobs, len(unique) // 32))
+    if jobs == 1:
+        _worker_init(args.module, args.only, specs)
+        for key, (i, target) in unique.items():
+            done[key] = _worker_compile(i, specs[i].name, target)
             if bar:
-                bar.set_postfix_str(f"{spec.name} {target}")
                 bar.update()
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                initargs=(args.module, args.only)) as pool:
+            futures = {pool.submit(_worker_compile, i, specs[i].name, target): key
+                       for key, (i, target) in unique.items()}
+            for future in concurrent.futures.as_completed(futures):
+                done[futures[future]] = future.result()
+                if bar:
+                    bar.update()
     if bar:
         bar.close()
+    rows = [dict(done[key], kernel=specs[i].name) for i, key in keys]
     wall = time.perf_counter() - start
     print(_table(rows))
     broken = [r for r in rows if r["violations"]]
-    print(f"\n{len(rows)} compilations ({len(specs)} specialisations x {len(targets)} targets) "
-          f"in {wall:.1f} s; {len(broken)} break a rule")
+    print(f"\n{len(rows)} compilations ({len(specs)} specialisations x {len(targets)} targets, "
+          f"{len(unique)} distinct) in {wall:.1f} s on {jobs} process(es); {len(broken)} break a rule")
     for r in broken:
         for v in r["violations"]:
             print(f"  {r['where']} [{r['kernel']}, {r['target']}]: {v['rule']}"

@@ -73,6 +73,15 @@ def big_shared(x, o, A: tl.constexpr, B: tl.constexpr):
     tl.store(o + c[:, None] * A + r[None, :], tl.trans(a))
 
 
+LIMIT = 3  # a plain global: the interpreter reads it, the compiler refuses it
+
+
+@triton.jit
+def uses_global(x, o, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o + offs, tl.load(x + offs, mask=offs < n) + LIMIT, mask=offs < n)
+
+
 F32x3_FUSED = dict(F32x3, FUSED="constexpr")
 F32x3_ROUNDED = dict(F32x3, ROUNDED="constexpr")
 specialization("fused_mul_add", mul_add, F32x3_FUSED, {"BLOCK": 128, "FUSED": True})
@@ -96,3 +105,4 @@ specialization("clean_tile", live_tile, {"x": "*fp32", "o": "*fp32", "BLOCK": "c
                {"BLOCK": 256})
 specialization("too_much_shared", big_shared, {"x": "*fp64", "o": "*fp64", "A": "constexpr", "B": "constexpr"},
                {"A": 128, "B": 256, "num_warps": 16})
+specialization("does_not_compile", uses_global, F32x3, {"BLOCK": 128})

@@ -88,6 +88,12 @@ def test_clean_kernels_pass(planted, kernel, target):
     assert planted[(kernel, target)] == []
 
 
+@pytest.mark.parametrize("target", TARGETS)
+def test_kernel_that_only_the_interpreter_accepts_is_caught(planted, target):
+    # a non-constexpr global: runs interpreted, refused by the compiler
+    assert broken(planted, "does_not_compile", target, "does not compile")
+
+
 def test_slash_division_is_ieee_on_amd(planted):
     # AMD compiles / to the IEEE expansion: nothing to report, and its fmas are not flagged.
     assert planted[("slash_division", "gfx942")] == []
