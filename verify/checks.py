@@ -247,10 +247,17 @@ def special_ok(got, exact, inf_may_be_nan=False):
 
 
 def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None,
-             inf_may_be_nan=False):
+             narrowed=False, factors=None):
     """(message or None, worst ratio, its ulps): ``got`` against float64 ``exact``. Where
     ``exact`` is NaN the result must be NaN, where it is infinite the same infinity; an
-    error against an exact zero is reported in absolute terms."""
+    error against an exact zero is reported in absolute terms.
+
+    ``narrowed``: the sum converts float32 factors to a bfloat16 accumulation. A factor in
+    the subnormal range then loses up to a bfloat16 subnormal step (2**-133) absolutely, which
+    the product scales by the other factor: the bound grows by ``2**-133 * factors`` (the sum
+    of the factors' magnitudes, ``|c_i| + |v_i|``), and an infinite exact value may come out
+    NaN (a subnormal factor of the infinity became 0)."""
+    inf_may_be_nan = narrowed
     want_shape = np.shape(exact)
     got_a, msg = _kind_mismatch(got, np.zeros(want_shape, np_dtype(str(out_dtype))))
     if msg:
@@ -263,6 +270,8 @@ def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None,
     finite_exact = np.where(special, 0.0, exact)
     bound = sum_bound(np.where(special, 0.0, abs_sum), finite_exact, nterms, out_dtype,
                       accumulate)
+    if narrowed and factors is not None:
+        bound = bound + 2.0**-133 * np.where(special, 0.0, np.asarray(factors, np.float64))
     err = np.where(special, np.where(special_good, 0.0, np.inf), np.abs(g - finite_exact))
     over = ~(err <= bound)  # NaN counts as over
     if mask is not None:
@@ -301,7 +310,7 @@ def weight_grad_tolerance(got, grad_outs, expert_ys, res, topk, hidden):
 
     Returns ``{rank: message}`` for the ranks that fail. ``exact`` is computed here in float64
     from the gradient and expert rows actually fed, placed by the reference's ``row_src``."""
-    exact, bound, _ = _weight_grad_exact(grad_outs, expert_ys, res, topk)
+    exact, bound, _, _ = _weight_grad_exact(grad_outs, expert_ys, res, topk)
     bad = {}
     for s in range(len(grad_outs)):
         want_shape = exact[s].shape
@@ -326,11 +335,13 @@ def weight_grad_tolerance(got, grad_outs, expert_ys, res, topk, hidden):
 
 def _weight_grad_exact(grad_outs, expert_ys, res, topk):
     """Per source rank, [T, K] float64: the exact ``<g, y>`` of every kept slot, the sum of
-    ``|g_h * y_h|``, and the number of terms (H for a kept slot, 0 elsewhere)."""
+    ``|g_h * y_h|``, the number of terms (H for a kept slot, 0 elsewhere) and the sum of the
+    factors' magnitudes ``|g_h| + |y_h|`` (:func:`_bounded`'s ``factors``)."""
     R = len(grad_outs)
     exact = [np.zeros((len(grad_outs[s]), topk), dtype=np.float64) for s in range(R)]
     absum = [np.zeros_like(e) for e in exact]
     nterms = [np.zeros_like(e) for e in exact]
+    factors = [np.zeros_like(e) for e in exact]
     for d in range(R):
         src = np.asarray(res[d].row_src)
         real = np.flatnonzero(src[:, 0] >= 0)
@@ -345,17 +356,20 @@ def _weight_grad_exact(grad_outs, expert_ys, res, topk):
             exact[r][t[sel], k[sel]] = prod.sum(axis=1)
             absum[r][t[sel], k[sel]] = np.abs(prod).sum(axis=1)
             nterms[r][t[sel], k[sel]] = prod.shape[1]
-    return exact, absum, nterms
+            factors[r][t[sel], k[sel]] = (np.abs(g) + np.abs(y[sel])).sum(axis=1)
+    return exact, absum, nterms, factors
 
 
 # -- sums in float64, for the bound ----------------------------------------------------------
 def _token_sums(rows_of, res, weighted, tokens, hidden):
     """Per source rank, [T, H] float64: the exact two-level sum of combine (or, unweighted, of
     dispatch's backward) over every kept slot, the sum of the terms' magnitudes, and the number
-    of terms per token."""
+    of terms per token; and the sum of the factors' magnitudes ``|c| + |y|`` (weighted;
+    :func:`_bounded`'s ``factors``)."""
     R = len(res)
     exact = [np.zeros((tokens[s], hidden)) for s in range(R)]
     absum = [np.zeros((tokens[s], hidden)) for s in range(R)]
+    factors = [np.zeros((tokens[s], hidden)) for s in range(R)]
     count = [np.zeros((tokens[s], 1)) for s in range(R)]
     for d in range(R):
         src = np.asarray(res[d].row_src)
@@ -363,15 +377,19 @@ def _token_sums(rows_of, res, weighted, tokens, hidden):
         if not len(real):
             continue
         v = np.asarray(rows_of[d]).astype(np.float64)[real]
+        f = np.abs(v)
         if weighted:
-            v = v * np.asarray(res[d].row_weight, dtype=np.float64)[real, None]
+            c = np.asarray(res[d].row_weight, dtype=np.float64)[real, None]
+            v, f = v * c, f + np.abs(c)
         s, t = src[real, 0], src[real, 1]
         for r in np.unique(s):
             sel = s == r
+            np.add.at(factors[r], t[sel], f[sel])
             np.add.at(exact[r], t[sel], v[sel])
             np.add.at(absum[r], t[sel], np.abs(v[sel]))
             np.add.at(count[r], t[sel], 1.0)
-    return exact, absum, [np.broadcast_to(c, e.shape) for c, e in zip(count, exact)]
+    return (exact, absum, [np.broadcast_to(c, e.shape) for c, e in zip(count, exact)],
+            factors)
 
 
 # -- the layout under reordered ----------------------------------------------------------------
@@ -666,7 +684,8 @@ class _Check:
                    "weight_grad": (case.dtype, case.y_dtype)}.get(p, ())
         return self.acc_for(p) == "bfloat16" and "float32" in factors
 
-    def value_check(self, p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None):
+    def value_check(self, p, r, output, got, want, exact64, absum, nterms, out_dtype, mask=None,
+                    factors=None):
         bit = compare_bitwise(got, want) if mask is None else compare_bitwise(
             np.where(mask, got, want) if got is not None and np.shape(got) == np.shape(want)
             and np.asarray(got).dtype == np.asarray(want).dtype else got, want)
@@ -674,7 +693,7 @@ class _Check:
             self.settle(p, r, output, "exact", None, None, None)
             return
         msg, ratio, u = _bounded(got, exact64, absum, nterms, out_dtype, self.acc_for(p), mask,
-                                 self.narrowed(p))
+                                 self.narrowed(p), factors)
         if np.isfinite(ratio):
             self.v.worst[p] = max(self.v.worst.get(p, (0.0, 0.0)), (ratio, u))
         reason = {"combine": "combine summation order",
@@ -801,7 +820,7 @@ class _Check:
             (results[0].get("dispatch") or {}).get("expert_x_hp") is not None
         gs = self.fed(TAG_GRAD_X, "float32" if hp else case.dtype)
         want = self.ref.dispatch_backward(gs, self.res)
-        ex64, ab, n = _token_sums(gs, self.res, False, case.tokens, case.hidden)
+        ex64, ab, n, _ = _token_sums(gs, self.res, False, case.tokens, case.hidden)
         self.v.status["dispatch_backward"] = PASSED
         for r in range(R):
             self.value_check("dispatch_backward", r, "grad_x", results[r].get("grad_x"),
@@ -812,11 +831,11 @@ class _Check:
             return
         case = self.case
         want = self.ref.combine(ys, self.res, weighted=case.weighted)
-        ex64, ab, n = _token_sums(ys, self.res, case.weighted, case.tokens, case.hidden)
+        ex64, ab, n, fs = _token_sums(ys, self.res, case.weighted, case.tokens, case.hidden)
         self.v.status["combine"] = PASSED
         for r in range(self.R):
             self.value_check("combine", r, "out", self.results[r].get("out"), want[r], ex64[r],
-                             ab[r], n[r], case.dtype)
+                             ab[r], n[r], case.dtype, factors=fs[r])
 
     def combine_backward(self, gos, ys):
         """grad_expert_y on every rank: the reference's gradient rows, placed by slot in the
@@ -827,13 +846,13 @@ class _Check:
         for r in range(R):
             rows = int(np.shape(self.results[r]["expert_y"])[0])
             src = sane_row_src(self.results[r]["dispatch"].get("row_src"), rows)
-            want, ex64, nterm = _placed_grad_y(case, res, gys, gos, src, rows, R)
+            want, ex64, nterm, fs = _placed_grad_y(case, res, gys, gos, src, rows, R)
             mask = None
             if self.caps.padding == "ignored" and self.contract != "exact":
                 mask = np.broadcast_to((src[:, 0] >= 0)[:, None], want.shape)
             self.value_check("combine_backward", r, "grad_expert_y",
                              self.results[r].get("grad_y"), want, ex64, np.abs(ex64), nterm,
-                             case.y_dtype, mask)
+                             case.y_dtype, mask, factors=fs)
 
     def weight_grad(self, gos, ys):
         case, res, R, v = self.case, self.res, self.R, self.v
@@ -843,11 +862,11 @@ class _Check:
         v.status["weight_grad"] = PASSED
         got_w = [self.results[r].get("grad_w") for r in range(R)]
         bad = weight_grad_tolerance(got_w, gos, ys, res, case.topk, case.hidden)
-        ex64, ab, n = _weight_grad_exact(gos, ys, res, case.topk)
+        ex64, ab, n, fs = _weight_grad_exact(gos, ys, res, case.topk)
         for r in range(R):
             msg, ratio, u = _bounded(got_w[r], ex64[r], ab[r], n[r], "float32",
                                      self.acc_for("weight_grad"), None,
-                                     self.narrowed("weight_grad"))
+                                     self.narrowed("weight_grad"), fs[r])
             if np.isfinite(ratio):
                 v.worst["weight_grad"] = max(v.worst.get("weight_grad", (0.0, 0.0)), (ratio, u))
             level = "exact" if r not in bad else (None if msg else "bounded")
@@ -862,6 +881,7 @@ def _placed_grad_y(case, res, gys, gos, src, rows, R):
     want = np.zeros((rows, case.hidden), gys[0].dtype if gys else np.float32)
     ex64 = np.zeros((rows, case.hidden))
     nterm = np.zeros((rows, case.hidden))
+    factors = np.zeros((rows, case.hidden))
     real = src[:, 0] >= 0
     keys = _slot_keys(src, case.topk, max(case.tokens))
     for d in range(R):
@@ -876,8 +896,9 @@ def _placed_grad_y(case, res, gys, gos, src, rows, R):
         c = np.asarray(res[d].row_weight, np.float64)[ms] if case.weighted else 1.0
         g64 = np.stack([gos[int(s)][int(t)] for s, t in src[hit][:, :2]]).astype(np.float64)
         ex64[hit] = (g64 * (c[:, None] if case.weighted else 1.0))
+        factors[hit] = np.abs(g64) + (np.abs(c)[:, None] if case.weighted else 1.0)
         nterm[hit] = 1
-    return want, ex64, nterm
+    return want, ex64, nterm, factors
 
 
 def _finish(v: Verdict) -> Verdict:
