@@ -265,3 +265,16 @@ def test_slot_rows_follow_the_slot_not_the_position():
     b = c.slot_rows(1, 1, src[::-1], "float32")
     assert _bits(a[0]) == _bits(b[2]) and _bits(a[2]) == _bits(b[0])
     assert np.isnan(a[1]).all() and np.isfinite(a[[0, 2]]).all()
+
+
+def test_refusal_hints_match_what_was_refused_and_never_contradict():
+    from epkit.verify.capabilities import declarations
+
+    c = Case(world_size=1, num_experts=2, topk=1, hidden=1, tokens=(1,), idx_dtype="int32")
+    assert declarations({"capacity": [c], "index_dtypes": [c]}) == [
+        "capacity=no", "index_dtypes=int64"]
+    # weighted and unweighted both refused on some draws: neither is suggested
+    assert declarations({"weighted": [c], "unweighted": [c.replace(weighted=False)]}) == []
+    # both index dtypes refused: no single declaration fits
+    assert declarations({"index_dtypes": [c, c.replace(idx_dtype="int64")]}) == []
+    assert declarations({"max_topk": [c], "align": [c]}) == ["align=1", "max_topk=8"]
