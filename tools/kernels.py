@@ -183,14 +183,16 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
     if backend == "cuda":
         usage = _cuobjdump(asm["cubin"], tmp)
         spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log.getvalue())
-        spills = (int(spill.group(1)) + int(spill.group(2))) if spill else usage.get("LOCAL", 0)
+        # Without the log (it cannot be missing while always_compile holds) the stack frame
+        # stands in: it holds the spills, and seldom anything else in Triton's code.
+        spills = (int(spill.group(1)) + int(spill.group(2))) if spill else usage.get("STACK", 0)
         row.update(registers=usage.get("REG"), spills=spills,
                    scratch=usage.get("STACK", 0) + usage.get("LOCAL", 0),
                    shared=max(shared, usage.get("SHARED", 0)))
         if spec.exact:
             found += rules.ptx_violations(asm["ptx"]) + rules.llir_violations(asm["llir"])
         if spills:
-            found.append((f"register spill ({spill.group(0) if spill else 'local memory'})", ""))
+            found.append((f"register spill ({spill.group(0) if spill else f'{spills} bytes of stack'})", ""))
     else:
         meta = _amd_metadata(asm["amdgcn"])
         spills = meta.get("vgpr_spill_count", 0) + meta.get("sgpr_spill_count", 0)
@@ -220,7 +222,10 @@ def _table(rows: list[dict]) -> str:
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body)]
-    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+    legend = ("registers: per thread (sm), VGPR/SGPR (gfx); spills: bytes stored + loaded (sm), "
+              "registers spilled (gfx); scratch: stack + local / private segment bytes; shared: "
+              "shared memory / LDS bytes per program")
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], legend])
 
 
 _WORKER: dict = {}
