@@ -79,12 +79,6 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
     R = R.to(tl.int64)
     E = E.to(tl.int64)
     L = L.to(tl.int64)
-    rank = rank.to(tl.int64)
-    align = align.to(tl.int64)
-    capacity = capacity.to(tl.int64)
-    transport = transport.to(tl.int64)
-    exchange = exchange.to(tl.int64)
-    max_tokens = max_tokens.to(tl.int64)
     zero = R * 0
     W = 8 + E + R
     xs = tl.arange(0, BX).to(tl.int64)           # a 1-D tile
@@ -95,9 +89,9 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
     tl.store(p_ptr + 9, R)
     tl.store(p_ptr + 10, L)
     tl.store(p_ptr + 11, E)
-    tl.store(p_ptr + 12, transport)
-    tl.store(p_ptr + 13, capacity)
-    tl.store(p_ptr + 14, align)
+    tl.store(p_ptr + 12, transport.to(tl.int64))
+    tl.store(p_ptr + 13, capacity.to(tl.int64))
+    tl.store(p_ptr + 14, align.to(tl.int64))
 
     # 1. The error: the lowest rank whose own checks failed; else the lowest rank whose H,
     #    x dtype or K (in that order) differs from rank 0's.
@@ -105,8 +99,9 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
     K0 = tl.load(g_ptr + 5)
     X0 = tl.load(g_ptr + 6)
     P0 = tl.load(g_ptr + 7)
-    first_err = R
-    first_mis = R
+    # Running verdicts are kept per lane (vector registers) and reduced after each loop.
+    first_err = xs * 0 + R
+    first_mis = xs * 0 + R
     for i in range(0, (R + BX - 1) // BX):
         s = i * BX + xs
         m = s < R
@@ -114,9 +109,11 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
         h = tl.load(g_ptr + s * W + 4, mask=m, other=0)
         k = tl.load(g_ptr + s * W + 5, mask=m, other=0)
         x = tl.load(g_ptr + s * W + 6, mask=m, other=0)
-        first_err = tl.minimum(first_err, tl.min(tl.where(m & (code != 0), s, R), 0))
+        first_err = tl.minimum(first_err, tl.where(m & (code != 0), s, R))
         unlike = m & ((h != H0) | (x != X0) | (k != K0))
-        first_mis = tl.minimum(first_mis, tl.min(tl.where(unlike, s, R), 0))
+        first_mis = tl.minimum(first_mis, tl.where(unlike, s, R))
+    first_err = tl.min(first_err, 0)
+    first_mis = tl.min(first_mis, 0)
     failed = (first_err < R) | (first_mis < R)
     if failed:
         if first_err < R:
@@ -143,13 +140,15 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
     else:
         tl.store(p_ptr + 15, K0)
         head_bad = (H0 < 0) | (K0 < 0) | (P0 < 0) | (P0 > 2)
+        tl.store(fault_ptr + 0, head_bad.to(tl.int64))
 
         # 2. Kept slots per (source, expert): capacity keeps the first C in (source, token)
         #    order. Expert tiles outer, source tiles inner: ``before`` carries the slots of
         #    the sources already seen per expert; ``work`` gets each row's prefix along the
         #    experts, continuing the previous expert tile's (read after the barrier).
-        dropped_any = zero
-        bad_count = zero + R * E
+        C = capacity.to(tl.int64)
+        dropped_any = xs * 0
+        bad_count = xs * 0 + R * E
         for i in range(0, (E + BX - 1) // BX):
             e = i * BX + cs
             before = tl.zeros([BX], dtype=tl.int64)
@@ -158,25 +157,26 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
                 m = (s < R) & (e < E)
                 c = tl.load(g_ptr + s * W + 8 + e, mask=m, other=0)
                 seen = tl.cumsum(c, 0) - c + before[None, :]
-                kept = tl.where(capacity < 0, c, tl.minimum(tl.maximum(capacity - seen, 0), c))
-                dropped = tl.max(tl.where(m & (kept != c), 1, 0)).to(tl.int64)
-                dropped_any = tl.maximum(dropped_any, dropped)
+                kept = tl.where(C < 0, c, tl.minimum(tl.maximum(C - seen, 0), c))
+                dropped_any = tl.maximum(dropped_any, tl.max(tl.where(m & (kept != c), 1, 0), 0))
                 bad = m & ((c < 0) | (c > 281474976710656))  # 2**48: MAX_WORD_COUNT
-                bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E)))
+                bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
                 before += tl.sum(c, 0)
                 carry = tl.load(work_ptr + s * E + i * BX - 1, mask=(s < R) & (i > 0), other=0)
                 tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1) + carry, mask=m)
             tl.debug_barrier()  # the next tile's carry, and every later read of ``work``
-        tl.store(p_ptr + 24, dropped_any)
+        tl.store(p_ptr + 24, tl.max(dropped_any, 0))
+        bad_count = tl.min(bad_count, 0)
+        tl.store(fault_ptr + 1, tl.where(bad_count < R * E, bad_count, -1))
 
         # 3. Rows (and slot rows) from s to d for every pair: uniformity (the lowest source
         #    with a pair unlike (0, 0)), the largest chunk, and the corrupt token counts.
         slots00 = tl.load(work_ptr + L - 1)
         rows00 = tl.where(transport == 1, tl.load(g_ptr + 8 + E), slots00)
-        first_unlike = R
-        maxrows = zero
-        maxslots = zero
-        bad_tpr = zero + R * R
+        first_unlike = xs * 0 + R
+        maxrows = xs * 0
+        maxslots = xs * 0
+        bad_tpr = xs * 0 + R * R
         for t in range(0, (R + BS - 1) // BS):
             s = t * BS + rs
             for i in range(0, (R + BX - 1) // BX):
@@ -186,19 +186,24 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
                 tpr = tl.load(g_ptr + s * W + 8 + E + d, mask=m, other=0)
                 n = tl.where((d * 0 + transport) == 1, tpr, sl)
                 same = (n == rows00) & ((sl == slots00) | ((d * 0 + transport) == 0))
-                first_unlike = tl.minimum(first_unlike, tl.min(tl.where(m & ~same, s, R)))
-                maxrows = tl.maximum(maxrows, tl.max(tl.where(m, n, 0)))
-                maxslots = tl.maximum(maxslots, tl.max(tl.where(m, sl, 0)))
+                first_unlike = tl.minimum(first_unlike, tl.min(tl.where(m & ~same, s, R), 0))
+                maxrows = tl.maximum(maxrows, tl.max(tl.where(m, n, 0), 0))
+                maxslots = tl.maximum(maxslots, tl.max(tl.where(m, sl, 0), 0))
                 bad = m & ((tpr < 0) | (tpr > 281474976710656))
-                bad_tpr = tl.minimum(bad_tpr, tl.min(tl.where(bad, s * R + d, R * R)))
+                bad_tpr = tl.minimum(bad_tpr, tl.min(tl.where(bad, s * R + d, R * R), 0))
+        first_unlike = tl.min(first_unlike, 0)
+        maxrows = tl.max(maxrows, 0)
+        maxslots = tl.max(maxslots, 0)
+        bad_tpr = tl.min(bad_tpr, 0)
         uniform = first_unlike == R
-        tl.store(fault_ptr + 0, head_bad.to(tl.int64))
-        tl.store(fault_ptr + 1, tl.where(bad_count < R * E, bad_count, -1))
+        tl.store(p_ptr + 7, uniform.to(tl.int64))
+        tl.store(p_ptr + 23, tl.where(uniform, zero - 1, first_unlike))
         tl.store(fault_ptr + 2, tl.where(bad_tpr < R * R, bad_tpr, -1))
 
         # 4. This rank's experts: kept per source, kept and dropped totals, padded offsets.
         #    (PlanOffsets, epkit.h: each section's start computed where it is used, which
         #    keeps the program's scalar registers few.)
+        me = rank.to(tl.int64)
         o_tpe = 26 + 2 * R
         o_dropped = o_tpe + L
         o_offsets = o_dropped + L
@@ -206,7 +211,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
         M = zero
         for i in range(0, (L + BX - 1) // BX):
             j = i * BX + cs
-            e = rank * L + j
+            e = me * L + j
             kept_sum = tl.zeros([BX], dtype=tl.int64)
             used_sum = tl.zeros([BX], dtype=tl.int64)
             for t in range(0, (R + BS - 1) // BS):
@@ -221,7 +226,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
             mj = jj < L
             tl.store(p_ptr + o_tpe + jj, kept_sum, mask=mj)
             tl.store(p_ptr + o_dropped + jj, used_sum - kept_sum, mask=mj)
-            step = tl.maximum(align, 1)  # (a bad align: raised on the host, no trap here)
+            step = tl.maximum(align.to(tl.int64), 1)  # (a bad align raised on the host)
             padded = tl.where(mj, (kept_sum + step - 1) // step * step, 0)
             tl.store(p_ptr + o_offsets + jj, tl.cumsum(padded, 0) - padded + M, mask=mj)
             M += tl.sum(padded, 0)
@@ -230,85 +235,81 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
         for i in range(0, (E + BX - 1) // BX):
             e = i * BX + xs
             m = e < E
-            end = tl.load(work_ptr + rank * E + e, mask=m, other=0)
-            kept = end - tl.load(work_ptr + rank * E + e - 1, mask=m & (e > 0), other=0)
+            end = tl.load(work_ptr + me * E + e, mask=m, other=0)
+            kept = end - tl.load(work_ptr + me * E + e - 1, mask=m & (e > 0), other=0)
             tl.store(p_ptr + o_own_kept + e, kept, mask=m)
 
-        # 5. The exchange that runs and the dispatch chunks in bytes (plan_exchange).
-        per = tl.minimum(K0, L)
+        # 5. The exchange that runs and the dispatch chunks in bytes (plan_exchange). Each
+        #    header word is stored as soon as it is known (fewer live scalar registers); rank
+        #    0's header is read again for the same reason.
+        H0 = tl.load(g_ptr + 4)
+        X0 = tl.load(g_ptr + 6)
+        P0 = tl.load(g_ptr + 7)
+        per = tl.minimum(tl.load(g_ptr + 5), L)
+        mt = max_tokens.to(tl.int64)
+        is_static = (mt >= 0) | (exchange == 5)
+        variant = tl.where(is_static, 3, tl.where(exchange == 1, 1, tl.where(
+            (exchange == 2) | (((exchange == 3) | (exchange == 4)) & uniform), 2, 0)))
+        tl.store(p_ptr + 17, variant.to(tl.int64))
+        slots_cap = mt * per
+        cap = tl.where((transport == 0) | (slots_cap < mt), slots_cap, mt)
+        tl.store(p_ptr + 6, tl.where(is_static, R * slots_cap + L * (align.to(tl.int64) - 1), M))
+        tl.store(p_ptr + 8, tl.where(is_static, 1 + cap, maxrows))
+        tl.store(p_ptr + 16, tl.where(is_static, cap, zero - 1))
+        tokcap = tl.where(is_static, 1 + cap, tl.where(variant != 0, maxrows, zero - 1))
+        slotcap = tl.where(is_static, 1 + slots_cap, tl.where(variant != 0, maxslots, zero - 1))
+        tl.store(p_ptr + 19, tokcap)
+        tl.store(p_ptr + 20, tl.where(transport == 1, slotcap, zero - 1))
+        static_rows = tl.where(is_static, R * (1 + cap), zero - 1)
         itemsize = tl.where(X0 == 2, 2, 4).to(tl.int64)  # dtype code 2: bfloat16
         block = tl.where(P0 == 1, 32, tl.where(P0 == 2, 128, 0)).to(tl.int64)
         scale_bytes = tl.where(P0 == 1, 1, tl.where(P0 == 2, 4, 0)).to(tl.int64)
         Pb = tl.where(block != 0, H0 + scale_bytes * (H0 // tl.maximum(block, 1)), H0 * itemsize)
+        tl.store(p_ptr + 18, Pb)
         B = Pb + tl.where(transport == 0, 16, 8)
-        is_static = (max_tokens >= 0) | (exchange == 5)
-        variant = tl.where(is_static, 3, tl.where(exchange == 1, 1, tl.where(
-            (exchange == 2) | (((exchange == 3) | (exchange == 4)) & uniform), 2, 0)))
-        variant = variant.to(tl.int64)
-        slots_cap = max_tokens * per
-        cap = tl.where((transport == 0) | (slots_cap < max_tokens), slots_cap, max_tokens)
-        tokcap = tl.where(is_static, 1 + cap, tl.where(variant != 0, maxrows, zero - 1))
-        slotcap = tl.where(is_static, 1 + max_tokens * per,
-                           tl.where(variant != 0, maxslots, zero - 1))
         fixed = (xs * 0 + tokcap) >= 0
 
-        o_send_counts = zero + 26
+        me = rank.to(tl.int64)
         o_send_bytes = o_own_kept + E
-        o_send_slots = o_send_bytes + 2 * R
         S = zero
         SB = zero
         for i in range(0, (R + BX - 1) // BX):
             d = i * BX + xs
             m = d < R
-            src = d * 0 + rank
-            sl = _slots(work_ptr, src, d, m, E, L)
-            n = tl.where(dedup, tl.load(g_ptr + rank * W + 8 + E + d, mask=m, other=0), sl)
-            tl.store(p_ptr + o_send_counts + d, n, mask=m)
-            tl.store(p_ptr + o_send_slots + d, sl, mask=m)
+            sl = _slots(work_ptr, d * 0 + me, d, m, E, L)
+            n = tl.where(dedup, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
+            tl.store(p_ptr + 26 + d, n, mask=m)  # send_counts
+            tl.store(p_ptr + o_send_bytes + 2 * R + d, sl, mask=m)  # send_slots
             nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
                 fixed, slotcap, sl) * 8, 0)
             tl.store(p_ptr + o_send_bytes + d, nbytes, mask=m)
             S += tl.sum(tl.where(m, n, 0), 0)
             SB += tl.sum(tl.where(m, nbytes, 0), 0)
-        o_recv_counts = o_send_counts + R
-        o_recv_bytes = o_send_bytes + R
-        o_recv_slots = o_send_slots + R
+        tl.store(p_ptr + 4, tl.where(is_static, static_rows, S))
+        tl.store(p_ptr + 21, SB)
         N = zero
         RB = zero
         for i in range(0, (R + BX - 1) // BX):
             s = i * BX + xs
             m = s < R
-            dst = s * 0 + rank
-            sl = _slots(work_ptr, s, dst, m, E, L)
-            n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + rank, mask=m, other=0), sl)
-            tl.store(p_ptr + o_recv_counts + s, n, mask=m)
-            tl.store(p_ptr + o_recv_slots + s, sl, mask=m)
+            sl = _slots(work_ptr, s, s * 0 + me, m, E, L)
+            n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
+            tl.store(p_ptr + 26 + R + s, n, mask=m)  # recv_counts
+            tl.store(p_ptr + o_send_bytes + 3 * R + s, sl, mask=m)  # recv_slots
             nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
                 fixed, slotcap, sl) * 8, 0)
-            tl.store(p_ptr + o_recv_bytes + s, nbytes, mask=m)
+            tl.store(p_ptr + o_send_bytes + R + s, nbytes, mask=m)  # recv_bytes
             N += tl.sum(tl.where(m, n, 0), 0)
             RB += tl.sum(tl.where(m, nbytes, 0), 0)
-
-        tl.store(p_ptr + 4, tl.where(is_static, R * (1 + cap), S))
-        tl.store(p_ptr + 5, tl.where(is_static, R * (1 + cap), N))
-        tl.store(p_ptr + 6, tl.where(is_static, R * max_tokens * per + L * (align - 1), M))
-        tl.store(p_ptr + 7, uniform.to(tl.int64))
-        tl.store(p_ptr + 8, tl.where(is_static, 1 + cap, maxrows))
-        tl.store(p_ptr + 16, tl.where(is_static, cap, zero - 1))
-        tl.store(p_ptr + 17, variant)
-        tl.store(p_ptr + 18, Pb)
-        tl.store(p_ptr + 19, tokcap)
-        tl.store(p_ptr + 20, tl.where(transport == 1, slotcap, zero - 1))
-        tl.store(p_ptr + 21, SB)
+        tl.store(p_ptr + 5, tl.where(is_static, static_rows, N))
         tl.store(p_ptr + 22, RB)
-        tl.store(p_ptr + 23, tl.where(uniform, zero - 1, first_unlike))
 
 
 _BS, _BX = 8, 32
 _SCALARS = ("R", "E", "L", "rank", "align", "capacity", "transport", "exchange", "max_tokens")
 specialization("plan", _plan_kernel,
                {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "fault_ptr": "*i64",
-                **{s: "i64" for s in _SCALARS}, "BS": "constexpr", "BX": "constexpr"},
+                **{s: "i32" for s in _SCALARS}, "BS": "constexpr", "BX": "constexpr"},
                {"BS": _BS, "BX": _BX})
 
 
