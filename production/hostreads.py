@@ -67,6 +67,7 @@ OPS = {
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_READERS = ("to_host", "_pinned_copy", "host_plan")  # epkit/device.py's reading functions
 
 
 class Read(NamedTuple):
@@ -112,7 +113,8 @@ def _where() -> tuple[str, str]:
         path = os.path.abspath(code.co_filename)
         if path.startswith(_PACKAGE) and os.path.basename(path) != "hostreads.py":
             here = f"{os.path.relpath(path, _PACKAGE)}:{frame.f_lineno}"
-            line = line or here
+            if code.co_qualname not in _READERS:  # the line that asked, not the reader's
+                line = line or here
             op = OPS.get((os.path.basename(path), code.co_qualname))
             if op is not None:
                 return op, line

@@ -165,9 +165,14 @@ def _table():
     from group import GroupPool
 
     def fmt(reads, kernel):
+        """``n (where: count, ...)``: by operation, or for the kernels by module."""
         got = [r for r in reads if r[2].startswith("triton/") == kernel]
-        return str(len(got)) + ("" if not got else " (" + ", ".join(
-            sorted({f"{r[1]} {r[2]}" if kernel else r[0] for r in got})) + ")")
+        by: dict = {}
+        for r in got:
+            key = r[2].split(":")[0] if kernel else r[0]
+            by[key] = by.get(key, 0) + 1
+        return str(len(got)) + ("" if not got else
+                                " (" + ", ".join(f"{k}: {n}" for k, n in sorted(by.items())) + ")")
 
     pool = GroupPool(world=2, timeout=300)
     try:
