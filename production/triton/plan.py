@@ -365,8 +365,9 @@ def _words_carry_error(g: torch.Tensor) -> bool:
 def _raise_fault(words, fault):
     """The C++ kernel's checks of corrupt words, from the kernel's ``fault`` (host memory)."""
     op = "epkit.plan"
-    head, count, tpr = fault.tolist()
+    head, count, tpr = fault.cpu().tolist()
     R, E = words.shape[0], words.shape[1] - abi.WORD_HEADER - words.shape[0]
+    words = words.cpu()
     if head:
         h, k, p = words[0, 4].item(), words[0, 5].item(), words[0, 7].item()
         _fail(op, f"words of rank 0 carry hidden {h}, topk {k}, payload {p}")
@@ -399,5 +400,5 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     launch(_plan_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity, transport,
            exchange, max_tokens, BS=_BS, BX=_BX)
     if g.device.type == "cpu" or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
-        _raise_fault(g, fault.cpu())
+        _raise_fault(g, fault)
     return p
