@@ -97,6 +97,14 @@ def matrix(group, rank, transport: str, dtype_name: str):
     return results
 
 
+def transports_agree(group, rank):
+    """The bits of pairs, dedup and hier (auto exchange, no payload, one rank a node): the
+    semantics makes them equal, so hier's device-path way back (sizes from its plan, no boolean
+    index) is checked against code it does not share."""
+    return [phases(group, rank, dict(transport=t), torch.bfloat16)[1]
+            for t in ("pairs", "dedup", "hier")]
+
+
 def capacity_cases(group, rank, transport: str):
     """Capacity drops (a capacity, a capacity factor) under the auto and static exchanges."""
     results = []

@@ -97,6 +97,13 @@ def test_reads_per_exchange_and_payload(triton_pool, transport):
             first.setdefault(key, bits)
 
 
+def test_transports_agree_on_the_device_path(triton_pool):
+    """pairs, dedup and hier give the same bits (combine, both gradients) on the device path."""
+    for pairs, dedup, hier in triton_pool.run(fns.transports_agree, 2):
+        same_bits(pairs, dedup, "pairs vs dedup")
+        same_bits(dedup, hier, "dedup vs hier")
+
+
 def test_reads_with_capacity(triton_pool):
     """Capacity drops: an eager dispatch reads once (dedup gathers its token rows before the
     read), a capacity factor once (the gathered counts; dedup with drops once more), static
