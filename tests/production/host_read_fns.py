@@ -105,6 +105,19 @@ def transports_agree(group, rank):
             for t in ("pairs", "dedup", "hier")]
 
 
+def nccl_only_headers(group, rank):
+    """The reads on a group without a CPU backend, where the call header lives on the device:
+    here the header's gather buffer left unmarked (as device memory) for one step."""
+    from epkit import agree
+
+    marked = agree.mark_host
+    agree.mark_host = lambda t: t
+    try:
+        return phases(group, rank, dict(transport="dedup"), torch.bfloat16)[0]
+    finally:
+        agree.mark_host = marked
+
+
 def capacity_cases(group, rank, transport: str):
     """Capacity drops (a capacity, a capacity factor) under the auto and static exchanges."""
     results = []
@@ -194,6 +207,8 @@ def _table():
         for transport in ("pairs", "dedup"):
             for name, reads, _ in pool.run(capacity_cases, 2, [transport] * 2)[0]:
                 rows.append((transport, name, "None", reads))
+        rows.append(("dedup", "auto, NCCL-only header", "None",
+                     pool.run(nccl_only_headers, 2)[0]))
         for transport, exchange, payload, reads in rows:
             kernel = sum((reads[p] for p in ("dispatch", "combine", "backward")), [])
             print(f"| {transport} | {exchange} | {payload} | {fmt(reads['dispatch'], False)} | "

@@ -117,6 +117,15 @@ def test_reads_with_capacity(triton_pool):
                 assert_reads(reads, {"count_exchange": n} if n else {}, (transport, name))
 
 
+def test_header_on_the_device_is_a_read_per_call(triton_pool):
+    """Where the call header lives on the device (an NCCL-only group), every call reads it
+    once more: dispatch, combine, and each backward pass."""
+    for reads in triton_pool.run(fns.nccl_only_headers, 2):
+        assert above_kernels(reads["dispatch"]) == {"call header": 1, "count_exchange": 1}
+        assert above_kernels(reads["combine"]) == {"call header": 1}
+        assert above_kernels(reads["backward"]) == {"call header": 2}
+
+
 def test_nccl_only_group_warns_once(monkeypatch):
     """A group without a CPU backend makes every call header a host wait: said once."""
     from epkit import collectives
