@@ -188,8 +188,8 @@ def _is_int_type(ty: str) -> bool:
 
 
 def ttir_violations(ttir: str) -> list[tuple[str, str]]:
-    """No 32-bit integer multiply fed by a program id (``pid * stride`` wraps at 2^31 exactly as
-    on the GPU; offsets are int64 from the first product). "Fed" is transitive through integer
+    """No 32-bit integer multiply fed by a program id or count (``pid * stride`` wraps at 2^31
+    exactly as on the GPU; offsets are int64 from the first product). "Fed" is transitive through integer
     arithmetic (``row = pid * ROWS + r; row * stride``), and stops at a comparison, a load or a
     widening to int64 (the value no longer carries the id's magnitude in 32 bits)."""
     lines = []
@@ -206,7 +206,7 @@ def ttir_violations(ttir: str) -> list[tuple[str, str]]:
         for text, defs, uses in lines:
             if not defs or set(defs) <= marked:
                 continue
-            if "tt.get_program_id" in text:
+            if "tt.get_program_id" in text or "tt.get_num_programs" in text:
                 new = set(defs)
             elif (uses & marked and _is_int_type(_result_type(text))
                   and not any(op in text for op in _NOT_CARRYING)):

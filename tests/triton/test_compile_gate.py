@@ -134,6 +134,31 @@ def test_amd_fma_inside_a_division_window_is_caught():
     assert found == ["v_fmac_f32_e32 v10, v11, v12", "v_fmac_f32_e32 v1, v2, v4"]
 
 
+# TTIR of a persistent loop: the step is an int32 product of the program count, the offset
+# an int32 product of a value carried from the program id; the int64 product is fine.
+TTIR_PROGRAM_COUNT = """
+    %c128_i32 = arith.constant 128 : i32 loc(#loc1)
+    %pid = tt.get_program_id x : i32 loc(#loc2)
+    %nprog = tt.get_num_programs x : i32 loc(#loc3)
+    %step = arith.muli %nprog, %c128_i32 : i32 loc(#loc4)
+    %row = arith.addi %pid, %c128_i32 : i32 loc(#loc5)
+    %wide = arith.extsi %row : i32 to i64 loc(#loc6)
+    %ok = arith.muli %wide, %stride : i64 loc(#loc7)
+    %lt = arith.cmpi slt, %row, %n : i32 loc(#loc8)
+    %sel = arith.select %lt, %n, %c128_i32 : i32 loc(#loc9)
+    %fine = arith.muli %sel, %c128_i32 : i32 loc(#loc10)
+    %0 = scf.for %i = %row to %n step %step iter_args(%acc = %row) -> (i32)  : i32 {
+      %off = arith.muli %acc, %c128_i32 : i32 loc(#loc11)
+"""
+
+
+def test_ttir_program_id_flow():
+    from epkit.tools.kernel_rules import ttir_violations
+
+    found = [evidence for rule, evidence in ttir_violations(TTIR_PROGRAM_COUNT)]
+    assert found == ["%step = arith.muli %nprog, %c128_i32 : i32", "%off = arith.muli %acc, %c128_i32 : i32"]
+
+
 @pytest.mark.slow
 def test_epkit_specialisations_keep_the_rules(tmp_path):
     """Every specialisation epkit's kernel modules declare compiles for both targets within the
