@@ -890,11 +890,15 @@ def _placed_grad_y(case, res, gys, gos, src, rows, R):
         hit = real & np.isin(keys, wkeys[wreal])
         if not hit.any():
             continue
-        lookup = {int(kk): m for m, kk in enumerate(wkeys) if wreal[m]}
-        ms = np.array([lookup[int(kk)] for kk in keys[hit]])
+        rows_w = np.flatnonzero(wreal)
+        order = np.argsort(wkeys[rows_w], kind="stable")
+        ms = rows_w[order][np.searchsorted(wkeys[rows_w][order], keys[hit])]
         want[hit] = gys[d][ms]
         c = np.asarray(res[d].row_weight, np.float64)[ms] if case.weighted else 1.0
-        g64 = np.stack([gos[int(s)][int(t)] for s, t in src[hit][:, :2]]).astype(np.float64)
+        g64 = np.zeros((int(hit.sum()), case.hidden))
+        for s in np.unique(src[hit][:, 0]):
+            on = src[hit][:, 0] == s
+            g64[on] = np.asarray(gos[int(s)]).astype(np.float64)[src[hit][on, 1]]
         ex64[hit] = (g64 * (c[:, None] if case.weighted else 1.0))
         factors[hit] = np.abs(g64) + (np.abs(c)[:, None] if case.weighted else 1.0)
         nterm[hit] = 1
