@@ -5,9 +5,11 @@ Two kinds, as in checks.h:
 - metadata checks (dims, dtypes, devices, shapes, options): they read no tensor data, so they
   run on every device;
 - map-range reports (``first_bad``): the C++ kernels raise for a map entry out of range, which
-  needs the data on the host. On CPU tensors that read is free, so the Triton ops raise the
-  C++ kernel's error there too; on a GPU it would be a host sync, so the kernels mask instead
-  (an entry out of range reads and writes nothing) and no error is raised.
+  needs the data on the host. Off the device path (``on_host``: a Triton op called directly on
+  CPU tensors) that read is free, so the Triton ops raise the C++ kernel's error there too; on
+  the device path (a GPU, or the interpreter standing in for one) it would be a host read, so
+  the kernels mask instead (an entry out of range reads and writes nothing) and nothing is
+  raised.
 
 The primitives mirror those of ``wirechecks.py`` (pack / unpack's checks); they are small
 enough to keep each module self-contained.
@@ -219,8 +221,14 @@ def check_scatter_slot_values_args(back, send_map, topk_idx, first, E, R, transp
 
 # ---- data checks: CPU tensors only (a host read elsewhere) ---------------------------------
 def on_host(t: torch.Tensor) -> bool:
-    """Whether t's data may be read for an error message without a host sync."""
-    return t.device.type == "cpu"
+    """Whether t's data may be read for an error message without a host read: off the device
+    path only (``epkit.device.device_path``: a CUDA tensor, or any unmarked CPU tensor while the
+    Triton kernels stand in for the GPU's under ``EPKIT_KERNELS=triton``). A Triton op called
+    directly on CPU tensors (the tests, the group simulation) raises the C++ errors; on the
+    device path it masks, as on a GPU, and reads nothing back."""
+    from epkit import device
+
+    return not device.device_path(t)
 
 
 def first_bad(bad: torch.Tensor) -> int:

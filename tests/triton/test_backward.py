@@ -151,3 +151,60 @@ def test_slot_values_refuse_what_cpp_refuses(cpp):
         for impl in (cpp, tb):
             with pytest.raises(RuntimeError, match=match):
                 impl.scatter_slot_values(*args)
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    """As on a GPU (or under EPKIT_KERNELS=triton): no host read, so no data-dependent error."""
+    from epkit.triton import rowchecks
+
+    monkeypatch.setattr(rowchecks, "on_host", lambda t: False)
+
+
+def test_bad_entries_are_masked_on_the_device_path(cpp, device_path):
+    """What the C++ kernels raise for, the Triton kernels skip (read and write nothing there):
+    equal to the C++ result of the input with those entries removed."""
+    rng = np.random.default_rng(4)
+    N, C, M, H = 9, 3, 30, 37
+    rmap = random_map(rng, N, C, M, 20)
+    bad, clean = rmap.clone(), rmap.clone()
+    free = np.argwhere(rmap.numpy() < 0)
+    bad[tuple(free[0])] = M + 5
+    bad[tuple(free[1])] = -7
+    g, y = special(rng, (N, H), torch.float32, True), special(rng, (M, H), torch.bfloat16, True)
+    w = torch.from_numpy(rng.random(M).astype(np.float32))
+    got, want = tb.combine_backward_dest(g, bad, w, y, True), cpp.combine_backward_dest(g, clean, w, y, True)
+    assert same(got[0], want[0]) and same(got[1], want[1])
+    # gather_slot_values: an entry past values keeps its place (as the C++ kernel counts it)
+    # and writes nothing; a place past out_rows is skipped
+    values = special(rng, (M,), torch.float32)
+    first, B = slot_layout(rng, (bad != -1).sum(1).tolist(), False)
+    n_last = int(np.argwhere((bad != -1).sum(1).numpy() > 0)[-1, 0])
+    first[n_last] += 1  # its last value now lands at B: past the buffer
+    got = tb.gather_slot_values(values, bad, first, B)
+    want = torch.zeros(B)
+    for n in range(N):
+        at = int(first[n])
+        for m in bad[n].tolist():
+            if m == -1:
+                continue
+            if 0 <= m < M and 0 <= at < B:
+                want[at] = values[m]
+            at += 1
+    assert same(got, want)
+    # scatter_slot_values: an expert past E, a send row past first, a place past back
+    idx = torch.tensor([[0, 5, -1], [3, 1, 2], [4, 2, 0]])  # E = 6, R = 2: L = 3
+    smap = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    sfirst = torch.tensor([0, 1, 2, 4, 5, 7])
+    back = special(rng, (9,), torch.float32)
+    bad_idx, bad_smap, bad_first = idx.clone(), smap.clone(), sfirst.clone()
+    bad_idx[0, 1] = 2**40          # expert past E
+    bad_smap[1, 1] = 99            # rank 1's row of token 1 past first
+    bad_first[4] = 8               # token 2's 2 values on rank 0: at 8 and 9, past back
+    bad_first[5] = 9               # its value on rank 1: past back
+    got = tb.scatter_slot_values(back, bad_smap, bad_idx, bad_first, 6, 2, DEDUP)
+    want = cpp.scatter_slot_values(back, smap, idx, sfirst, 6, 2, DEDUP)
+    want[0, 1] = want[1, 0] = 0.0  # the skipped slots
+    want[2, 0] = want[2, 2] = 0.0  # row 5's value, row 4's second: past back
+    want[2, 1] = back[8]           # row 4's first, now at 8
+    assert same(got, want)

@@ -299,3 +299,70 @@ def test_offsets_past_2_31_bytes(cpp):
     psmap = torch.tensor([[top, 5, top + 7, -1], [top + 1, 6, 7, top + 2], [top + 3, -1, -1, -1]])
     args = (big, psmap, idx, tw, 8, 2, PAIRS, True, torch.bfloat16, 2, None)
     assert same(tc.reduce_tokens(*args), cpp.reduce_tokens(*args))
+
+
+# ---- the device path: bad entries masked, nothing raised ----------------------------------------
+@pytest.fixture
+def device_path(monkeypatch):
+    """As on a GPU (or under EPKIT_KERNELS=triton): no host read, so no data-dependent error."""
+    from epkit.triton import rowchecks
+
+    monkeypatch.setattr(rowchecks, "on_host", lambda t: False)
+
+
+def test_bad_entries_are_masked_on_the_device_path(cpp, device_path):
+    """What the C++ kernel raises for, the Triton kernel skips: a slot whose row or expert is out
+    of range contributes nothing, as if it were unused; a token row whose units lie outside the
+    buffer writes none. Equal to the C++ result of the input with those entries removed."""
+    rng = np.random.default_rng(11)
+    idx, smap, back, _, E = source_side(rng, 12, 4, 3, 6, 37, torch.float32, PAIRS, False)
+    w = special(rng, idx.shape, torch.float32, finite=True)
+    used = np.argwhere((idx >= 0).numpy() & (smap >= 0).numpy())
+    bad_idx, bad_smap = idx.clone(), smap.clone()
+    (t0, k0), (t1, k1) = used[0], used[-1]
+    bad_smap[t0, k0] = 10**9       # a row past back
+    bad_idx[t1, k1] = E + 3        # an expert past E
+    clean_idx, clean_smap = idx.clone(), smap.clone()
+    clean_idx[t0, k0] = clean_idx[t1, k1] = -1
+    clean_smap[t0, k0] = clean_smap[t1, k1] = -1
+    for G in (1, 2):
+        got = tc.reduce_tokens(back, bad_smap, bad_idx, w, E, 4, PAIRS, True, torch.float32, G)
+        want = cpp.reduce_tokens(back, clean_smap, clean_idx, w, E, 4, PAIRS, True, torch.float32,
+                                 G)
+        assert same(got, want)
+    # dedup: a token row's first past the buffer; a kept slot whose token row is not named
+    idx, smap, back, first, E = source_side(rng, 12, 4, 3, 6, 37, torch.bfloat16, DEDUP, True)
+    L = 3
+    t, d = np.argwhere(smap.numpy() >= 0)[2]
+    t2, d2 = np.argwhere(smap.numpy() >= 0)[-1]
+    bad_first, bad_smap = first.clone(), smap.clone()
+    bad_first[smap[t, d]] = back.shape[0] - 1 + 10**6
+    bad_smap[t2, d2] = -1
+    clean_idx = idx.clone()
+    clean_idx[t][(idx[t] >= 0) & (idx[t] // L == d)] = -1
+    clean_idx[t2][(idx[t2] >= 0) & (idx[t2] // L == d2)] = -1
+    for weighted in (True, False):
+        got = tc.reduce_tokens(back, bad_smap, idx, w, E, 4, DEDUP, weighted, torch.float32, 1,
+                               bad_first)
+        want = cpp.reduce_tokens(back, smap, clean_idx, w, E, 4, DEDUP, weighted, torch.float32,
+                                 1, first)
+        assert same(got, want)
+    # the expert side: a recv_map entry past expert_y; a token row's units past the buffer
+    rmap, y, yw = expert_side(rng, 11, 5, 40, 37, torch.bfloat16)
+    n_bad = int(np.argwhere((rmap >= 0).sum(1).numpy() > 0)[0, 0])
+    bad_rmap, clean_rmap = rmap.clone(), rmap.clone()
+    c_bad = int(np.argwhere(rmap[n_bad].numpy() >= 0)[0, 0])
+    bad_rmap[n_bad, c_bad], clean_rmap[n_bad, c_bad] = 40, -1
+    assert same(tc.gather_rows(y, bad_rmap, yw, DEDUP, True),
+                cpp.gather_rows(y, clean_rmap, yw, DEDUP, True))
+    u = np.minimum((clean_rmap >= 0).sum(1).numpy(), 2)
+    first, units = layout(u, True, rng)
+    n_far = int(np.argwhere(u > 0)[-1, 0])
+    far = first.clone()
+    far[n_far] = units  # its units would lie past the buffer: none written, the rest intact
+    gone = clean_rmap.clone()
+    gone[n_far] = -1
+    got, want = torch.full((units, 37), 5.0, dtype=y.dtype), torch.empty((units, 37), dtype=y.dtype)
+    tc.gather_units(y, bad_rmap, yw, DEDUP, True, far, got)
+    cpp.gather_units(y, gone, yw, DEDUP, True, first, want)
+    assert same(got, want)
