@@ -249,9 +249,16 @@ def _worker_init(modules, only, specs=None) -> None:
 
 
 def _worker_compile(index: int, name: str, target: str) -> dict:
-    spec = _WORKER["specs"][index]
-    if spec.name != name:  # the modules declared in another order here: say so, do not guess
-        raise RuntimeError(f"specialisation {index} is {spec.name!r} in a worker, {name!r} in the parent")
+    """Compile the specialisation the parent numbered ``index``, found again by name if the
+    numbering differs here (a kernel module edited after the parent imported it)."""
+    spec = _WORKER["specs"][index] if index < len(_WORKER["specs"]) else None
+    if spec is None or spec.name != name:
+        spec = next((s for s in _WORKER["specs"] if s.name == name), None)
+    if spec is None:
+        return {"kernel": name, "where": "?", "target": target, "exact": None, "registers": None,
+                "spills": None, "scratch": None, "shared": None, "compile_ms": None,
+                "violations": [{"rule": "declarations changed during the run (a kernel module was "
+                                        "edited): run again", "evidence": ""}]}
     return compile_one(spec, target, _WORKER["tmp"])
 
 
