@@ -269,6 +269,8 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
         E = R * -(-K // R) if j == 0 else R * -(-max(K, 256) // R)
         E = min(E, R * (MAX_EXPERTS // R))
         K = min(E, cap_k) if j == 0 else min(K, E)
+        if uniform and no_unused:  # a uniform plan uses min(K, R) slots per token
+            K = min(K, R)
         out.append(Case(
             world_size=R, num_experts=E, topk=K, hidden=block or 4,
             tokens=(R,) * R if uniform else (2,) * R, dtype=FLOAT_DTYPES[j % 2],
@@ -278,7 +280,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
             nan_padding=True, max_tokens=max(max_tokens, R), seed=2500 + j,
             ranks_per_node=_nodes(mode, R), specials=j == 1, special_weights=j == 1))
     if R > 1:
-        K = min(4, cap_k, R * 2)
+        K = min(4, cap_k, R * 2, R if uniform and no_unused else 4)
         for rows in PEER_ROWS:
             T = rows * R * 5 // 4 // K + 1  # each peer gets about 1.25 x rows rows
             if uniform:

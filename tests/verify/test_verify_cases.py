@@ -278,3 +278,14 @@ def test_refusal_hints_match_what_was_refused_and_never_contradict():
     # both index dtypes refused: no single declaration fits
     assert declarations({"index_dtypes": [c, c.replace(idx_dtype="int64")]}) == []
     assert declarations({"max_topk": [c], "align": [c]}) == ["align=1", "max_topk=8"]
+
+
+@pytest.mark.parametrize("mode", ["dedup/equal", "dedup/ragged"])
+def test_corner_cases_stay_inside_declared_capabilities(mode):
+    from epkit.verify.strategies import corner_cases
+
+    for c in corner_cases(4, MODES[mode], NARROW):
+        _check_routing(c)
+        assert c.capacity is None and c.align in (1, 4) and c.y_dtype == c.dtype
+        assert c.weighted and c.idx_dtype == "int32" and c.topk <= 5 and min(c.tokens) >= 1
+        assert all((i >= 0).all() for i in c.all_inputs()[1]), c
