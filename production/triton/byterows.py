@@ -27,75 +27,89 @@ import torch
 
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 
-__all__ = ["write_rows", "ROWS", "BLOCK"]
+__all__ = ["write_rows", "tile", "GPU_TILES"]
 
-# A program owns ROWS rows and walks their units BLOCK at a time. The interpreter pays per
-# tl.* operation, not per element, so it takes large tiles; a GPU takes 4 rows x 1 Ki units.
-ROWS = 64 if INTERPRETED else 4
-BLOCK = 1024
+# A program owns ROWS rows and walks their units BLOCK at a time, the tile fitted to the row:
+# a GPU takes 4 Ki units per tile in one of three shapes (wide payload rows, short rows, the
+# 8-byte slot rows); the interpreter, which pays per tl.* operation more than per element,
+# 64 Ki units, BLOCK the row's length rounded up to a power of two (at most 1 Ki).
+GPU_TILES = ((4, 1024), (32, 128), (256, 16))  # (ROWS, BLOCK), chosen by the row's units
+INTERPRETER_TILE = 1 << 16
+
+
+def tile(W: int) -> tuple[int, int]:
+    """(ROWS, BLOCK) for payloads of W units."""
+    if INTERPRETED:
+        block = min(1024, triton.next_power_of_2(max(W, 1)))
+        return INTERPRETER_TILE // block, block
+    for rows, block in reversed(GPU_TILES):
+        if W <= block:
+            return rows, block
+    return GPU_TILES[0]
 
 
 @triton.jit
-def _rows_kernel(out, src, out_off, src_off, hdr, meta, Q, P, W, N_OUT, N_SRC,
+def _rows_kernel(out, src, out_off, src_off, hdr, meta, Q, P, N_OUT, N_SRC,
                  NW: tl.constexpr, HDR: tl.constexpr, U: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr):
     # Units of U bytes (1: uint8; 4: int32, when every row and offset is a multiple of 4):
-    # P, W, N_OUT, N_SRC count units, out_off / src_off are bytes.
+    # P, N_OUT, N_SRC count units, out_off / src_off are bytes. A row is P payload units then
+    # 4 NW / U metadata units; a header row's first 8 / U units are its header's. Three
+    # stores with disjoint masks (payload, metadata, header): each unit has one writer.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64 from the start
-    live = rows < Q
-    ob = tl.load(out_off + rows, mask=live, other=-1)
-    sb = tl.load(src_off + rows, mask=live, other=-1)
-    live = live & (ob >= 0)
-    has = sb >= 0  # tested on the byte offset: -1 // U truncates to 0 on a GPU
+    ob = tl.load(out_off + rows, mask=rows < Q, other=-1)
+    sb = tl.load(src_off + rows, mask=rows < Q, other=-1)
     o = ob // U
-    s = sb // U
+    s = sb // U  # (tested on the byte offsets: -1 // U truncates to 0 on a GPU)
+    live = (rows < Q) & (ob >= 0) & (o + P + 4 * NW // U <= N_OUT)  # the row fits out
+    has = live & (sb >= 0) & (s + P <= N_SRC)  # its payload comes from src (else zeros)
     if HDR:
         h = tl.load(hdr + rows, mask=live, other=-1)
-    for c0 in range(0, W, BLOCK):
+        head = live & (h >= 0)
+    else:
+        head = rows < 0
+    for c0 in range(0, P, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        at = o[:, None] + cols[None, :]  # int64 unit index in out
-        keep = live[:, None] & (cols < W)[None, :] & (at < N_OUT)
-        frm = s[:, None] + cols[None, :]
-        pay = keep & has[:, None] & (cols < P)[None, :] & (frm < N_SRC)
-        v = tl.load(src + frm, mask=pay, other=0)
-        m = cols - P  # unit of the metadata
-        if U == 1:  # field m // 4, byte m % 4 (little-endian), by shifts
-            if NW > 0:
-                inmeta = (m >= 0) & (m < 4 * NW)
-                word = tl.load(meta + rows[:, None] * NW + (m // 4)[None, :],
-                               mask=keep & inmeta[None, :], other=0)
-                byte = (word >> ((m % 4) * 8)[None, :]) & 0xFF
-                v = tl.where(inmeta[None, :], byte.to(tl.uint8), v)
-            if HDR:
-                lead = (h[:, None] >> (tl.minimum(cols, 7) * 8).to(tl.int64)[None, :]) & 0xFF
-                v = tl.where((h >= 0)[:, None] & (cols < 8)[None, :], lead.to(tl.uint8), v)
-        else:  # a unit is a field (int32); the int64 header two units, low first
-            if NW > 0:
-                inmeta = (m >= 0) & (m < NW)
-                word = tl.load(meta + rows[:, None] * NW + m[None, :],
-                               mask=keep & inmeta[None, :], other=0)
-                v = tl.where(inmeta[None, :], word, v)
-            if HDR:
-                lead = (h[:, None] >> (tl.minimum(cols, 1) * 32).to(tl.int64)[None, :]) \
-                    & 0xFFFFFFFF
-                v = tl.where((h >= 0)[:, None] & (cols < 2)[None, :], lead.to(tl.int32), v)
-        tl.store(out + at, v, mask=keep)
+        keep = live[:, None] & (cols < P)[None, :]
+        if HDR:
+            keep = keep & ~(head[:, None] & (cols < 8 // U)[None, :])
+        v = tl.load(src + (s[:, None] + cols[None, :]), mask=keep & has[:, None], other=0)
+        tl.store(out + (o[:, None] + cols[None, :]), v, mask=keep)
+    if NW > 0:
+        mc = tl.arange(0, 4 * NW // U)  # metadata units
+        keep = live[:, None] & ~(head[:, None] & ((P + mc) < 8 // U)[None, :])
+        if U == 1:  # field mc // 4, byte mc % 4 (little-endian), cut by shifts
+            word = tl.load(meta + rows[:, None] * NW + (mc // 4)[None, :], mask=keep, other=0)
+            v = ((word >> ((mc % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
+        else:  # a unit is a field
+            v = tl.load(meta + rows[:, None] * NW + mc[None, :], mask=keep, other=0)
+        tl.store(out + (o[:, None] + (P + mc)[None, :]), v, mask=keep)
+    if HDR:
+        hc = tl.arange(0, 8 // U)  # the int64 header: 8 bytes, or two int32 halves, low first
+        lead = (h[:, None] >> (hc * (8 * U)).to(tl.int64)[None, :]) & ((1 << (8 * U)) - 1)
+        if U == 1:
+            v = lead.to(tl.uint8)
+        else:
+            v = lead.to(tl.int32)
+        tl.store(out + (o[:, None] + hc[None, :]), v, mask=head[:, None] & (hc >= 0)[None, :])
 
 
 def _sig(U: int) -> dict:
     unit = "*u8" if U == 1 else "*i32"
     return {"out": unit, "src": unit, "out_off": "*i64", "src_off": "*i64", "hdr": "*i64",
-            "meta": "*i32", "Q": "i64", "P": "i32", "W": "i32", "N_OUT": "i64", "N_SRC": "i64",
+            "meta": "*i32", "Q": "i64", "P": "i32", "N_OUT": "i64", "N_SRC": "i64",
             "NW": "constexpr", "HDR": "constexpr", "U": "constexpr", "ROWS": "constexpr",
             "BLOCK": "constexpr"}
 
 
 def declare(name: str, NW: int, HDR: bool) -> None:
-    """Declare the compiled forms that ``write_rows(..., NW, HDR)`` launches, byte and int32
-    units (for the compile gate; the interpreter's larger ROWS is not compiled)."""
+    """Declare the compiled forms that ``write_rows(..., NW, HDR)`` launches: byte and int32
+    units, each GPU tile (for the compile gate; the interpreter's tiles are not compiled)."""
     for U in (1, 4):
-        specialization(f"{name}.u{U}", _rows_kernel, _sig(U),
-                       {"NW": NW, "HDR": HDR, "U": U, "ROWS": 4, "BLOCK": BLOCK}, exact=True)
+        for rows, block in GPU_TILES:
+            specialization(f"{name}.u{U}.b{block}", _rows_kernel, _sig(U),
+                           {"NW": NW, "HDR": HDR, "U": U, "ROWS": rows, "BLOCK": block},
+                           exact=True)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -110,14 +124,14 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
 
     out: contiguous, any dtype (its bytes); out_off, src_off: [Q] int64 byte offsets (src -1:
     a zero payload); src: contiguous, any dtype; meta: [Q, NW] int32 or None (NW = 0);
-    hdr: [Q] int64 or None (no header rows). ``P + 4 NW <= W``. ``align``: a number every
+    hdr: [Q] int64 or None (no header rows). ``W = P + 4 NW``. ``align``: a number every
     offset is a multiple of (the caller's layout guarantees it); with 4 | align, P, W and
     both buffers, the rows move as int32 units instead of bytes."""
     Q = out_off.numel()
     if Q == 0 or W == 0:
         return
     NW = 0 if meta is None else meta.shape[1]
-    assert P + 4 * NW <= W
+    assert W == P + 4 * NW and (hdr is None or W >= 8)
     ob, sb = _bytes(out), _bytes(src)
     HDR = hdr is not None
     U = 4 if all(v % 4 == 0 for v in (align, P, W, ob.numel(), sb.numel(), ob.data_ptr(),
@@ -129,6 +143,7 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
         hdr = src_off
     if meta is None:
         meta = src_off.new_zeros((1, 1), dtype=torch.int32)
-    launch(_rows_kernel, (cdiv(Q, ROWS),), ob, sb, out_off, src_off, hdr, meta,
-           Q, P // U, W // U, ob.numel(), sb.numel(),
-           NW=NW, HDR=HDR, U=U, ROWS=ROWS, BLOCK=BLOCK)
+    rows, block = tile(P // U)
+    launch(_rows_kernel, (cdiv(Q, rows),), ob, sb, out_off, src_off, hdr, meta,
+           Q, P // U, ob.numel(), sb.numel(),
+           NW=NW, HDR=HDR, U=U, ROWS=rows, BLOCK=block)

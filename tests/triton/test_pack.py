@@ -205,3 +205,37 @@ def test_offsets_past_2_31(cpp):
     for n in range(3):
         a = int(at[n])
         assert torch.equal(out[a: a + P], src[n].view(torch.uint8))
+
+
+@pytest.mark.parametrize("P", [0, 5, 8, 12])  # P % 4 == 0: int32 units, else bytes
+@pytest.mark.parametrize("NW", [0, 2, 4])
+def test_row_writer_fields(P, NW):
+    """The writer's three parts against a byte-level model: payload rows or zeros, metadata
+    words little-endian (every byte value), whole int64 headers (every byte distinct)."""
+    gen = torch.Generator().manual_seed(P * 10 + NW)
+    Q, width = 7, P + 4 * NW
+    if width == 0:
+        return
+    src = torch.randint(0, 256, (5 * P + 4,), generator=gen, dtype=torch.uint8)
+    src_off = torch.tensor([0, -1, 2 * P, -1, 4 * P, P, -1], dtype=torch.int64)
+    meta = torch.randint(-2**31, 2**31, (Q, max(NW, 1)), generator=gen,
+                         dtype=torch.int64).to(torch.int32)[:, :NW]
+    hdr = torch.tensor([-1, 0x0123456789ABCDEF, -1, 7, -1, -1, 0x7EDCBA9876543210])
+    if width < 8:  # a header row holds its 8 bytes: none here
+        hdr = torch.full((Q,), -1)
+    src_off[hdr >= 0] = -1  # a header row has no payload and zero metadata
+    meta[hdr >= 0] = 0
+    out_off = torch.randperm(Q, generator=gen) * width
+    out = torch.full((Q * width,), 0xAB, dtype=torch.uint8)
+    byterows.write_rows(out, out_off, width, src, src_off, P, meta if NW else None,
+                        hdr if width >= 8 else None, align=width if width % 4 == 0 else 1)
+    for q in range(Q):
+        row = bytearray(width)
+        if src_off[q] >= 0:
+            row[:P] = bytes(src[src_off[q]: src_off[q] + P].tolist())
+        for f in range(NW):
+            row[P + 4 * f: P + 4 * f + 4] = int(meta[q, f]).to_bytes(4, "little", signed=True)
+        if hdr[q] >= 0:
+            row[:8] = int(hdr[q]).to_bytes(8, "little")
+        a = int(out_off[q])
+        assert bytes(out[a: a + width].tolist()) == bytes(row[:width]), q

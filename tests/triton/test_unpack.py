@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epkit import ops
 from epkit.reference import abi
@@ -76,6 +77,20 @@ def test_unpack_capacity_drops(cpp, transport, exchange):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_unpack_wide_topk(cpp, transport):
     g = make_group(cpp, 2, 66, 130, [4, 3], 4, transport, "static", seed=7, unused=0.1)
+    check_group(cpp, g)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(R=st.integers(1, 3), L=st.integers(1, 3), K=st.integers(0, 4), H=st.integers(1, 9),
+       transport=st.sampled_from(TRANSPORTS), exchange=st.sampled_from(("ragged", "padded",
+                                                                       "static")),
+       capacity=st.sampled_from([None, 0, 1, 3]), align=st.integers(1, 3),
+       seed=st.integers(0, 1000), Tmax=st.integers(0, 6))
+def test_unpack_property(cpp, R, L, K, H, transport, exchange, capacity, align, seed, Tmax):
+    K = min(K, R * L)
+    Ts = [(seed + 5 * r) % (Tmax + 1) for r in range(R)]
+    g = make_group(cpp, R, L, K, Ts, H, transport, exchange, capacity=capacity, seed=seed,
+                   hot=capacity is not None, align=align)
     check_group(cpp, g)
 
 

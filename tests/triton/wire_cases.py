@@ -107,9 +107,10 @@ def _disjoint_rows(kernel, grid, args, constexprs):
     from epkit.triton import byterows
 
     if kernel is byterows._rows_kernel:
-        out, src, out_off, W, U = args[0], args[1], args[2], args[8], constexprs["U"]
+        out, src, out_off, P, U = args[0], args[1], args[2], args[7], constexprs["U"]
+        width = P * U + 4 * constexprs["NW"]  # bytes of a row
         starts = torch.sort(out_off[out_off >= 0]).values
-        assert bool((starts.diff() >= W * U).all()), "two rows of one launch overlap"
+        assert bool((starts.diff() >= width).all()), "two rows of one launch overlap"
         if out.numel() and src.numel():
             o0, s0 = out.data_ptr(), src.data_ptr()
             o1, s1 = o0 + out.numel() * out.element_size(), s0 + src.numel() * src.element_size()
