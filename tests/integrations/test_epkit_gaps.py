@@ -81,3 +81,18 @@ def test_drop_and_pad_map(pair):
             assert order == sorted(order) and segment[:, 0].tolist() == [0] * C + [1] * C
     padding = sum(int((m & (p == 0)).sum()) for m, p in maps)
     assert padding and sum(int((rw == 0).sum()) for _, rw, _ in res) == padding
+
+
+@pytest.mark.parametrize("module,package", [("megatron", "megatron-core"),
+                                            ("torchtitan", "torchtitan")])
+def test_integration_without_its_framework(module, package):
+    """Without the framework, importing its integration is an ImportError that names the
+    package and the extra that installs it."""
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.modules['{module}'] = None\n"
+            f"import epkit.integrations.{module}")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode != 0
+    assert f"needs {package}" in run.stderr and "epkit[frameworks]" in run.stderr

@@ -67,3 +67,10 @@ def test_float32_bitwise_epkit_options(pair, options):
 
 def test_bfloat16(pair):
     check(pair.run(fns.compare, 2, ["bfloat16"] * 2, [{}] * 2), False)
+
+
+def test_expert_parallel_size_one(pair):
+    """No ep mesh: torchtitan's dispatcher reorders locally; epkit's runs over a group of one
+    (epkit.group_of_one), not over the pair, so each rank keeps its own tokens."""
+    check(pair.run(fns.compare, 2, ["float32"] * 2, [{}] * 2, [4] * 2, [2] * 2, [12] * 2,
+                   [False] * 2), True)
