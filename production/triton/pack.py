@@ -39,6 +39,7 @@ from epkit.reference import abi
 from .. import plan as W
 from ..device import host_plan
 from . import byterows
+from .indexmaps import excl, place, rank_in_key, take
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
                          check_plan_chunks, check_plan_header, check_plan_tensor,
                          check_routing_args, check_send_buffer, check_size, check_transport,
@@ -52,11 +53,6 @@ for _nw in (4, 2):
 byterows.declare("pack.scatter_rows", 0, False)
 
 SLOT = abi.SLOT_ROW_BYTES
-
-
-def _excl(v: torch.Tensor) -> torch.Tensor:
-    """Exclusive prefix sum (int64)."""
-    return v.cumsum(0) - v
 
 
 def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB) -> list:
@@ -86,34 +82,16 @@ def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB) -
     return p
 
 
-def _rank_in_key(key: torch.Tensor, nkeys: int) -> torch.Tensor:
-    """For each element, its rank among the elements of the same key in index order (a stable
-    sort: position minus the exclusive cumsum of the key counts). key in [0, nkeys]."""
-    n = key.numel()
-    order = torch.argsort(key, stable=True)
-    cnt = torch.zeros(nkeys + 1, dtype=torch.int64, device=key.device)
-    cnt.scatter_add_(0, key, torch.ones_like(key))
-    pos = torch.arange(n, dtype=torch.int64, device=key.device) - _excl(cnt)[key[order]]
-    return torch.empty_like(key).scatter_(0, order, pos)
 
 
-def _take(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """``v[at]`` (``at`` in range), zeros when ``v`` is empty (a rank without tokens)."""
-    return v[at] if v.numel() else torch.zeros_like(at)
 
 
-def _place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> torch.Tensor:
-    """[Q] int64: ``what[i]`` at row ``q[i]`` for each kept i, -1 elsewhere (an index map; the
-    rejected entries land in a spare last row)."""
-    keep = keep & (q >= 0) & (q < Q)
-    out = torch.full((Q + 1,), -1, dtype=torch.int64, device=q.device)
-    return out.scatter_(0, torch.where(keep, q, Q), what)[:Q]
 
 
 def _section(Q: int, rows_per: torch.Tensor, start: torch.Tensor, W_: int, R: int):
     """The rows of one section over the chunks: for each of the Q rows, its chunk d, its
     position in the chunk's section and its byte offset (``start[d]`` + position * W_)."""
-    base = _excl(rows_per)
+    base = excl(rows_per)
     q = torch.arange(Q, dtype=torch.int64, device=rows_per.device)
     d = torch.searchsorted(rows_per.cumsum(0), q, right=True).clamp(max=R - 1)
     pos = q - base[d]
@@ -147,7 +125,7 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     counts, own = pl[sl["send_counts"]], pl[sl["own_kept"]]
     nslots = pl[sl["send_slots"]]
     ok = pl[W.ERR_CODE] == 0  # an erroneous plan sends nothing
-    chunk = _excl(pl[sl["send_bytes"]])
+    chunk = excl(pl[sl["send_bytes"]])
     tok_rows = counts if tokcap < 0 else torch.full_like(counts, tokcap)
     slot_rows = nslots if slotcap < 0 else torch.full_like(nslots, slotcap)
 
@@ -156,14 +134,14 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     TK = idx.numel()
     valid = (idx >= 0) & (idx < E)
     key = torch.where(valid, idx, E)
-    rank = _rank_in_key(key, E)
+    rank = rank_in_key(key, E)
     e = key.clamp(max=E - 1)
     kept = valid & (rank < own[e]) & ok
     d, j = e // L, e % L
     slot = torch.arange(TK, dtype=torch.int64, device=dev)
     t, k = slot // max(K, 1), slot % max(K, 1)
     wbits = topk_weights.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
-    row_start = _excl(counts)
+    row_start = excl(counts)
 
     def row_of(d, i):  # the row in the row space combine and the backward passes exchange
         return d * (1 + cap) + 1 + i if cap >= 0 else row_start[d] + i
@@ -171,15 +149,15 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     dA, posA, offA, baseA = _section(QA, tok_rows, chunk, B, R)
     hdrA = torch.where(ok & (posA == 0), counts[dA], -1) if hdr else None
     if pairs:
-        own_start = _excl(own)
+        own_start = excl(own)
         i = own_start[e] + rank - own_start[d * L]  # index in chunk d
         kept = kept & (i >= 0) & (i < counts[d])
         send_map = torch.where(kept, row_of(d, i), -1).view(T, K)
-        src = _place(QA, baseA[d] + hdr + i, kept, slot)
+        src = place(QA, baseA[d] + hdr + i, kept, slot)
         has, s = src >= 0, src.clamp(min=0)
-        words = torch.stack([_take(v, s) for v in (t, k, j, wbits)], 1)
+        words = torch.stack([take(v, s) for v in (t, k, j, wbits)], 1)
         meta = torch.where(has[:, None], words, 0).to(torch.int32)
-        byterows.write_rows(send, offA, B, x, torch.where(has, _take(t, s) * P, -1), P, meta,
+        byterows.write_rows(send, offA, B, x, torch.where(has, take(t, s) * P, -1), P, meta,
                             hdrA, align=math.gcd(align, P))
         return send_map
 
@@ -189,26 +167,27 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     n_td.scatter_add_(0, torch.where(kept, td, T * R), torch.ones_like(td))
     n_td = n_td[: T * R].view(T, R)
     opens = n_td > 0
-    tok = _excl(opens.to(torch.int64))  # token row of (t, d) within chunk d
+    tok = excl(opens.to(torch.int64))  # token row of (t, d) within chunk d
     dd = torch.arange(R, dtype=torch.int64, device=dev).expand(T, R)
     opens = opens & (tok < counts[None, :])
     send_map = torch.where(opens, row_of(dd, tok), -1)
-    src = _place(QA, (baseA[None, :] + hdr + tok).reshape(-1), opens.reshape(-1),
+    src = place(QA, (baseA[None, :] + hdr + tok).reshape(-1), opens.reshape(-1),
                  torch.arange(T * R, dtype=torch.int64, device=dev))
     has, s = src >= 0, src.clamp(min=0)
-    words = torch.stack([s // R, _take(n_td.reshape(-1), s)], 1)
+    words = torch.stack([s // R, take(n_td.reshape(-1), s)], 1)
     meta = torch.where(has[:, None], words, 0).to(torch.int32)
     byterows.write_rows(send, offA, B, x, torch.where(has, (s // R) * P, -1), P, meta, hdrA,
                         align=math.gcd(align, P))
 
     # Slot rows: chunk d's kept slots in (t, k) order, after its token section.
-    u = _rank_in_key(torch.where(kept, d, R), R)
+    u = rank_in_key(torch.where(kept, d, R), R)
     kept = kept & (u < nslots[d])
     dB, posB, offB, baseB = _section(QB, slot_rows, chunk + tok_rows * B, SLOT, R)
-    src = _place(QB, baseB[d] + hdr + u, kept, slot)
+    src = place(QB, baseB[d] + hdr + u, kept, slot)
     has, s = src >= 0, src.clamp(min=0)
-    code = ((_take(k, s) << abi.SLOT_K_SHIFT) | _take(j, s)).to(torch.int32)  # k's top bit wraps: int32 bits
-    words = torch.stack([code.to(torch.int64), _take(wbits, s)], 1)
+    # k >= 128 sets the int32's sign bit: the conversion keeps the low 32 bits
+    code = ((take(k, s) << abi.SLOT_K_SHIFT) | take(j, s)).to(torch.int32)
+    words = torch.stack([code.to(torch.int64), take(wbits, s)], 1)
     meta = torch.where(has[:, None], words, 0).to(torch.int32)
     hdrB = torch.where(ok & (posB == 0), nslots[dB], -1) if hdr else None
     byterows.write_rows(send, offB, SLOT, x, torch.full_like(offB, -1), 0, meta, hdrB,
@@ -252,7 +231,7 @@ def _scatter_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) 
     C = send_map.shape[1]
     nbytes = src.shape[1] * src.element_size()
     m = send_map.reshape(-1)
-    frm = _place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
+    frm = place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
                                             device=src.device) // max(C, 1))
     off = torch.arange(S, dtype=torch.int64, device=src.device) * nbytes
     byterows.write_rows(out, off, nbytes, src, torch.where(frm >= 0, frm * nbytes, -1), nbytes,

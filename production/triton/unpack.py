@@ -45,7 +45,7 @@ from epkit.reference import abi
 from .. import plan as W
 from ..device import host_plan
 from . import byterows
-from .pack import _excl, _place, _rank_in_key
+from .indexmaps import excl, place, rank_in_key
 from .wirechecks import (check_dim, check_dtype, check_nonneg, check_plan_chunks,
                          check_plan_header, check_plan_tensor, check_transport, fail, row_bytes)
 
@@ -165,7 +165,7 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
     offsets, tpe = pl[sl["offsets"]], pl[sl["tokens_per_expert"]]
     kept = pl[sl["recv_kept"]]  # [R * L], s-major
     ok = pl[W.ERR_CODE] == 0
-    rchunk = _excl(pl[sl["recv_bytes"]])
+    rchunk = excl(pl[sl["recv_bytes"]])
     bits = [_any(pl[sl["recv_bytes"]].sum() != NB, ST_SHAPE),
             _any(pl[W.RECV_BYTES] != NB, ST_SHAPE), _any(pl[W.RECV_ROWS] != N, ST_SHAPE),
             _any(pl[W.EXPERT_ROWS] != M, ST_SHAPE), _any(offsets[L] > M, ST_SHAPE),
@@ -178,14 +178,14 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         data = (s < R) & (i >= 0)
         s = s.clamp(max=R - 1)
         data = data & (i < counts[s])
-        g = _excl(counts)[s] + i  # the data row's index among all data rows
+        g = excl(counts)[s] + i  # the data row's index among all data rows
         bits.append(_any((counts > 0) & (torch.arange(R, **i64) * (1 + cap) + counts >= N),
                          ST_SHAPE))  # a data row past recv_rows
         bits.append(_any(_read(recv, rchunk, ok, 8) != counts, ST_INBAND))
     else:
         data = r < counts.sum()
         s = torch.searchsorted(counts.cumsum(0), r, right=True).clamp(max=R - 1)
-        i, g = r - _excl(counts)[s], r
+        i, g = r - excl(counts)[s], r
         bits.append(_any(counts.sum() > N, ST_SHAPE))
     at = rchunk[s] + (hdr + i) * B
     bits.append(_any(data & (at + B > NB), ST_SHAPE))
@@ -201,14 +201,14 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         inb = blk < R * L
         blk = blk.clamp(max=R * L - 1)
         kv = kept.view(R, L)
-        base = (offsets[:L][None, :] + _excl(kv)).reshape(-1)  # expert row of block's first
+        base = (offsets[:L][None, :] + excl(kv)).reshape(-1)  # expert row of block's first
         bits.append(_any((base + kept).view(R, L) > offsets[1:][None, :], ST_EXPERT_ROW))
         m = base[blk] + g - (ends[blk] - kept[blk])
         live = data & inb & (m >= 0) & (m < M)
         bits.append(_any(data & ~live & ok, ST_ROWS))
         status = torch.where(ok, sum(bits), 0).to(torch.int32)
         good = status == 0
-        src = torch.where(good, _place(M, m, live, r), -1)
+        src = torch.where(good, place(M, m, live, r), -1)
         recv_map = torch.where(live & good, m, -1).view(N, 1)
         has, q = src >= 0, src.clamp(min=0)
         row_src = torch.where(has[:, None], torch.stack([s[q], t[q], k[q]], 1), -1)
@@ -224,7 +224,7 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         sec = rchunk + tok_rows * B  # each chunk's slot section (its header row first)
         if cap >= 0:
             bits.append(_any(_read(recv, sec, ok, 8) != nslots, ST_SLOTS))
-        first = sec[s] + hdr * SLOT + (_excl(nn) - _excl(tot)[s]) * SLOT
+        first = sec[s] + hdr * SLOT + (excl(nn) - excl(tot)[s]) * SLOT
         qk = torch.arange(K, **i64)
         sv = data[:, None] & (qk[None, :] < nn[:, None].clamp(max=K))
         so = first[:, None] + qk[None, :] * SLOT
@@ -238,7 +238,7 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         bits.append(_any(bad, ST_SLOT_ROW))
         sv = (sv & ~bad).reshape(-1)
         kk, jj = kk.reshape(-1), jj.reshape(-1).clamp(max=L - 1)
-        rank = _rank_in_key(torch.where(sv, jj, L), L)
+        rank = rank_in_key(torch.where(sv, jj, L), L)
         cnt = torch.zeros(L + 1, **i64).scatter_add_(0, torch.where(sv, jj, L),
                                                      torch.ones_like(jj))[:L]
         bits.append(_any(cnt != tpe, ST_EXPERT_TOTAL))
@@ -252,8 +252,8 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         status = torch.where(ok, sum(bits), 0).to(torch.int32)
         good = status == 0
         slot_id = torch.arange(N * K, **i64)
-        src_slot = torch.where(good, _place(M, m, live, slot_id), -1)
-        recv_map = torch.where(good, _place(N * K, rk, live, m), -1).view(N, K)
+        src_slot = torch.where(good, place(M, m, live, slot_id), -1)
+        recv_map = torch.where(good, place(N * K, rk, live, m), -1).view(N, K)
         has, qs = src_slot >= 0, src_slot.clamp(min=0)
         q = qs // max(K, 1)
         src = torch.where(has, q, -1)

@@ -67,7 +67,8 @@ def check_routing_args(op, x, topk_idx, topk_weights):
     """x [T, H], topk_idx [T, K] of an integer dtype, topk_weights [T, K] float32, one device."""
     check_dim(op, "x", x, 2)
     check_dim(op, "topk_idx", topk_idx, 2)
-    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+    dt = topk_idx.dtype
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
         fail(op, f"topk_idx must have an integer dtype, got {topk_idx.dtype}")
     check_device(op, "topk_idx", topk_idx, x.device)
     check_size(op, "topk_idx", topk_idx, 0, x.shape[0], "tokens of x")
@@ -116,7 +117,8 @@ def check_plan_header(op, p: list, n: int) -> dict:
     if p[ALIGN] < 1:
         fail(op, f"plan header: align {p[ALIGN]} < 1")
     if p[W.ERR_CODE] != 0:
-        fail(op, f"the plan carries error code {p[W.ERR_CODE]} (raise it instead of using the plan)")
+        fail(op, f"the plan carries error code {p[W.ERR_CODE]} (raise it instead of using the "
+                 "plan)")
     if n != W.plan_size(R, E):
         fail(op, f"plan has {n} words, PlanOffsets(R={R}, E={E}) needs {W.plan_size(R, E)}")
     return W.plan_slices(R, E)

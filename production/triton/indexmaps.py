@@ -1,0 +1,41 @@
+"""The integer bookkeeping of pack and unpack as device-generic torch ops (no host read, no
+data-dependent size): prefix sums, ranks within keys by a stable sort, and index maps built by
+one scatter, so the row kernels can be output-indexed."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["excl", "rank_in_key", "take", "place"]
+
+
+def excl(v: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sum along dim 0 (integers: exact and deterministic)."""
+    return v.cumsum(0) - v
+
+
+def rank_in_key(key: torch.Tensor, nkeys: int) -> torch.Tensor:
+    """[n] int64: each element's rank among the elements of its key, in index order. A stable
+    sort by key gives the canonical order; rank = position minus the exclusive cumsum of the
+    key counts. key [n] int64 in [0, nkeys] (nkeys: a key for "none", ranked too)."""
+    n = key.numel()
+    order = torch.argsort(key, stable=True)
+    cnt = torch.zeros(nkeys + 1, dtype=torch.int64, device=key.device)
+    cnt.scatter_add_(0, key, torch.ones_like(key))
+    pos = torch.arange(n, dtype=torch.int64, device=key.device) - excl(cnt)[key[order]]
+    return torch.empty_like(key).scatter_(0, order, pos)
+
+
+def take(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``v[at]`` (``at`` in range), zeros when ``v`` is empty (a rank without tokens)."""
+    return v[at] if v.numel() else torch.zeros_like(at)
+
+
+def place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> torch.Tensor:
+    """[Q] int64: ``what[i]`` at ``q[i]`` for each kept ``i`` with ``q[i]`` in [0, Q), -1
+    elsewhere (the inverse of a map; the rejected entries land in a spare last slot). Kept
+    entries name distinct slots under a consistent plan; should they not (a plan from another
+    call on a GPU, where nothing raises), one of them wins and nothing goes out of bounds."""
+    keep = keep & (q >= 0) & (q < Q)
+    out = torch.full((Q + 1,), -1, dtype=torch.int64, device=q.device)
+    return out.scatter_(0, torch.where(keep, q, Q), what)[:Q]
