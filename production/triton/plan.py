@@ -1,15 +1,20 @@
-"""``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): one launch of one
-single-program Triton kernel turns the all-gathered count words [R, 8 + E + R] into the plan,
-word for word the C++ kernel's.
+"""``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): one
+single-program Triton kernel, launched twice (its two phases), turns the all-gathered count
+words [R, 8 + E + R] into the plan, word for word the C++ kernel's.
 
 Why one program: the plan is small (R x E words) and every block of it reads running sums of
 the ones before; as torch ops it is about 280 launches. The program walks the words in 2-D
 tiles (sources x experts), so the interpreter's cost (per ``tl.*`` operation, not per element)
-stays at a few hundred operations at verify sizes, and a GPU keeps one CTA's threads busy. Its
-only intermediate is ``work`` [R, E]: the kept slots of each source summed along the experts
-(a row-wise inclusive prefix), written once per element and read after a barrier
-(``tl.debug_barrier``: the program's threads read what other threads of the same program wrote,
-never another program's).
+stays at a few hundred operations at verify sizes, and a GPU keeps one CTA's threads busy.
+Phase 0: the error (step 1), kept slots and this rank's expert sections (steps 2 and 4 of
+cpu/plan.cpp). Phase 1: rows per pair, uniformity and the exchange's chunks (steps 3 and 5).
+Why two launches of one kernel, not one: the whole plan in one program needs more scalar
+registers than gfx942 has (it spilled 2 to 12 SGPRs, whatever the tiles); each phase alone
+compiles without a spill on sm_90 and gfx942 (``epkit kernels --compile``). Phase 1 reads what
+phase 0 wrote (the plan's error word, offsets[L], ``work``) in the next launch, never within
+one. Within a phase the intermediate ``work`` [R, E] (each source's kept slots summed along the
+experts: a row-wise inclusive prefix) is written once per element and read after a barrier
+(``tl.debug_barrier``: threads of the one program read what other threads of it wrote).
 
 Errors travel in the plan as in the C++ kernel: a rank's own error, else the first rank whose
 H, x dtype or K differs from rank 0's; then the plan holds only its header. Metadata (the words'
@@ -70,7 +75,7 @@ def _slots(work_ptr, s, d, m, E, L):
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "capacity", "transport",
                                "exchange", "max_tokens"])
 def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capacity, transport,
-                 exchange, max_tokens, BS: tl.constexpr, BX: tl.constexpr):
+                 exchange, max_tokens, PHASE: tl.constexpr, BS: tl.constexpr, BX: tl.constexpr):
     """One program: ``g`` [R, 8 + E + R] int64 the gathered words, ``p`` [PlanOffsets(R, E).size]
     int64 the plan (zeros on entry: a plan that carries an error holds only its header),
     ``work`` [R * E] int64 scratch, ``fault`` [3] int64 (out: rank 0's header is corrupt; the
@@ -86,231 +91,228 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
     cs = tl.arange(0, BX).to(tl.int64)[None, :]  # its experts (or ranks)
     dedup = (xs * 0 + transport) == 1            # tensor masks (interpreter: not splatted)
 
-    tl.store(p_ptr + 9, R)
-    tl.store(p_ptr + 10, L)
-    tl.store(p_ptr + 11, E)
-    tl.store(p_ptr + 12, transport.to(tl.int64))
-    tl.store(p_ptr + 13, capacity.to(tl.int64))
-    tl.store(p_ptr + 14, align.to(tl.int64))
+    if PHASE == 0:
+        tl.store(p_ptr + 9, R)
+        tl.store(p_ptr + 10, L)
+        tl.store(p_ptr + 11, E)
+        tl.store(p_ptr + 12, transport.to(tl.int64))
+        tl.store(p_ptr + 13, capacity.to(tl.int64))
+        tl.store(p_ptr + 14, align.to(tl.int64))
 
-    # 1. The error: the lowest rank whose own checks failed; else the lowest rank whose H,
-    #    x dtype or K (in that order) differs from rank 0's.
-    H0 = tl.load(g_ptr + 4)
-    K0 = tl.load(g_ptr + 5)
-    X0 = tl.load(g_ptr + 6)
-    P0 = tl.load(g_ptr + 7)
-    # Running verdicts are kept per lane (vector registers) and reduced after each loop.
-    first_err = xs * 0 + R
-    first_mis = xs * 0 + R
-    for i in range(0, (R + BX - 1) // BX):
-        s = i * BX + xs
-        m = s < R
-        code = tl.load(g_ptr + s * W, mask=m, other=0)
-        h = tl.load(g_ptr + s * W + 4, mask=m, other=0)
-        k = tl.load(g_ptr + s * W + 5, mask=m, other=0)
-        x = tl.load(g_ptr + s * W + 6, mask=m, other=0)
-        first_err = tl.minimum(first_err, tl.where(m & (code != 0), s, R))
-        unlike = m & ((h != H0) | (x != X0) | (k != K0))
-        first_mis = tl.minimum(first_mis, tl.where(unlike, s, R))
-    first_err = tl.min(first_err, 0)
-    first_mis = tl.min(first_mis, 0)
-    failed = (first_err < R) | (first_mis < R)
-    if failed:
-        if first_err < R:
-            code = tl.load(g_ptr + first_err * W)
-            a = tl.load(g_ptr + first_err * W + 1)
-            b = tl.load(g_ptr + first_err * W + 2)
-            who = first_err
-        else:
-            h = tl.load(g_ptr + first_mis * W + 4)
-            k = tl.load(g_ptr + first_mis * W + 5)
-            x = tl.load(g_ptr + first_mis * W + 6)
-            code = tl.where(h != H0, 7, tl.where(x != X0, 8, 9)).to(tl.int64)
-            a = tl.where(h != H0, h, tl.where(x != X0, x, k))
-            b = tl.where(h != H0, H0, tl.where(x != X0, X0, K0))
-            who = first_mis
-        tl.store(p_ptr + 0, code)
-        tl.store(p_ptr + 1, a)
-        tl.store(p_ptr + 2, b)
-        tl.store(p_ptr + 3, who)
-        tl.store(p_ptr + 16, zero - 1)  # static_cap: not static
-        tl.store(fault_ptr + 0, zero)
-        tl.store(fault_ptr + 1, zero - 1)
-        tl.store(fault_ptr + 2, zero - 1)
-    else:
-        tl.store(p_ptr + 15, K0)
-        head_bad = (H0 < 0) | (K0 < 0) | (P0 < 0) | (P0 > 2)
-        tl.store(fault_ptr + 0, head_bad.to(tl.int64))
-
-        # 2. Kept slots per (source, expert): capacity keeps the first C in (source, token)
-        #    order. Expert tiles outer, source tiles inner: ``before`` carries the slots of
-        #    the sources already seen per expert; ``work`` gets each row's prefix along the
-        #    experts, continuing the previous expert tile's (read after the barrier).
-        C = capacity.to(tl.int64)
-        dropped_any = xs * 0
-        bad_count = xs * 0 + R * E
-        for i in range(0, (E + BX - 1) // BX):
-            e = i * BX + cs
-            before = tl.zeros([BX], dtype=tl.int64)
-            for t in range(0, (R + BS - 1) // BS):
-                s = t * BS + rs
-                m = (s < R) & (e < E)
-                c = tl.load(g_ptr + s * W + 8 + e, mask=m, other=0)
-                seen = tl.cumsum(c, 0) - c + before[None, :]
-                kept = tl.where(C < 0, c, tl.minimum(tl.maximum(C - seen, 0), c))
-                dropped_any = tl.maximum(dropped_any, tl.max(tl.where(m & (kept != c), 1, 0), 0))
-                bad = m & ((c < 0) | (c > 281474976710656))  # 2**48: MAX_WORD_COUNT
-                bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
-                before += tl.sum(c, 0)
-                carry = tl.load(work_ptr + s * E + i * BX - 1, mask=(s < R) & (i > 0), other=0)
-                tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1) + carry, mask=m)
-            tl.debug_barrier()  # the next tile's carry, and every later read of ``work``
-        tl.store(p_ptr + 24, tl.max(dropped_any, 0))
-        bad_count = tl.min(bad_count, 0)
-        tl.store(fault_ptr + 1, tl.where(bad_count < R * E, bad_count, -1))
-
-        # 3. Rows (and slot rows) from s to d for every pair: uniformity (the lowest source
-        #    with a pair unlike (0, 0)), the largest chunk, and the corrupt token counts.
-        slots00 = tl.load(work_ptr + L - 1)
-        rows00 = tl.where(transport == 1, tl.load(g_ptr + 8 + E), slots00)
-        first_unlike = xs * 0 + R
-        maxrows = xs * 0
-        maxslots = xs * 0
-        bad_tpr = xs * 0 + R * R
-        for t in range(0, (R + BS - 1) // BS):
-            s = t * BS + rs
-            for i in range(0, (R + BX - 1) // BX):
-                d = i * BX + cs
-                m = (s < R) & (d < R)
-                sl = _slots(work_ptr, s, d, m, E, L)
-                tpr = tl.load(g_ptr + s * W + 8 + E + d, mask=m, other=0)
-                n = tl.where((d * 0 + transport) == 1, tpr, sl)
-                same = (n == rows00) & ((sl == slots00) | ((d * 0 + transport) == 0))
-                first_unlike = tl.minimum(first_unlike, tl.min(tl.where(m & ~same, s, R), 0))
-                maxrows = tl.maximum(maxrows, tl.max(tl.where(m, n, 0), 0))
-                maxslots = tl.maximum(maxslots, tl.max(tl.where(m, sl, 0), 0))
-                bad = m & ((tpr < 0) | (tpr > 281474976710656))
-                bad_tpr = tl.minimum(bad_tpr, tl.min(tl.where(bad, s * R + d, R * R), 0))
-        first_unlike = tl.min(first_unlike, 0)
-        maxrows = tl.max(maxrows, 0)
-        maxslots = tl.max(maxslots, 0)
-        bad_tpr = tl.min(bad_tpr, 0)
-        uniform = first_unlike == R
-        tl.store(p_ptr + 7, uniform.to(tl.int64))
-        tl.store(p_ptr + 23, tl.where(uniform, zero - 1, first_unlike))
-        tl.store(fault_ptr + 2, tl.where(bad_tpr < R * R, bad_tpr, -1))
-
-        # 4. This rank's experts: kept per source, kept and dropped totals, padded offsets.
-        #    (PlanOffsets, epkit.h: each section's start computed where it is used, which
-        #    keeps the program's scalar registers few.)
-        me = rank.to(tl.int64)
-        o_tpe = 26 + 2 * R
-        o_dropped = o_tpe + L
-        o_offsets = o_dropped + L
-        o_recv_kept = o_offsets + L + 1
-        M = zero
-        for i in range(0, (L + BX - 1) // BX):
-            j = i * BX + cs
-            e = me * L + j
-            kept_sum = tl.zeros([BX], dtype=tl.int64)
-            used_sum = tl.zeros([BX], dtype=tl.int64)
-            for t in range(0, (R + BS - 1) // BS):
-                s = t * BS + rs
-                m = (s < R) & (j < L)
-                end = tl.load(work_ptr + s * E + e, mask=m, other=0)
-                kept = end - tl.load(work_ptr + s * E + e - 1, mask=m & (e > 0), other=0)
-                kept_sum += tl.sum(kept, 0)
-                used_sum += tl.sum(tl.load(g_ptr + s * W + 8 + e, mask=m, other=0), 0)
-                tl.store(p_ptr + o_recv_kept + s * L + j, kept, mask=m)
-            jj = i * BX + xs
-            mj = jj < L
-            tl.store(p_ptr + o_tpe + jj, kept_sum, mask=mj)
-            tl.store(p_ptr + o_dropped + jj, used_sum - kept_sum, mask=mj)
-            step = tl.maximum(align.to(tl.int64), 1)  # (a bad align raised on the host)
-            padded = tl.where(mj, (kept_sum + step - 1) // step * step, 0)
-            tl.store(p_ptr + o_offsets + jj, tl.cumsum(padded, 0) - padded + M, mask=mj)
-            M += tl.sum(padded, 0)
-        tl.store(p_ptr + o_offsets + L, M)
-        o_own_kept = o_recv_kept + R * L
-        for i in range(0, (E + BX - 1) // BX):
-            e = i * BX + xs
-            m = e < E
-            end = tl.load(work_ptr + me * E + e, mask=m, other=0)
-            kept = end - tl.load(work_ptr + me * E + e - 1, mask=m & (e > 0), other=0)
-            tl.store(p_ptr + o_own_kept + e, kept, mask=m)
-
-        # 5. The exchange that runs and the dispatch chunks in bytes (plan_exchange). Each
-        #    header word is stored as soon as it is known (fewer live scalar registers); rank
-        #    0's header is read again for the same reason.
+        # 1. The error: the lowest rank whose own checks failed; else the lowest rank whose H,
+        #    x dtype or K (in that order) differs from rank 0's.
         H0 = tl.load(g_ptr + 4)
+        K0 = tl.load(g_ptr + 5)
         X0 = tl.load(g_ptr + 6)
         P0 = tl.load(g_ptr + 7)
-        per = tl.minimum(tl.load(g_ptr + 5), L)
-        mt = max_tokens.to(tl.int64)
-        is_static = (mt >= 0) | (exchange == 5)
-        variant = tl.where(is_static, 3, tl.where(exchange == 1, 1, tl.where(
-            (exchange == 2) | (((exchange == 3) | (exchange == 4)) & uniform), 2, 0)))
-        tl.store(p_ptr + 17, variant.to(tl.int64))
-        slots_cap = mt * per
-        cap = tl.where((transport == 0) | (slots_cap < mt), slots_cap, mt)
-        tl.store(p_ptr + 6, tl.where(is_static, R * slots_cap + L * (align.to(tl.int64) - 1), M))
-        tl.store(p_ptr + 8, tl.where(is_static, 1 + cap, maxrows))
-        tl.store(p_ptr + 16, tl.where(is_static, cap, zero - 1))
-        tokcap = tl.where(is_static, 1 + cap, tl.where(variant != 0, maxrows, zero - 1))
-        slotcap = tl.where(is_static, 1 + slots_cap, tl.where(variant != 0, maxslots, zero - 1))
-        tl.store(p_ptr + 19, tokcap)
-        tl.store(p_ptr + 20, tl.where(transport == 1, slotcap, zero - 1))
-        static_rows = tl.where(is_static, R * (1 + cap), zero - 1)
-        itemsize = tl.where(X0 == 2, 2, 4).to(tl.int64)  # dtype code 2: bfloat16
-        block = tl.where(P0 == 1, 32, tl.where(P0 == 2, 128, 0)).to(tl.int64)
-        scale_bytes = tl.where(P0 == 1, 1, tl.where(P0 == 2, 4, 0)).to(tl.int64)
-        Pb = tl.where(block != 0, H0 + scale_bytes * (H0 // tl.maximum(block, 1)), H0 * itemsize)
-        tl.store(p_ptr + 18, Pb)
-        B = Pb + tl.where(transport == 0, 16, 8)
-        fixed = (xs * 0 + tokcap) >= 0
-
-        me = rank.to(tl.int64)
-        o_send_bytes = o_own_kept + E
-        S = zero
-        SB = zero
-        for i in range(0, (R + BX - 1) // BX):
-            d = i * BX + xs
-            m = d < R
-            sl = _slots(work_ptr, d * 0 + me, d, m, E, L)
-            n = tl.where(dedup, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
-            tl.store(p_ptr + 26 + d, n, mask=m)  # send_counts
-            tl.store(p_ptr + o_send_bytes + 2 * R + d, sl, mask=m)  # send_slots
-            nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
-                fixed, slotcap, sl) * 8, 0)
-            tl.store(p_ptr + o_send_bytes + d, nbytes, mask=m)
-            S += tl.sum(tl.where(m, n, 0), 0)
-            SB += tl.sum(tl.where(m, nbytes, 0), 0)
-        tl.store(p_ptr + 4, tl.where(is_static, static_rows, S))
-        tl.store(p_ptr + 21, SB)
-        N = zero
-        RB = zero
+        # Running verdicts are kept per lane (vector registers) and reduced after each loop.
+        first_err = xs * 0 + R
+        first_mis = xs * 0 + R
         for i in range(0, (R + BX - 1) // BX):
             s = i * BX + xs
             m = s < R
-            sl = _slots(work_ptr, s, s * 0 + me, m, E, L)
-            n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
-            tl.store(p_ptr + 26 + R + s, n, mask=m)  # recv_counts
-            tl.store(p_ptr + o_send_bytes + 3 * R + s, sl, mask=m)  # recv_slots
-            nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
-                fixed, slotcap, sl) * 8, 0)
-            tl.store(p_ptr + o_send_bytes + R + s, nbytes, mask=m)  # recv_bytes
-            N += tl.sum(tl.where(m, n, 0), 0)
-            RB += tl.sum(tl.where(m, nbytes, 0), 0)
-        tl.store(p_ptr + 5, tl.where(is_static, static_rows, N))
-        tl.store(p_ptr + 22, RB)
+            code = tl.load(g_ptr + s * W, mask=m, other=0)
+            h = tl.load(g_ptr + s * W + 4, mask=m, other=0)
+            k = tl.load(g_ptr + s * W + 5, mask=m, other=0)
+            x = tl.load(g_ptr + s * W + 6, mask=m, other=0)
+            first_err = tl.minimum(first_err, tl.where(m & (code != 0), s, R))
+            unlike = m & ((h != H0) | (x != X0) | (k != K0))
+            first_mis = tl.minimum(first_mis, tl.where(unlike, s, R))
+        first_err = tl.min(first_err, 0)
+        first_mis = tl.min(first_mis, 0)
+        failed = (first_err < R) | (first_mis < R)
+        if failed:
+            if first_err < R:
+                code = tl.load(g_ptr + first_err * W)
+                a = tl.load(g_ptr + first_err * W + 1)
+                b = tl.load(g_ptr + first_err * W + 2)
+                who = first_err
+            else:
+                h = tl.load(g_ptr + first_mis * W + 4)
+                k = tl.load(g_ptr + first_mis * W + 5)
+                x = tl.load(g_ptr + first_mis * W + 6)
+                code = tl.where(h != H0, 7, tl.where(x != X0, 8, 9)).to(tl.int64)
+                a = tl.where(h != H0, h, tl.where(x != X0, x, k))
+                b = tl.where(h != H0, H0, tl.where(x != X0, X0, K0))
+                who = first_mis
+            tl.store(p_ptr + 0, code)
+            tl.store(p_ptr + 1, a)
+            tl.store(p_ptr + 2, b)
+            tl.store(p_ptr + 3, who)
+            tl.store(p_ptr + 16, zero - 1)  # static_cap: not static
+            tl.store(fault_ptr + 0, zero)
+            tl.store(fault_ptr + 1, zero - 1)
+            tl.store(fault_ptr + 2, zero - 1)
+        else:
+            tl.store(p_ptr + 15, K0)
+            head_bad = (H0 < 0) | (K0 < 0) | (P0 < 0) | (P0 > 2)
+            tl.store(fault_ptr + 0, head_bad.to(tl.int64))
+
+            # 2. Kept slots per (source, expert): capacity keeps the first C in (source, token)
+            #    order. Expert tiles outer, source tiles inner: ``before`` carries the slots of
+            #    the sources already seen per expert; ``work`` gets each row's prefix along the
+            #    experts, continuing the previous expert tile's (read after the barrier). The
+            #    same pass writes this rank's sections (plan_expert): own_kept (its row),
+            #    recv_kept (its experts' columns), kept / dropped totals and the padded offsets,
+            #    whose running sum M crosses the tiles in expert order. PlanOffsets (epkit.h):
+            #    tokens_per_expert at 26 + 2R, then dropped, offsets (L + 1), recv_kept (R L),
+            #    own_kept (E).
+            C = capacity.to(tl.int64)
+            me = rank.to(tl.int64)
+            lo = me * L  # this rank's experts: [lo, lo + L)
+            o_tpe = 26 + 2 * R
+            step = tl.maximum(align.to(tl.int64), 1)  # (a bad align raised on the host)
+            dropped_any = xs * 0
+            bad_count = xs * 0 + R * E
+            M = zero
+            for i in range(0, (E + BX - 1) // BX):
+                e = i * BX + cs
+                before = tl.zeros([BX], dtype=tl.int64)
+                kept_sum = tl.zeros([BX], dtype=tl.int64)
+                for t in range(0, (R + BS - 1) // BS):
+                    s = t * BS + rs
+                    m = (s < R) & (e < E)
+                    c = tl.load(g_ptr + s * W + 8 + e, mask=m, other=0)
+                    seen = tl.cumsum(c, 0) - c + before[None, :]
+                    kept = tl.where(C < 0, c, tl.minimum(tl.maximum(C - seen, 0), c))
+                    dropped_any = tl.maximum(dropped_any,
+                                             tl.max(tl.where(m & (kept != c), 1, 0), 0))
+                    bad = m & ((c < 0) | (c > 281474976710656))  # 2**48: MAX_WORD_COUNT
+                    bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
+                    before += tl.sum(c, 0)
+                    kept_sum += tl.sum(kept, 0)
+                    carry = tl.load(work_ptr + s * E + i * BX - 1, mask=(s < R) & (i > 0), other=0)
+                    tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1) + carry, mask=m)
+                    mine = m & (e >= lo) & (e < lo + L)
+                    tl.store(p_ptr + o_tpe + 3 * L + 1 + s * L + e - lo, kept, mask=mine)
+                    tl.store(p_ptr + o_tpe + 3 * L + 1 + R * L + e + s * 0, kept,
+                             mask=m & (s == me))
+                tl.debug_barrier()  # the next tile's carry, and every later read of ``work``
+                e1 = i * BX + xs
+                mine1 = (e1 >= lo) & (e1 < lo + L)
+                tl.store(p_ptr + o_tpe + e1 - lo, kept_sum, mask=mine1)
+                tl.store(p_ptr + o_tpe + L + e1 - lo, before - kept_sum, mask=mine1)  # dropped
+                padded = tl.where(mine1, (kept_sum + step - 1) // step * step, 0)
+                tl.store(p_ptr + o_tpe + 2 * L + e1 - lo, tl.cumsum(padded, 0) - padded + M,
+                         mask=mine1)
+                M += tl.sum(padded, 0)
+            tl.store(p_ptr + o_tpe + 3 * L, M)  # offsets[L]
+            tl.store(p_ptr + 24, tl.max(dropped_any, 0))
+            bad_count = tl.min(bad_count, 0)
+            tl.store(fault_ptr + 1, tl.where(bad_count < R * E, bad_count, -1))
+
+    else:
+        # Phase 1: steps 3 and 5, unless phase 0 wrote an error (a word it alone writes).
+        if tl.load(p_ptr + 0) == 0:
+            me = rank.to(tl.int64)
+            o_tpe = 26 + 2 * R
+            M = tl.load(p_ptr + o_tpe + 3 * L)  # offsets[L]: this rank's expert rows
+            # 3. Rows (and slot rows) from s to d for every pair: uniformity (the lowest source
+            #    with a pair unlike (0, 0)), the largest chunk, and the corrupt token counts.
+            slots00 = tl.load(work_ptr + L - 1)
+            rows00 = tl.where(transport == 1, tl.load(g_ptr + 8 + E), slots00)
+            first_unlike = xs * 0 + R
+            maxrows = xs * 0
+            maxslots = xs * 0
+            bad_tpr = xs * 0 + R * R
+            for t in range(0, (R + BS - 1) // BS):
+                s = t * BS + rs
+                for i in range(0, (R + BX - 1) // BX):
+                    d = i * BX + cs
+                    m = (s < R) & (d < R)
+                    sl = _slots(work_ptr, s, d, m, E, L)
+                    tpr = tl.load(g_ptr + s * W + 8 + E + d, mask=m, other=0)
+                    n = tl.where((d * 0 + transport) == 1, tpr, sl)
+                    same = (n == rows00) & ((sl == slots00) | ((d * 0 + transport) == 0))
+                    first_unlike = tl.minimum(first_unlike, tl.min(tl.where(m & ~same, s, R), 0))
+                    maxrows = tl.maximum(maxrows, tl.max(tl.where(m, n, 0), 0))
+                    maxslots = tl.maximum(maxslots, tl.max(tl.where(m, sl, 0), 0))
+                    bad = m & ((tpr < 0) | (tpr > 281474976710656))
+                    bad_tpr = tl.minimum(bad_tpr, tl.min(tl.where(bad, s * R + d, R * R), 0))
+            first_unlike = tl.min(first_unlike, 0)
+            maxrows = tl.max(maxrows, 0)
+            maxslots = tl.max(maxslots, 0)
+            bad_tpr = tl.min(bad_tpr, 0)
+            uniform = first_unlike == R
+            tl.store(p_ptr + 7, uniform.to(tl.int64))
+            tl.store(p_ptr + 23, tl.where(uniform, zero - 1, first_unlike))
+            tl.store(fault_ptr + 2, tl.where(bad_tpr < R * R, bad_tpr, -1))
+
+            # 5. The exchange that runs and the dispatch chunks in bytes (plan_exchange). Each
+            #    header word is stored as soon as it is known (fewer live scalar registers); rank
+            #    0's header is read again for the same reason.
+            H0 = tl.load(g_ptr + 4)
+            X0 = tl.load(g_ptr + 6)
+            P0 = tl.load(g_ptr + 7)
+            per = tl.minimum(tl.load(g_ptr + 5), L)
+            mt = max_tokens.to(tl.int64)
+            is_static = (mt >= 0) | (exchange == 5)
+            variant = tl.where(is_static, 3, tl.where(exchange == 1, 1, tl.where(
+                (exchange == 2) | (((exchange == 3) | (exchange == 4)) & uniform), 2, 0)))
+            tl.store(p_ptr + 17, variant.to(tl.int64))
+            slots_cap = mt * per
+            cap = tl.where((transport == 0) | (slots_cap < mt), slots_cap, mt)
+            tl.store(p_ptr + 6, tl.where(is_static,
+                                         R * slots_cap + L * (align.to(tl.int64) - 1), M))
+            tl.store(p_ptr + 8, tl.where(is_static, 1 + cap, maxrows))
+            tl.store(p_ptr + 16, tl.where(is_static, cap, zero - 1))
+            tokcap = tl.where(is_static, 1 + cap, tl.where(variant != 0, maxrows, zero - 1))
+            slotcap = tl.where(is_static, 1 + slots_cap, tl.where(variant != 0, maxslots, zero - 1))
+            tl.store(p_ptr + 19, tokcap)
+            tl.store(p_ptr + 20, tl.where(transport == 1, slotcap, zero - 1))
+            static_rows = tl.where(is_static, R * (1 + cap), zero - 1)
+            itemsize = tl.where(X0 == 2, 2, 4).to(tl.int64)  # dtype code 2: bfloat16
+            block = tl.where(P0 == 1, 32, tl.where(P0 == 2, 128, 0)).to(tl.int64)
+            scale_bytes = tl.where(P0 == 1, 1, tl.where(P0 == 2, 4, 0)).to(tl.int64)
+            Pb = tl.where(block != 0, H0 + scale_bytes * (H0 // tl.maximum(block, 1)),
+                          H0 * itemsize)
+            tl.store(p_ptr + 18, Pb)
+            B = Pb + tl.where(transport == 0, 16, 8)
+            fixed = (xs * 0 + tokcap) >= 0
+
+            o_send_bytes = o_tpe + 3 * L + 1 + R * L + E
+            S = zero
+            SB = zero
+            for i in range(0, (R + BX - 1) // BX):
+                d = i * BX + xs
+                m = d < R
+                sl = _slots(work_ptr, d * 0 + me, d, m, E, L)
+                n = tl.where(dedup, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
+                tl.store(p_ptr + 26 + d, n, mask=m)  # send_counts
+                tl.store(p_ptr + o_send_bytes + 2 * R + d, sl, mask=m)  # send_slots
+                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
+                    fixed, slotcap, sl) * 8, 0)
+                tl.store(p_ptr + o_send_bytes + d, nbytes, mask=m)
+                S += tl.sum(tl.where(m, n, 0), 0)
+                SB += tl.sum(tl.where(m, nbytes, 0), 0)
+            tl.store(p_ptr + 4, tl.where(is_static, static_rows, S))
+            tl.store(p_ptr + 21, SB)
+            N = zero
+            RB = zero
+            for i in range(0, (R + BX - 1) // BX):
+                s = i * BX + xs
+                m = s < R
+                sl = _slots(work_ptr, s, s * 0 + me, m, E, L)
+                n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
+                tl.store(p_ptr + 26 + R + s, n, mask=m)  # recv_counts
+                tl.store(p_ptr + o_send_bytes + 3 * R + s, sl, mask=m)  # recv_slots
+                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
+                    fixed, slotcap, sl) * 8, 0)
+                tl.store(p_ptr + o_send_bytes + R + s, nbytes, mask=m)  # recv_bytes
+                N += tl.sum(tl.where(m, n, 0), 0)
+                RB += tl.sum(tl.where(m, nbytes, 0), 0)
+            tl.store(p_ptr + 5, tl.where(is_static, static_rows, N))
+            tl.store(p_ptr + 22, RB)
 
 
 _BS, _BX = 8, 32
 _SCALARS = ("R", "E", "L", "rank", "align", "capacity", "transport", "exchange", "max_tokens")
-specialization("plan", _plan_kernel,
-               {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "fault_ptr": "*i64",
-                **{s: "i32" for s in _SCALARS}, "BS": "constexpr", "BX": "constexpr"},
-               {"BS": _BS, "BX": _BX})
+for _phase in (0, 1):
+    specialization(f"plan_phase{_phase}", _plan_kernel,
+                   {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "fault_ptr": "*i64",
+                    **{s: "i32" for s in _SCALARS}, "PHASE": "constexpr", "BS": "constexpr",
+                    "BX": "constexpr"},
+                   {"PHASE": _phase, "BS": _BS, "BX": _BX})
 
 
 # ---- argument checks (checks.h check_plan_args / check_plan_options) ----------------------------
@@ -397,8 +399,9 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     p = torch.zeros(plan_words_size(R, E), dtype=torch.int64, device=g.device)
     work = torch.empty(max(R * E, 1), dtype=torch.int64, device=g.device)
     fault = torch.empty(3, dtype=torch.int64, device=g.device)
-    launch(_plan_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity, transport,
-           exchange, max_tokens, BS=_BS, BX=_BX)
+    for phase in (0, 1):  # phase 1 reads phase 0's words: a second launch (module comment)
+        launch(_plan_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity,
+               transport, exchange, max_tokens, PHASE=phase, BS=_BS, BX=_BX)
     if g.device.type == "cpu" or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
         _raise_fault(g, fault)
     return p
