@@ -55,6 +55,14 @@ byterows.declare("pack.scatter_rows", 0, False)
 SLOT = abi.SLOT_ROW_BYTES
 
 
+def _readable(t: torch.Tensor) -> bool:
+    """Whether the data checks of the C++ kernel may read t: a CPU tensor off the device path
+    (a direct call; under EPKIT_KERNELS=triton the ops mask as on a GPU and read nothing)."""
+    from ..device import device_path
+
+    return t.device.type == "cpu" and not device_path(t)
+
+
 def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB) -> list:
     """checks.h check_pack_args + check_pack_plan; returns the plan's host words."""
     check_routing_args(op, x, topk_idx, topk_weights)
@@ -132,6 +140,11 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     # Each slot's rank among this rank's slots to its expert (token order): the kept mask.
     idx = topk_idx.to(torch.int64).reshape(-1)
     TK = idx.numel()
+    if _readable(idx):  # the C++ kernel's range check (on a GPU: masked, not sent)
+        bad = (idx < -1) | (idx >= E)
+        if bool(bad.any()):
+            i = int(bad.to(torch.uint8).argmax())
+            fail("epkit.pack", f"topk_idx[{i // K}, {i % K}] = {int(idx[i])} outside [-1, {E})")
     valid = (idx >= 0) & (idx < E)
     key = torch.where(valid, idx, E)
     rank = rank_in_key(key, E)
@@ -223,14 +236,35 @@ def _check_scatter(op, src, send_map, S):
     check_nonneg(op, "send_rows", S)
 
 
-def _scatter_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) -> None:
+def _check_map_data(op: str, m: torch.Tensor, S: int, C: int) -> None:
+    """The C++ kernel's checks of send_map's entries: in [-1, S), no send row named twice."""
+    bad = (m < -1) | (m >= S)
+    if bool(bad.any()):
+        i = int(bad.to(torch.uint8).argmax())
+        fail(op, f"send_map entry {i} is {int(m[i])}, outside [-1, {S}) (send_rows)")
+    n = torch.arange(m.numel(), dtype=torch.int64)
+    first = torch.full((S + 1,), m.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, torch.where(m >= 0, m, S), n, "amin")
+    again = (m >= 0) & (first[m.clamp(min=0)] != n)
+    if bool(again.any()):
+        i = int(again.to(torch.uint8).argmax())
+        fail(op, f"send_map entry {i} names send row {int(m[i])}, named already by token "
+                 f"{int(first[m[i]]) // C}")
+
+
+def _scatter_into(op: str, src: torch.Tensor, send_map: torch.Tensor,
+                  out: torch.Tensor) -> None:
     """Output-indexed: send row r takes the token whose entry names it, or zeros. Entries
-    outside [0, S) are ignored (the C++ kernel raises; a GPU cannot without a host read)."""
+    outside [0, S) or naming a row twice raise on CPU tensors off the device path (as the C++
+    kernel does); elsewhere (a GPU cannot raise without a host read) such entries are ignored,
+    or one of the two wins."""
     S = out.shape[0]
     src = src.contiguous()
     C = send_map.shape[1]
     nbytes = src.shape[1] * src.element_size()
     m = send_map.reshape(-1)
+    if _readable(m):
+        _check_map_data(op, m, S, C)
     frm = place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
                                             device=src.device) // max(C, 1))
     off = torch.arange(S, dtype=torch.int64, device=src.device) * nbytes
@@ -244,7 +278,7 @@ def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> t
     S = int(send_rows)
     _check_scatter("epkit.scatter_rows", src, send_map, S)
     out = torch.empty((S, src.shape[1]), dtype=src.dtype, device=src.device)
-    _scatter_into(src, send_map, out)
+    _scatter_into("epkit.scatter_rows", src, send_map, out)
     return out
 
 
@@ -258,4 +292,4 @@ def scatter_rows_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tens
     if not out.is_contiguous():
         fail(op, "out must be contiguous")
     check_size(op, "out", out, 1, src.shape[1], "hidden of src")
-    _scatter_into(src, send_map, out)
+    _scatter_into(op, src, send_map, out)

@@ -131,6 +131,31 @@ def test_pack_argument_errors_match_cpp(cpp):
         assert _kind(lambda: call(tp)) == _kind(lambda: call(cpp)), name
 
 
+def test_data_errors_match_cpp(cpp):
+    """On CPU tensors (a direct call) the C++ kernels' data checks raise the same message:
+    an expert id out of range; a send_map entry out of range or naming a row twice."""
+    g = make_group(cpp, 2, 2, 2, [4, 3], 8, "pairs", "ragged", seed=1)
+    x, w, plan, SB = g.rows[0], g.ws[0], g.plans[0], g.word(0, "SEND_BYTES")
+    m = torch.tensor([[0, -1], [2, 1], [-1, 3]])
+    bad = {
+        "expert": lambda C: C.pack(x, torch.where(g.idxs[0] == 1, 4, g.idxs[0]), w, plan, 0, 2,
+                                   SB),
+        "expert_below": lambda C: C.pack(x, torch.where(g.idxs[0] == 1, -2, g.idxs[0]), w, plan,
+                                         0, 2, SB),
+        "map_range": lambda C: C.scatter_rows(x[:3], torch.where(m == 3, 4, m), 4),
+        "map_twice": lambda C: C.scatter_rows(x[:3], torch.where(m == 3, 0, m), 4),
+        "map_twice_into": lambda C: C.scatter_rows_into(x[:3], torch.where(m == 3, 1, m),
+                                                        torch.zeros(4, 8, dtype=x.dtype)),
+    }
+    for name, call in bad.items():
+        msgs = []
+        for C in (tp, cpp):
+            with pytest.raises(RuntimeError) as info:
+                call(C)
+            msgs.append(str(info.value).splitlines()[0])
+        assert msgs[0] == msgs[1], name
+
+
 def test_pack_erroneous_device_plan_sends_nothing(cpp, monkeypatch):
     """A static plan carrying an error on the device (its host mirror, a routing-free
     template, does not): the whole buffer zeros, send_map -1, as the CUDA path did."""
@@ -165,7 +190,7 @@ def test_scatter_rows(cpp, dtype):
     out = _garbage(S * H * src.element_size()).view(dtype).view(S, H)
     tp.scatter_rows_into(src, m, out)
     assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
-    assert tp.scatter_rows(src, m, 0).shape == (0, H)
+    assert tp.scatter_rows(src, torch.full_like(m, -1), 0).shape == (0, H)
     empty = tp.scatter_rows(src[:0], m[:0], 4)
     want = cpp.scatter_rows(src[:0], m[:0], 4)
     assert torch.equal(empty.view(torch.uint8), want.view(torch.uint8))
