@@ -233,7 +233,7 @@ class UnpackMismatch(RuntimeError):
     """A CUDA unpack found received chunks that disagree with the plan (a deferred error: that
     call's outputs were written as if nothing had been received). ``bits``: the status bits
     (1 in-band count, 2 in-band slot count, 4 rows, 8 slot row, 16 expert row, 32 plan shape or
-    sizes, 64 expert total; csrc/cuda/unpack.cu)."""
+    sizes, 64 expert total; epkit.triton.unpack.STATUS_BITS)."""
 
     def __init__(self, bits: int):
         self.bits = int(bits)

@@ -8,7 +8,7 @@ uint8), split again on arrival: ``expert_x`` float8_e4m3fn ``[M, H]``, ``expert_
 dequantized rows, through which the gradient flows back *unquantized* (straight-through): the
 backward is the ordinary dispatch backward of that gradient.
 
-Adding a payload: its module here (quantize / dequantize), its kernels (csrc/cpu, csrc/cuda,
+Adding a payload: its module here (quantize / dequantize), its kernels (csrc/cpu, epkit/triton,
 registered like ``quantize_mxfp8``), a row in :data:`TABLE`; the reference first
 (reference/payloads.py, abi.py).
 """

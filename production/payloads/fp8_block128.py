@@ -3,7 +3,7 @@
 
 The rule is ``epkit.reference.fp8_block128``'s (docs/semantics.md): per block of 128,
 ``scale = max(amax, float32(1e-4)) / 448`` and ``q = e4m3_rne(clamp(x / scale, -448, 448))``,
-each a float32 division; the kernel (csrc/cpu/fp8_block128.cpp, csrc/cuda/fp8_block128.cu) is
+each a float32 division; the kernel (csrc/cpu/fp8_block128.cpp, epkit/triton/fp8_block128.py) is
 bit for bit that. Each token row travels as ``H`` E4M3 bytes followed by ``H // 128`` float32
 scales, little-endian (epkit.payloads).
 """

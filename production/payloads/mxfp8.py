@@ -1,7 +1,7 @@
 """The MXFP8 payload's kernels: E4M3 elements, one E8M0 scale code per 32 along H.
 
 The rule is ``epkit.reference.mxfp8``'s (docs/semantics.md); the kernel (csrc/cpu/mxfp8.cpp,
-csrc/cuda/mxfp8.cu) is bit for bit that. Each token row travels as ``H`` E4M3 bytes followed by
+epkit/triton/mxfp8.py) is bit for bit that. Each token row travels as ``H`` E4M3 bytes followed by
 ``H // 32`` scale codes (epkit.payloads).
 """
 

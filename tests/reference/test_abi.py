@@ -9,7 +9,7 @@ from epkit.reference import abi
 from epkit.reference.errors import Reason
 
 CSRC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "production", "csrc")
-SOURCES = [p for pat in ("*.h", "cpu/*.cpp", "*.cpp", "cuda/*.cu", "cuda/*.cuh")
+SOURCES = [p for pat in ("*.h", "cpu/*.cpp", "*.cpp")
            for p in glob.glob(os.path.join(CSRC, pat)) if not p.endswith("abi.h")]
 
 
