@@ -66,6 +66,7 @@ def test_combine_backward_dest_bits(H, weighted):
         g = rng.standard_normal((N, H)).astype(F32)
     y = torch.from_numpy(rng.standard_normal((M, H)).astype(F32)).to(torch.bfloat16)
     w = rng.random(M).astype(F32)
+    w[:3] = [-0.0, 0.0, 1.0]  # exact weights: -0 * g keeps its sign in every lane
     rmap = random_map(rng, N, Cw, M, used)
     gy, gw = C.combine_backward_dest(torch.from_numpy(g), torch.from_numpy(rmap),
                                      torch.from_numpy(w), y, weighted)

@@ -15,7 +15,10 @@ template <typename Y, typename G>
 EPKIT_ROW_CLONES float weighted_row(const G* __restrict g, const Y* __restrict y,
                                     Y* __restrict gy, float w, int64_t H) {
   V16f lane = {};
-  const V16f wv = V16f{} + w;
+  // w in every lane. Not V16f{} + w: +0 + -0 is +0, so a weight of -0 would lose its sign
+  // (the spec's product w * g keeps it: -0 * g is -0 for g > 0).
+  V16f wv;
+  for (int i = 0; i < 16; ++i) wv[i] = w;
   int64_t h = 0;
   for (; h + 16 <= H; h += 16) {
     V16f gh, yh;
