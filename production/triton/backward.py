@@ -6,8 +6,8 @@ The weight gradient ``<g, y>`` is summed in the C++ kernel's 16-lane order (csrc
 cpu/backward.cpp ``weighted_row``): lane i sums the products g_h * y_h of h = i (mod 16) in
 ascending h, the tail h >= 16 * (H // 16) goes into lane 0, then ``+0.0 + lane_0 + ... +
 lane_15``. A program owns ROWS rows and walks H 16 columns at a time, a [ROWS, 16] tile being
-those lanes (the tail one more masked tile), so every float32 operation is the C++ kernel's,
-in its order. The lanes are read
+those lanes (64 columns a step where there are, cut into four 16-column chunks added in order;
+the tail one more masked tile), so every float32 operation is the C++ kernel's, in its order. The lanes are read
 out one at a time by an integer max over their bits (exact: one nonzero candidate), never by a
 float reduction.
 
@@ -45,6 +45,18 @@ def _lane(lanes, i: tl.constexpr):
 
 
 @triton.jit
+def _add_chunks(lanes, p, ROWS: tl.constexpr):
+    """lanes + p[:, 0:16] + p[:, 16:32] + p[:, 32:48] + p[:, 48:64], in that order: p [ROWS,
+    64] cut into its four 16-column chunks by reshapes, a permute and splits (data movement
+    only), so 64 columns cost one pass of wide operations, the adds staying the lanes' own."""
+    q = tl.reshape(tl.permute(tl.reshape(p, (ROWS, 4, 16)), (0, 2, 1)), (ROWS, 16, 2, 2))
+    even, odd = tl.split(q)  # chunks 2a, 2a + 1 (a = 0, 1)
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return lanes + c0 + c1 + c2 + c3
+
+
+@triton.jit
 def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
                  G_BF16: tl.constexpr, Y_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
                  ROWS: tl.constexpr):
@@ -62,7 +74,21 @@ def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
     if WEIGHTED:
         w = tl.load(row_weight + rows, mask=has, other=0.0)
     lanes = tl.zeros([ROWS, 16], tl.float32)
-    for h0 in range(0, H16, 16):
+    H64 = H // 64 * 64
+    span = tl.arange(0, 64)
+    for h0 in range(0, H64, 64):  # 64 columns a step: four lane steps, in order
+        cols = h0 + span
+        g = bits.to_f32(tl.load(recv + n[:, None] * H + cols[None, :], mask=hm, other=0), G_BF16)
+        if WEIGHTED:
+            yv = bits.to_f32(tl.load(y + rows[:, None] * H + cols[None, :], mask=hm, other=0),
+                             Y_BF16)
+            gy = bits.from_f32(w[:, None] * g, Y_BF16)
+            lanes = _add_chunks(lanes, g * yv, ROWS)
+        else:
+            gy = bits.from_f32(g, Y_BF16)
+        tl.store(grad_y + rows[:, None] * H + cols[None, :], tl.where(hm, gy, 0),
+                 mask=rmask[:, None])
+    for h0 in range(H64, H16, 16):
         cols = h0 + lane16
         g = bits.to_f32(tl.load(recv + n[:, None] * H + cols[None, :], mask=hm, other=0), G_BF16)
         if WEIGHTED:
