@@ -1,20 +1,21 @@
 """``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): one
-single-program Triton kernel, launched twice (its two phases), turns the all-gathered count
-words [R, 8 + E + R] into the plan, word for word the C++ kernel's.
+single-program Triton kernel, launched for its three phases, turns the all-gathered count words
+[R, 8 + E + R] into the plan, word for word the C++ kernel's.
 
 Why one program: the plan is small (R x E words) and every block of it reads running sums of
 the ones before; as torch ops it is about 280 launches. The program walks the words in 2-D
 tiles (sources x experts), so the interpreter's cost (per ``tl.*`` operation, not per element)
 stays at a few hundred operations at verify sizes, and a GPU keeps one CTA's threads busy.
-Phase 0: the error (step 1), kept slots and this rank's expert sections (steps 2 and 4 of
-cpu/plan.cpp). Phase 1: rows per pair, uniformity and the exchange's chunks (steps 3 and 5).
-Why two launches of one kernel, not one: the whole plan in one program needs more scalar
-registers than gfx942 has (it spilled 2 to 12 SGPRs, whatever the tiles); each phase alone
-compiles without a spill on sm_90 and gfx942 (``epkit kernels --compile``). Phase 1 reads what
-phase 0 wrote (the plan's error word, offsets[L], ``work``) in the next launch, never within
-one. Within a phase the intermediate ``work`` [R, E] (each source's kept slots summed along the
-experts: a row-wise inclusive prefix) is written once per element and read after a barrier
-(``tl.debug_barrier``: threads of the one program read what other threads of it wrote).
+
+Phase 0: the error (step 1 of cpu/plan.cpp), kept slots (capacity: a running sum over the
+sources, in registers) and this rank's expert sections (step 4); it writes each source's kept
+slots as prefixes *within* each expert tile into ``work`` [R, E]. Phase 1: those prefixes
+continued across the tiles (a running sum per source, in registers) at the end of each rank's
+experts, ``bound`` [R, R]. Phase 2: rows per pair, uniformity and the exchange's chunks (steps
+3 and 5) from ``bound``. Why launches and not barriers: a phase reads what other threads wrote
+only in a later launch (``tl.debug_barrier`` orders shared memory, not global memory, on AMD:
+its fences are LDS-only), and each phase alone compiles without a spill on sm_90 and gfx942
+(the whole plan in one program spilled 2 to 12 SGPRs on gfx942; ``epkit kernels --compile``).
 
 Errors travel in the plan as in the C++ kernel: a rank's own error, else the first rank whose
 H, x dtype or K differs from rank 0's; then the plan holds only its header. Metadata (the words'
@@ -64,23 +65,26 @@ assert [abi.PLAN_FIELDS[i] for i in range(4)] == ["err_code", "err_a", "err_b", 
 
 
 @triton.jit
-def _slots(work_ptr, s, d, m, E, L):
+def _slots(bound_ptr, s, d, m, R):
     """Kept slots from sources ``s`` to ranks ``d`` (tensors of one shape, ``m`` their mask):
-    the difference of the row prefix ``work`` [R, E] at the ends of d's experts."""
-    end = tl.load(work_ptr + s * E + (d + 1) * L - 1, mask=m, other=0)
-    start = tl.load(work_ptr + s * E + d * L - 1, mask=m & (d > 0), other=0)
+    the difference of ``bound`` [R, R] (each source's kept slots up to the end of each rank's
+    experts) at d and d - 1."""
+    end = tl.load(bound_ptr + s * R + d, mask=m, other=0)
+    start = tl.load(bound_ptr + s * R + d - 1, mask=m & (d > 0), other=0)
     return end - start
 
 
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "capacity", "transport",
                                "exchange", "max_tokens"])
-def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capacity, transport,
-                 exchange, max_tokens, PHASE: tl.constexpr, BS: tl.constexpr, BX: tl.constexpr):
+def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, align, capacity,
+                 transport, exchange, max_tokens, PHASE: tl.constexpr, BS: tl.constexpr,
+                 BX: tl.constexpr):
     """One program: ``g`` [R, 8 + E + R] int64 the gathered words, ``p`` [PlanOffsets(R, E).size]
     int64 the plan (zeros on entry: a plan that carries an error holds only its header),
-    ``work`` [R * E] int64 scratch, ``fault`` [3] int64 (out: rank 0's header is corrupt; the
-    first corrupt slot count as s * E + e, -1 if none; the first corrupt token count as
-    s * R + d, -1 if none). Tiles are BS sources x BX experts (or ranks)."""
+    ``work`` [R * E] and ``bound`` [R * R] int64 scratch between the phases (module comment),
+    ``fault`` [3] int64 (out: rank 0's header is corrupt; the first corrupt slot count as
+    s * E + e, -1 if none; the first corrupt token count as s * R + d, -1 if none). PHASE:
+    0, 1 or 2, launched in that order. Tiles are BS sources x BX experts (or ranks)."""
     R = R.to(tl.int64)
     E = E.to(tl.int64)
     L = L.to(tl.int64)
@@ -151,9 +155,9 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
             # 2. Kept slots per (source, expert): capacity keeps the first C in (source, token)
             #    order. Expert tiles outer, source tiles inner: ``before`` carries the slots of
             #    the sources already seen per expert; ``work`` gets each row's prefix along the
-            #    experts, continuing the previous expert tile's (read after the barrier). The
-            #    same pass writes this rank's sections (plan_expert): own_kept (its row),
-            #    recv_kept (its experts' columns), kept / dropped totals and the padded offsets,
+            #    experts within the tile (phase 1 continues it across the tiles). The same
+            #    pass writes this rank's sections (plan_expert): own_kept (its row), recv_kept
+            #    (its experts' columns), kept / dropped totals and the padded offsets,
             #    whose running sum M crosses the tiles in expert order. PlanOffsets (epkit.h):
             #    tokens_per_expert at 26 + 2R, then dropped, offsets (L + 1), recv_kept (R L),
             #    own_kept (E).
@@ -181,13 +185,11 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
                     bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
                     before += tl.sum(c, 0)
                     kept_sum += tl.sum(kept, 0)
-                    carry = tl.load(work_ptr + s * E + i * BX - 1, mask=(s < R) & (i > 0), other=0)
-                    tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1) + carry, mask=m)
+                    tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1), mask=m)  # tile-local
                     mine = m & (e >= lo) & (e < lo + L)
                     tl.store(p_ptr + o_tpe + 3 * L + 1 + s * L + e - lo, kept, mask=mine)
                     tl.store(p_ptr + o_tpe + 3 * L + 1 + R * L + e + s * 0, kept,
                              mask=m & (s == me))
-                tl.debug_barrier()  # the next tile's carry, and every later read of ``work``
                 e1 = i * BX + xs
                 mine1 = (e1 >= lo) & (e1 < lo + L)
                 tl.store(p_ptr + o_tpe + e1 - lo, kept_sum, mask=mine1)
@@ -201,15 +203,31 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
             bad_count = tl.min(bad_count, 0)
             tl.store(fault_ptr + 1, tl.where(bad_count < R * E, bad_count, -1))
 
+    elif PHASE == 1:
+        # Phase 1: each source's kept slots summed up to the end of each rank's experts,
+        #    ``bound`` [R, R], from phase 0's tile-local prefixes: the sources outer, the
+        #    expert tiles inner, so each row's running sum stays in registers.
+        if tl.load(p_ptr + 0) == 0:
+            for t in range(0, (R + BS - 1) // BS):
+                s = t * BS + rs
+                carry = tl.zeros([BS], dtype=tl.int64)
+                for i in range(0, (E + BX - 1) // BX):
+                    e = i * BX + cs
+                    m = (s < R) & (e < E)
+                    prefix = tl.load(work_ptr + s * E + e, mask=m, other=0) + carry[:, None]
+                    end = m & ((e + 1) % L == 0)  # the last expert of rank (e + 1) / L - 1
+                    tl.store(bound_ptr + s * R + (e + 1) // L - 1, prefix, mask=end)
+                    last = tl.minimum(E, i * BX + BX) - 1  # the tile's last expert
+                    carry = tl.sum(tl.where(m & (e == last), prefix, 0), 1)
     else:
-        # Phase 1: steps 3 and 5, unless phase 0 wrote an error (a word it alone writes).
+        # Phase 2: steps 3 and 5, unless phase 0 wrote an error (a word it alone writes).
         if tl.load(p_ptr + 0) == 0:
             me = rank.to(tl.int64)
             o_tpe = 26 + 2 * R
             M = tl.load(p_ptr + o_tpe + 3 * L)  # offsets[L]: this rank's expert rows
             # 3. Rows (and slot rows) from s to d for every pair: uniformity (the lowest source
             #    with a pair unlike (0, 0)), the largest chunk, and the corrupt token counts.
-            slots00 = tl.load(work_ptr + L - 1)
+            slots00 = tl.load(bound_ptr)
             rows00 = tl.where(transport == 1, tl.load(g_ptr + 8 + E), slots00)
             first_unlike = xs * 0 + R
             maxrows = xs * 0
@@ -220,7 +238,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
                 for i in range(0, (R + BX - 1) // BX):
                     d = i * BX + cs
                     m = (s < R) & (d < R)
-                    sl = _slots(work_ptr, s, d, m, E, L)
+                    sl = _slots(bound_ptr, s, d, m, R)
                     tpr = tl.load(g_ptr + s * W + 8 + E + d, mask=m, other=0)
                     n = tl.where((d * 0 + transport) == 1, tpr, sl)
                     same = (n == rows00) & ((sl == slots00) | ((d * 0 + transport) == 0))
@@ -276,7 +294,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
             for i in range(0, (R + BX - 1) // BX):
                 d = i * BX + xs
                 m = d < R
-                sl = _slots(work_ptr, d * 0 + me, d, m, E, L)
+                sl = _slots(bound_ptr, d * 0 + me, d, m, R)
                 n = tl.where(dedup, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
                 tl.store(p_ptr + 26 + d, n, mask=m)  # send_counts
                 tl.store(p_ptr + o_send_bytes + 2 * R + d, sl, mask=m)  # send_slots
@@ -292,7 +310,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
             for i in range(0, (R + BX - 1) // BX):
                 s = i * BX + xs
                 m = s < R
-                sl = _slots(work_ptr, s, s * 0 + me, m, E, L)
+                sl = _slots(bound_ptr, s, s * 0 + me, m, R)
                 n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
                 tl.store(p_ptr + 26 + R + s, n, mask=m)  # recv_counts
                 tl.store(p_ptr + o_send_bytes + 3 * R + s, sl, mask=m)  # recv_slots
@@ -307,9 +325,10 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capaci
 
 _BS, _BX = 8, 32
 _SCALARS = ("R", "E", "L", "rank", "align", "capacity", "transport", "exchange", "max_tokens")
-for _phase in (0, 1):
+for _phase in (0, 1, 2):
     specialization(f"plan_phase{_phase}", _plan_kernel,
-                   {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "fault_ptr": "*i64",
+                   {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "bound_ptr": "*i64",
+                    "fault_ptr": "*i64",
                     **{s: "i32" for s in _SCALARS}, "PHASE": "constexpr", "BS": "constexpr",
                     "BX": "constexpr"},
                    {"PHASE": _phase, "BS": _BS, "BX": _BX})
@@ -398,9 +417,10 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
         raise bad_options
     p = torch.zeros(plan_words_size(R, E), dtype=torch.int64, device=g.device)
     work = torch.empty(max(R * E, 1), dtype=torch.int64, device=g.device)
+    bound = torch.empty(R * R, dtype=torch.int64, device=g.device)
     fault = torch.empty(3, dtype=torch.int64, device=g.device)
-    for phase in (0, 1):  # phase 1 reads phase 0's words: a second launch (module comment)
-        launch(_plan_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity,
+    for phase in (0, 1, 2):  # each reads what the ones before wrote (module comment)
+        launch(_plan_kernel, (1,), g, p, work, bound, fault, R, E, L, rank, align, capacity,
                transport, exchange, max_tokens, PHASE=phase, BS=_BS, BX=_BX)
     if g.device.type == "cpu" or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
         _raise_fault(g, fault)
