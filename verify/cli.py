@@ -20,6 +20,10 @@ import time
 
 __all__ = ["main", "build_parser"]
 
+# A case's time limit with --kernels triton: the interpreter runs the widest corner cases (K 255,
+# hundreds of tokens) in tens of seconds on a loaded 2-core machine, against 30 s for all cases.
+TRITON_TIMEOUT = 300.0
+
 
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line on stderr and exit status 2 (``--help`` shows the usage)."""
@@ -54,8 +58,9 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
                         "'dedup/*,*/ragged' (default: every mode)")
     p.add_argument("--list-modes", action="store_true", help="print the modes and exit")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--timeout", type=_positive, default=30.0,
-                   help="seconds a case may take before its group is torn down (default 30)")
+    p.add_argument("--timeout", type=_positive, default=None,
+                   help="seconds a case may take before its group is torn down (default 30; "
+                        f"{TRITON_TIMEOUT:.0f} with --kernels triton, whose interpreter is slow)")
     p.add_argument("--max-tokens", type=_count(1), default=24,
                    help="largest tokens per rank of an ordinary draw (one draw in eight has up "
                         "to 320, H <= 8; default 24)")
@@ -90,8 +95,9 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
     p.add_argument("--kernels", choices=("cpp", "triton"), default=None,
                    help="epkit's local kernels in the workers: cpp (the C++ CPU kernels, the "
                         "default) or triton (the GPU kernels; on a machine without a GPU they "
-                        "run in Triton's interpreter, so keep --examples small); sets "
-                        "EPKIT_KERNELS for the worker processes")
+                        "run in Triton's interpreter, about 20 to 60 s a mode at world size 3 "
+                        "with --examples 1, most of it the corner cases, which every run "
+                        "draws); sets EPKIT_KERNELS for the worker processes")
     return p
 
 
@@ -156,6 +162,8 @@ def main(argv=None) -> int:
     suite with a progress bar, print and write the results. Exit status: 0 all passed, 1 a
     property failed, 2 bad usage."""
     args = build_parser().parse_args(argv)
+    if args.timeout is None:
+        args.timeout = TRITON_TIMEOUT if args.kernels == "triton" else 30.0
     if args.kernels:
         # Read by epkit at import, in every worker process the pool spawns from here.
         import os
