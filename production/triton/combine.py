@@ -35,9 +35,11 @@ __all__ = ["gather_rows", "gather_units", "reduce_tokens"]
 
 PAIRS, DEDUP = ck.PAIRS, ck.DEDUP
 # A program owns ROWS rows x BLOCK columns. The interpreter pays per tl.* operation, not per
-# element: large tiles there; a GPU takes a few rows per program, a column block each.
+# element: large tiles there; a GPU takes a few rows per program, a column block each (4 x 128:
+# 4 elements a thread, so the reduce's three float32 partials stay in registers; 4 x 256
+# spilled on sm_90, epkit kernels --compile).
 ROWS = 64 if INTERPRETED else 4
-BLOCK = 256
+BLOCK = 256 if INTERPRETED else 128
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
