@@ -10,7 +10,7 @@ so a rank that skips ``backward()`` is an error on every rank, not a mismatched 
 
     HEADER = [MAGIC, op, seq, ref, E, align, capacity, transport, exchange, payload,
               max_tokens, error code, a, b, rows dtype, row width, capacity factor,
-              flags, ranks_per_node]                                               int64 [19]
+              flags, ranks_per_node, x hidden, x dtype, top-k]                     int64 [22]
 
 ``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
 ``ref`` the call number of the dispatch a combine consumes, the options as codes
@@ -22,10 +22,18 @@ local error (every check that needs no collective: types, devices, options, shap
 combine), the dtype and width (elements per row) of rows
 that share one exchange (``epkit.exchange``'s x,
 combine's ``expert_y`` dtype; 0 where the count exchange checks them instead, as dispatch's). Every rank
-derives the same error from the gathered ``[R, 19]`` words (:func:`group_error`), in this order:
+derives the same error from the gathered ``[R, 22]`` words (:func:`group_error`), in this order:
 a rank in another operation or at another call number (out of step), the lowest rank with a
 local error, the first option that differs from rank 0's, a combine of another dispatch, a rows
-dtype unlike rank 0's. After an error the call numbers are re-synchronised (every rank takes
+dtype unlike rank 0's, then a static dispatch's shape (below).
+
+A static dispatch on the device path (``epkit.device.device_path``) sizes its exchange from its
+own ``H``, ``K``, x dtype and payload, reading nothing back (the plan's error stays on the device
+until ``check_static``), so ranks that disagree on them would enter the exchange with different
+sizes: gloo aborts the process, NCCL may hang or corrupt. Its header therefore carries ``x
+hidden``, ``x dtype`` and ``top-k`` (0 in every other call), checked as the count exchange checks
+them (lowest rank first, H, then dtype, then K, against rank 0's: the same error the plan would
+give). After an error the call numbers are re-synchronised (every rank takes
 the group's largest plus one), so the next valid call works.
 
 Calls on one group are serialised within a process (:func:`serial`): two threads sharing a
@@ -54,9 +62,13 @@ __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", 
            "raise_pending"]
 
 MAGIC = 0x45504B4954  # "EPKIT"
-HEADER = 19
+HEADER = 22
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
- W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS, W_RANKS_PER_NODE) = range(HEADER)
+ W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS, W_RANKS_PER_NODE,
+ W_X_HIDDEN, W_X_DTYPE, W_TOPK) = range(HEADER)
+# A static dispatch's shape words, in the count exchange's order (reference/validate.py).
+_SHAPE_WORDS = ((W_X_HIDDEN, Reason.HIDDEN_MISMATCH), (W_X_DTYPE, Reason.DTYPE_MISMATCH),
+                (W_TOPK, Reason.TOPK_MISMATCH))
 WEIGHTED = 1  # W_FLAGS bits (errors.CALL_FLAGS)
 DISPATCH, COMBINE, EXCHANGE, DISPATCH_BACKWARD, COMBINE_BACKWARD = 1, 2, 3, 4, 5
 NO_OPTIONS = [-1] * 7  # backward passes: the forward agreed the options already
@@ -97,18 +109,20 @@ def serial(group):
 
 
 def header(op: int, options: Sequence[int], triple: Sequence[int], rows_dtype: int = 0,
-           ref: int = -1, row_width: int = 0, flags: int = 0) -> list[int]:
+           ref: int = -1, row_width: int = 0, flags: int = 0,
+           shape: Sequence[int] = (0, 0, 0)) -> list[int]:
     """This rank's header without its call number (:func:`agree` stamps it).
 
     ``options``: ``[E, align, capacity, transport, exchange, payload, max_tokens,
     capacity factor bits, ranks_per_node]`` as codes (the last two may be left out: -1).
+    ``shape``: ``(H, x dtype code, K)`` of a static dispatch on the device path, else zeros.
     """
     options = list(options) + [-1] * (9 - len(options))
     *options, factor, rpn = options
     words = [MAGIC, int(op), 0, int(ref), *(int(v) for v in options)]
     assert len(words) == W_CODE, "epkit: seven to nine option words expected"
     return words + [int(triple[0]), int(triple[1]), int(triple[2]), int(rows_dtype),
-                    int(row_width), int(factor), int(flags), int(rpn)]
+                    int(row_width), int(factor), int(flags), int(rpn), *(int(v) for v in shape)]
 
 
 # The checks of the gathered headers, in the order they are reported (the first that fires
@@ -119,7 +133,8 @@ _CHECKS = ((("magic", Reason.CALL_MISMATCH), (W_OP, Reason.CALL_MISMATCH),
             (W_SEQ, Reason.CALL_SEQUENCE), ("local", None))
            + _OPTION_WORDS
            + ((W_REF, Reason.DISPATCH_MISMATCH), (W_DTYPE, Reason.ROWS_DTYPE_MISMATCH),
-              (W_WIDTH, Reason.ROW_WIDTH_MISMATCH), (W_FLAGS, Reason.CALL_FLAGS_MISMATCH)))
+              (W_WIDTH, Reason.ROW_WIDTH_MISMATCH), (W_FLAGS, Reason.CALL_FLAGS_MISMATCH),
+              ("shape", None)))
 
 
 def group_error(h) -> list[int]:
@@ -135,6 +150,10 @@ def group_error(h) -> list[int]:
                 return [int(reason), r, 0, h0[W_OP]]
             if check == "local" and row[W_CODE] != 0:
                 return [row[W_CODE], r, row[W_A], row[W_B]]
+            if check == "shape":
+                for word, why in _SHAPE_WORDS:
+                    if row[word] != h0[word]:
+                        return [int(why), r, row[word], h0[word]]
             if isinstance(check, int) and row[check] != h0[check]:
                 return [int(reason), r, row[check], h0[check]]
     return [0, 0, 0, 0]
@@ -151,6 +170,15 @@ def group_error_tensor(h: torch.Tensor) -> torch.Tensor:
             bad, code, a, b = h[:, W_MAGIC] != MAGIC, reason, torch.zeros_like(ranks), h0[:, W_OP]
         elif check == "local":
             bad, code, a, b = h[:, W_CODE] != 0, h[:, W_CODE], h[:, W_A], h[:, W_B]
+        elif check == "shape":  # per rank the first of its shape words that differs
+            bad = torch.zeros(R, dtype=torch.bool, device=h.device)
+            code = a = b = torch.zeros_like(ranks)
+            for word, why in reversed(_SHAPE_WORDS):
+                differs = h[:, word] != h0[:, word]
+                bad = bad | differs
+                code = torch.where(differs, torch.full_like(ranks, int(why)), code)
+                a = torch.where(differs, h[:, word], a)
+                b = torch.where(differs, h0[:, word], b)
         else:
             bad, code, a, b = h[:, check] != h0[:, check], reason, h[:, check], h0[:, check]
         first = torch.where(bad, ranks, R).min()

@@ -341,9 +341,20 @@ class Dispatcher:
         with serial(self.group):
             code, cause = guarded(self._local_error, x, topk_idx, topk_weights)
             # The call header: every rank raises the same error here, before anything else.
-            agree(self.group, header(DISPATCH, self._option_words(), code),
+            agree(self.group, header(DISPATCH, self._option_words(), code,
+                                     shape=self._static_shape(x, topk_idx)),
                   "epkit.dispatch (call header)", cause)
             return self._dispatch(x, topk_idx, topk_weights, code)
+
+    def _static_shape(self, x, topk_idx) -> tuple[int, int, int]:
+        """``(H, x dtype code, K)`` for the call header of a static dispatch on the device path
+        (epkit/agree.py: its exchange is sized from them without a host read), else zeros; -1
+        for what an invalid argument does not have (its local error is reported first)."""
+        if self.exchange != "static" or not device_path(x):
+            return (0, 0, 0)
+        def dim(t, i):
+            return int(t.shape[i]) if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
+        return (dim(x, 1), dtype_code(getattr(x, "dtype", None)), dim(topk_idx, 1))
 
     def _dispatch(self, x, topk_idx, topk_weights, local) -> Dispatch:
         R = dist.get_world_size(self.group)

@@ -79,7 +79,15 @@ class EpkitAdapter:
         d = self._epkit.dispatch(x, topk_idx, topk_weights, num_experts=num_experts,
                                  group=self.group, align=align, capacity=capacity,
                                  **self.options)
-        return d.wait() if hasattr(d, "wait") and not hasattr(d, "expert_x") else d
+        d = d.wait() if hasattr(d, "wait") and not hasattr(d, "expert_x") else d
+        if self.options["exchange"] == "static":
+            # On the device path (a GPU, or EPKIT_KERNELS=triton) a static dispatch reads
+            # nothing back, so the group's input error stays on the device until asked for:
+            # what a static caller does once per step (docs/design.md, "GPU kernels").
+            from epkit.device import check_static
+
+            check_static(d)
+        return d
 
     def combine(self, expert_y, dispatched, *, weighted=True):
         out = self._epkit.combine(expert_y, dispatched, weighted=weighted)

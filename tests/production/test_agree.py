@@ -64,3 +64,23 @@ def test_pending_errors_raise_later_and_resync():
     assert err.value.code == Reason.CALL_SEQUENCE and err.value.rank == 1
     assert state.seq == 8 and not state.pending  # everyone's next call carries 8
     agree.raise_pending(g)  # nothing left: no error
+
+
+def test_a_static_dispatchs_shape_is_checked_as_the_count_exchange_checks_it():
+    """A static dispatch on the device path sizes its exchange from its own H, x dtype and K
+    without reading the plan back, so the header carries them: the lowest rank first, H then
+    dtype then K within a rank, the count exchange's reasons (reference/validate.py)."""
+    shape = {agree.W_X_HIDDEN: 64, agree.W_X_DTYPE: 1, agree.W_TOPK: 2}
+
+    def same(R):
+        return {f"r{r}": dict(shape) for r in range(R)}
+
+    assert decide(headers(4, **same(4))) == (0, 0, 0, 0)
+    h = headers(4, **{**same(4), "r2": {**shape, agree.W_TOPK: 3},
+                      "r3": {**shape, agree.W_X_HIDDEN: 32}})
+    assert decide(h) == (int(Reason.TOPK_MISMATCH), 2, 3, 2)  # rank 2 before rank 3
+    h = headers(3, **{**same(3), "r1": {**shape, agree.W_TOPK: 4, agree.W_X_DTYPE: 2}})
+    assert decide(h) == (int(Reason.DTYPE_MISMATCH), 1, 2, 1)  # dtype before K
+    h = headers(3, **{**same(3), "r1": {**shape, agree.W_X_HIDDEN: 8},
+                      "r2": {**shape, agree.W_CODE: int(Reason.ALIGN)}})
+    assert decide(h) == (int(Reason.ALIGN), 2, 0, 0)  # a local error comes first
