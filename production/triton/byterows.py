@@ -30,10 +30,11 @@ from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 __all__ = ["write_rows", "tile", "GPU_TILES"]
 
 # A program owns ROWS rows and walks their units BLOCK at a time, the tile fitted to the row:
-# a GPU takes 4 Ki units per tile in one of three shapes (wide payload rows, short rows, the
-# 8-byte slot rows); the interpreter, which pays per tl.* operation more than per element,
+# a GPU takes one of three shapes (wide payload rows, short rows, the 8-byte slot rows), few
+# rows each: every row carries its own int64 offsets and masks, and 32 x 128 or 256 x 16 tiles
+# spilled scalar registers on gfx942 (epkit kernels --compile); the interpreter, which pays per tl.* operation more than per element,
 # 64 Ki units, BLOCK the row's length rounded up to a power of two (at most 1 Ki).
-GPU_TILES = ((4, 1024), (32, 128), (256, 16))  # (ROWS, BLOCK), chosen by the row's units
+GPU_TILES = ((4, 1024), (8, 128), (32, 16))  # (ROWS, BLOCK), chosen by the row's units
 INTERPRETER_TILE = 1 << 16
 
 
