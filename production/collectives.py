@@ -76,6 +76,13 @@ def resolve_group(group):
     default group too (see :func:`is_group`: the caller reports BAD_GROUP over it)."""
     if group is not None and is_group(group):
         return group
+    if _non_member(group):
+        # new_group() gives the ranks outside it this marker; such a rank shares no collective
+        # with the group's members, so it raises alone, and none of them waits for it.
+        raise ValueError(
+            f"epkit: rank {dist.get_rank()} is not a member of the group passed to epkit "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on the ranks "
+            "outside it): call epkit only on the group's ranks")
     if not dist.is_initialized():
         raise RuntimeError(
             "epkit: no process group: call torch.distributed.init_process_group(...) first "
@@ -87,6 +94,13 @@ def resolve_group(group):
 
 def is_group(group) -> bool:
     return group is None or isinstance(group, dist.ProcessGroup)
+
+
+def _non_member(group) -> bool:
+    from torch.distributed.distributed_c10d import GroupMember
+
+    return (isinstance(group, int) and not isinstance(group, bool)
+            and group == GroupMember.NON_GROUP_MEMBER and dist.is_initialized())
 
 
 def group_name(group) -> str:

@@ -113,7 +113,7 @@ def register() -> tuple[str, ...]:
     lib = torch.library.Library("epkit", "IMPL")
     with warnings.catch_warnings():
         # Replacing the C++ CPU kernels is the point of EPKIT_KERNELS=triton, not a mistake.
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for op, fn in found.items():
             for key in keys:
                 lib.impl(op, fn, key)

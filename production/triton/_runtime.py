@@ -39,6 +39,14 @@ __all__ = ["triton", "tl", "INTERPRETED", "launch", "Specialization", "SPECIALIZ
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
+if INTERPRETED and isinstance(tl.zeros, triton.runtime.jit.JITFunction):
+    # Triton's own library (tl.zeros, tl.where, ...) was decorated for compiling: Triton was
+    # imported (by torch.compile's inductor, say) before this module could choose the
+    # interpreter, and an interpreted kernel would fail on its first library call.
+    raise ImportError(
+        "epkit: Triton was imported before epkit could select its interpreter (no GPU here): "
+        "set TRITON_INTERPRET=1 in the environment, or import epkit's kernels first")
+
 if INTERPRETED:
     import warnings
 

@@ -298,3 +298,18 @@ def resolved_ranks_per_node(group, rank, env_values):
             if old is not None:
                 os.environ["LOCAL_WORLD_SIZE"] = old
     return out
+
+
+def non_member_error(group, rank):
+    """What epkit says to a rank that passes the marker new_group() gives ranks outside a group
+    (GroupMember.NON_GROUP_MEMBER): the message, or None if it did not raise."""
+    import epkit
+    from torch.distributed.distributed_c10d import GroupMember
+
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 1], [1, -1]])
+    try:
+        epkit.dispatch(x, idx, torch.ones(2, 2), num_experts=2,
+                       group=GroupMember.NON_GROUP_MEMBER)
+    except ValueError as exc:
+        return str(exc)
+    return None

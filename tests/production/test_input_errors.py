@@ -128,3 +128,10 @@ def test_topk_beyond_the_dedup_limit_on_one_rank(group_pool):
                          [dict(num_experts=Ebig)] * 2)
     for err, _ in got:
         assert err is not None and err[0] == 1 and err[1] == int(Reason.TOPK_TOO_LARGE), err
+
+
+def test_a_rank_outside_the_group_is_told_so(group_pool):
+    """new_group() gives the ranks outside a group a marker, not a group: such a rank is told it
+    is not a member (before: it fell back to the world group and blamed a peer)."""
+    (msg,) = group_pool.run(rank_fns.non_member_error, 1)
+    assert msg is not None and "rank 0 is not a member of the group passed to epkit" in msg
