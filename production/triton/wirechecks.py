@@ -14,53 +14,15 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
+# The basic checks are rowchecks' (the same checks.h helpers, one body each).
+from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_device, check_dim, check_dtype,  # noqa: F401
+                        check_map, check_nonneg, check_size, check_transport, fail)
 
 __all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_transport",
            "check_nonneg", "check_plan_header", "check_plan_chunks", "check_send_buffer",
            "check_map", "row_bytes"]
 
-MAX_RANKS = 1 << 20
-MAX_EXPERTS = (1 << 31) - 1
 TRANSPORT, ALIGN = abi.PLAN_FIELDS.index("transport"), abi.PLAN_FIELDS.index("align")
-
-
-def fail(op: str, msg: str):
-    raise RuntimeError(f"{op}: {msg}")
-
-
-def check_dim(op, name, t, dim):
-    if t.dim() != dim:
-        fail(op, f"{name} must be {dim}-D, got {t.dim()}-D of shape {list(t.shape)}")
-
-
-def check_dtype(op, name, t, dt):
-    if t.dtype != dt:
-        fail(op, f"{name} must be {dt}, got {t.dtype}")
-
-
-def check_device(op, name, t, dev):
-    if t.device != dev:
-        fail(op, f"{name} is on {t.device}, expected {dev}")
-
-
-def check_size(op, name, t, d, want, what):
-    if t.shape[d] != want:
-        fail(op, f"{name} must have size({d}) == {want} ({what}), got shape {list(t.shape)}")
-
-
-def check_nonneg(op, name, v):
-    if v < 0:
-        fail(op, f"{name} must be >= 0, got {v}")
-
-
-def check_transport(op, transport):
-    if transport not in (W.PAIRS, W.DEDUP):
-        fail(op, f"transport must be 0 (pairs) or 1 (dedup), got {transport}")
-
-
-def check_map(op, name, t, dim=2):
-    check_dim(op, name, t, dim)
-    check_dtype(op, name, t, torch.int64)
 
 
 def check_routing_args(op, x, topk_idx, topk_weights):
