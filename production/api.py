@@ -28,6 +28,7 @@ from .agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, he
 from .collectives import CODES as EXCHANGE_CODES
 from .collectives import dtype_code, group_name, is_group, resolve_group
 from .device import device_path
+from epkit.reference import payloads as reference_payloads
 from .workspace import Workspace
 from epkit.reference import abi
 from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
@@ -340,9 +341,15 @@ class Dispatcher:
             return self._dispatch(x, topk_idx, topk_weights, self._local_error(x, topk_idx, topk_weights))
         with serial(self.group):
             code, cause = guarded(self._local_error, x, topk_idx, topk_weights)
+            shape = self._static_shape(x, topk_idx)
+            if shape != (0, 0, 0) and code[0] == Reason.OK:
+                # A payload's H % block rides the count words elsewhere; a static dispatch on the
+                # device path checks its shape in the header, so this rank's own H % block error
+                # goes there too, first, as the count exchange would report it.
+                table = reference_payloads.TABLE
+                code = table.get(self.payload, table[None]).hidden_triple(shape[0])
             # The call header: every rank raises the same error here, before anything else.
-            agree(self.group, header(DISPATCH, self._option_words(), code,
-                                     shape=self._static_shape(x, topk_idx)),
+            agree(self.group, header(DISPATCH, self._option_words(), code, shape=shape),
                   "epkit.dispatch (call header)", cause)
             return self._dispatch(x, topk_idx, topk_weights, code)
 
