@@ -151,7 +151,7 @@ def run_group(world: int, cfg: dict, deadline_s: float, on_message=None) -> dict
     ``on_message(kind, payload)``: rank 0's reports as it goes (``"progress"``, then each
     finished part: ``"workload"``, ``"kernels"``, ``"overlap"``, ``"profile"``)."""
     from . import bench_group
-    from .procs import NoMainImport
+    from epkit.verify.procs import NoMainImport
 
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="epkit-bench-")

@@ -536,7 +536,7 @@ def run_profile(cfg: dict, group, steps: int = 3, top: int = 14) -> list[dict]:
 
 def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int) -> None:
     """Entry point of one rank (spawned by :func:`epkit.tools.bench.run_group`)."""
-    from .procs import die_with_parent
+    from epkit.verify.procs import die_with_parent
 
     die_with_parent(parent_pid)
     global _emit

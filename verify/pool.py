@@ -26,7 +26,7 @@ import tempfile
 import time
 import weakref
 
-from epkit.tools.procs import NoMainImport, die_with_parent
+from .procs import NoMainImport, die_with_parent
 from .cases import Case, ModeSpec
 
 __all__ = ["Pool", "TorchrunGroup", "under_torchrun"]

@@ -1,5 +1,6 @@
-"""Local rank processes that never outlive their parent: the plumbing `epkit bench` and
-`epkit.verify`'s pool share.
+"""Local rank processes that never outlive their parent: the plumbing `epkit.verify`'s pool
+(and through it the tests' group) and `epkit bench` share. A leaf: it imports nothing of epkit,
+so the programs in ``epkit.tools`` build on it without the harness depending on them.
 
 Both launch ``R`` ranks with the ``spawn`` / ``forkserver`` start methods, so a rank must (1) not
 re-run the parent's ``__main__`` (scripts without a ``__main__`` guard would break) and (2) die
