@@ -66,7 +66,8 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
                         "to 320, H <= 8; default 24)")
     p.add_argument("--shrink-seconds", type=_count(0, float), default=20.0,
                    help="time spent shrinking a failing case (default 20)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (a bar where stderr is a terminal, else a line per mode)")
     p.add_argument("--contract", choices=("exact", "reordered", "bounded"), default="exact",
                    help="exact: canonical layout, bit for bit (default); reordered: any row "
                         "order inside an expert and any padding, values bit for bit; bounded: "
@@ -159,7 +160,7 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
 
 def main(argv=None) -> int:
     """Parse, choose the modes, make the group (a local pool, or this torchrun job), run the
-    suite with a progress bar, print and write the results. Exit status: 0 all passed, 1 a
+    suite with progress (a bar on a terminal, a line per mode elsewhere), print and write the results. Exit status: 0 all passed, 1 a
     property failed, 2 bad usage."""
     args = build_parser().parse_args(argv)
     if args.timeout is None:
@@ -214,7 +215,7 @@ def _run_suite(args, modes, runner) -> int:
     from .runner import Suite
 
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and sys.stderr.isatty():  # a CI log gets plain lines, no \r
         from tqdm import tqdm
 
         bar = tqdm(total=len(modes) * args.examples, unit="case", file=sys.stderr,
@@ -232,7 +233,9 @@ def _run_suite(args, modes, runner) -> int:
                   max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,
                   progress=bar.update if bar is not None else None, on_failure=on_failure,
                   contract=args.contract, accumulate=args.accumulate, supports=args.supports,
-                  check_errors=args.check_errors)
+                  check_errors=args.check_errors,
+                  on_mode=_mode_lines(len(modes)) if bar is None and not args.no_progress
+                  else None)
     if bar is not None:  # the total counts every mode's corner cases too, not only its draws
         from .strategies import corner_cases
 
@@ -263,6 +266,19 @@ def _run_suite(args, modes, runner) -> int:
     _write_reports(args, result)
     print(result.summary(), flush=True)
     return 0 if result.ok else 1
+
+
+def _mode_lines(total: int):
+    """``on_mode`` where stderr is no terminal (a CI log): one plain line per finished mode
+    instead of a bar's carriage returns."""
+    t0, done = time.monotonic(), [0]
+
+    def on_mode(mode, result):
+        done[0] += 1
+        print(f"epkit verify: mode {mode.name} {'passed' if result.ok else 'FAILED'} "
+              f"({done[0]}/{total}, {time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
+
+    return on_mode
 
 
 def _write_reports(args, result) -> None:

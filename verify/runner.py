@@ -382,13 +382,14 @@ class Suite:
     ``accumulate``: the accumulation declaration (:mod:`epkit.verify.accumulate`), over the
     capabilities' one; ``check_errors``: draw invalid inputs (None: as the capabilities say);
     ``corners``: run the corner matrix (:func:`~epkit.verify.strategies.corner_cases`) before
-    the ``examples`` random draws of each mode."""
+    the ``examples`` random draws of each mode; ``on_mode(mode, ModeResult)``: called as each
+    mode finishes (after ``on_failure``)."""
 
     def __init__(self, runner, *, impl: str = DEFAULT_IMPL, modes=None, examples: int = 20,
                  seed: int | None = None, max_tokens: int = 24, shrink_seconds: float = 20.0,
                  reference=None, progress=None, on_failure=None, strategy_kwargs=None,
                  contract: str = "exact", accumulate: str | None = None, supports=None,
-                 check_errors: bool | None = None, corners: bool = True):
+                 check_errors: bool | None = None, corners: bool = True, on_mode=None):
         if contract not in CONTRACTS:
             raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}")
         parse_accumulate(accumulate)  # a bad declaration is a ValueError here, not later
@@ -404,6 +405,7 @@ class Suite:
         self.reference = reference
         self.progress = progress or (lambda n: None)
         self.on_failure = on_failure or (lambda v: None)
+        self.on_mode = on_mode or (lambda mode, result: None)
         self.strategy_kwargs = dict(strategy_kwargs or {})
         self.contract = contract
         self.accumulate = accumulate
@@ -425,6 +427,7 @@ class Suite:
                 res.results[mode.name] = mr
                 if mr.failure is not None:
                     self.on_failure(mr.failure)
+                self.on_mode(mode, mr)
         res.check_errors = any(r.check_errors for r in res.results.values())
         res.seconds = time.monotonic() - t0
         res.restarts = getattr(self.runner, "restarts", 0)

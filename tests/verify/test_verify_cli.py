@@ -67,13 +67,18 @@ def test_nccl_outside_torchrun_says_how_to_launch(capsys, monkeypatch):
     assert "torchrun" in capsys.readouterr().err
 
 
-def test_python_dash_m_runs_with_a_progress_bar():
+def test_python_dash_m_off_a_terminal_writes_plain_progress_lines():
+    """stderr a pipe (a CI log): no bar, so no carriage return anywhere; one line per mode."""
     proc = subprocess.run(
         [sys.executable, "-m", "epkit.verify", "--world-size", "2", "--examples", "3",
          "--impl", PLAIN, "--seed", "1"],
-        capture_output=True, text=True, timeout=300, env=ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _last_line(proc.stdout).endswith("passed, 0 failed")
+        capture_output=True, timeout=300, env=ENV)  # bytes: text mode would turn \r into \n
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out + err
+    assert _last_line(out).endswith("passed, 0 failed")
+    assert "\r" not in out + err
+    lines = [ln for ln in err.splitlines() if ln.startswith("epkit verify: mode ")]
+    assert len(lines) == 2 and lines[-1].startswith("epkit verify: mode padded passed (2/2, ")
 
 
 def test_torchrun_drives_from_rank_0_and_the_others_serve():
