@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from epkit import reference as ref
+from epkit.verify.tolerances import weight_grad_allowed_error
 
 BF16 = ml_dtypes.bfloat16
 DTYPES = {"float32": np.float32, "bfloat16": BF16}
@@ -92,14 +93,15 @@ def assert_bitwise(name, got, want, rank):
 
 
 def weight_grad_bound(gouts, ys, res, H):
-    """docs/design.md item 6, per source slot: ``H * 2**-23 * sum_h |g_h y_h| + 2**-126``."""
+    """docs/design.md item 6, per source slot (:mod:`epkit.verify.tolerances`)."""
     out = [{} for _ in gouts]
     for d, (r, y) in enumerate(zip(res, ys)):
         for m, (s, t, k) in enumerate(r.row_src):
             if s < 0:
                 continue
             g = np.asarray(gouts[s][t], np.float64)
-            out[s][(t, k)] = H * 2.0**-23 * float(np.abs(g * np.asarray(y[m], np.float64)).sum()) + 2.0**-126
+            out[s][(t, k)] = weight_grad_allowed_error(
+                H, float(np.abs(g * np.asarray(y[m], np.float64)).sum()))
     return out
 
 
