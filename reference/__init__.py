@@ -26,7 +26,7 @@ Pure NumPy and ml_dtypes; never imports torch.
 from . import fast
 from .backward import combine_backward, dispatch_backward
 from .combine import combine
-from .common import DispatchResult, Layout
+from .records import DispatchResult, Layout
 from .dispatch import dispatch
 from .errors import InputError, Reason
 from .exchange import exchange

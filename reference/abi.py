@@ -1,16 +1,96 @@
-"""The interface between Python and the C++ / CUDA kernels, defined once (issue 15).
+"""The interface between Python and the C++ / CUDA kernels, defined once: every name and code
+table of epkit lives here, so that nothing types one twice (a second copy could drift).
 
-Everything both sides must agree on lives here: the reason codes (from :mod:`errors`), the
-option codes, the count-word and plan layouts, the wire format's row layouts and limits.
-Python imports these names; the kernels include ``production/csrc/abi.h``, which
-:func:`render_header` generates from this module (production/_build.py rewrites it before a
-build when it differs; tests/reference/test_abi.py fails if the checked-in copy drifts, or if a
-kernel source types one of these numbers by hand).
+Everything both sides must agree on: the reason codes (``Reason``; errors.py formats their
+messages), the dtype codes, the option codes (transports, exchanges, payloads), the count-word
+and plan layouts, the wire format's row layouts and limits. This module is the leaf of the
+reference: it imports nothing of epkit. Python imports these names; the kernels include
+``production/csrc/abi.h``, which :func:`render_header` generates from this module
+(production/_build.py rewrites it before a build when it differs; tests/reference/test_abi.py
+fails if the checked-in copy drifts, or if a kernel source types one of these numbers by hand).
 """
 
 from __future__ import annotations
 
-from .errors import DTYPE_CODES, Reason
+import enum
+
+
+# ---- reasons: why an input is bad (errors.py formats the messages) --------------------------
+class Reason(enum.IntEnum):
+    """Why an input is bad. Values are part of the wire format: never renumber."""
+
+    OK = 0
+    INDEX_OUT_OF_RANGE = 1     # a: the value, b: num_experts
+    DUPLICATE_EXPERT = 2       # a: row, b: expert
+    INDEX_DTYPE = 3            # a: dtype code
+    X_NOT_2D = 4               # a: ndim
+    IDX_SHAPE = 5              # a: topk_idx rows, b: x rows
+    WEIGHTS_SHAPE = 6          # a: weights rows, b: weights cols
+    HIDDEN_MISMATCH = 7        # a: this rank's H, b: rank 0's H
+    DTYPE_MISMATCH = 8         # a: this rank's dtype code, b: rank 0's
+    TOPK_MISMATCH = 9          # a: this rank's K, b: rank 0's K
+    EXPERTS_NOT_DIVISIBLE = 10  # a: num_experts, b: group size
+    ALIGN = 11                 # a: align
+    CAPACITY = 12              # a: capacity
+    NONFINITE_WEIGHT = 13      # a: row
+    NONFINITE_PAYLOAD = 14     # a: row, b: payload code (errors.OPTION_NAMES)
+    HIDDEN_NOT_MULT32 = 15     # a: H, b: payload code (the name is historical: H % block)
+    EXPERT_Y_ROWS = 16         # a: expert_y rows, b: dispatch rows
+    EXPERT_Y_HIDDEN = 17       # a: expert_y H, b: dispatch H
+    X_DTYPE = 18               # a: dtype code
+    WEIGHTS_DTYPE = 19         # a: dtype code
+    STATIC_OVERFLOW = 20       # a: tokens, b: max_tokens_per_rank
+    EQUAL_NONUNIFORM = 21      # (no details)
+    NUM_EXPERTS = 22           # a: num_experts
+    EXPERT_Y_DTYPE = 23        # a: dtype code
+    OPTION = 24                # a: option id (errors._OPTIONS), b: value id
+    IDX_NOT_2D = 25            # a: ndim
+    WEIGHTS_NOT_2D = 26        # a: ndim
+    GRAD_ROWS = 27             # a: gradient rows, b: expected rows
+    GRAD_HIDDEN = 28           # a: gradient H, b: expected H
+    GRAD_DTYPE = 29            # a: dtype code
+    STATIC_MAX = 30            # a: max_tokens_per_rank (-1 when missing)
+    ROWS_DTYPE_MISMATCH = 31   # a: this rank's expert_y / gradient dtype code, b: rank 0's
+    TOPK_TOO_LARGE = 32        # a: K, b: the dedup transport's limit (255)
+    # Production only (a multi-process group can disagree; the reference's one call cannot).
+    # They come from the call header every rank agrees on first (production/agree.py).
+    NOT_A_TENSOR = 33          # a: argument id (errors.ARGUMENTS)
+    DEVICE = 34                # a: argument id, b: device code (errors.DEVICES)
+    CALL_MISMATCH = 35         # a: this rank's operation (errors.OPERATIONS), b: rank 0's
+    CALL_SEQUENCE = 36         # a: this rank's call number on the group, b: rank 0's
+    NUM_EXPERTS_MISMATCH = 37  # a: this rank's value, b: rank 0's
+    ALIGN_MISMATCH = 38        # a, b: as above
+    CAPACITY_MISMATCH = 39     # a, b: as above (-1: None)
+    TRANSPORT_MISMATCH = 40    # a, b: option codes (errors.OPTION_NAMES)
+    EXCHANGE_MISMATCH = 41     # a, b: option codes
+    PAYLOAD_MISMATCH = 42      # a, b: option codes
+    MAX_TOKENS_MISMATCH = 43   # a, b: values (-1: None)
+    DISPATCH_MISMATCH = 44     # a: call number of the dispatch this rank combines, b: rank 0's
+    FOREIGN_DISPATCH = 45      # a: why (errors.FOREIGN), b: detail
+    TOO_MANY_LOCAL_EXPERTS = 46  # a: experts per rank, b: the dedup limit (2**24 - 1)
+    SEND_COUNTS = 47           # a: entries, b: group size (epkit.exchange)
+    SEND_COUNTS_SUM = 48       # a: x rows, b: the sum of send_counts
+    SEND_COUNTS_NEGATIVE = 49  # a: the count
+    ROW_WIDTH_MISMATCH = 50    # a: elements per row on this rank, b: rank 0's
+    CAPACITY_FACTOR = 51       # a: the factor's float64 bits (-1: not a number)
+    CAPACITY_AND_FACTOR = 52   # (no details)
+    CAPACITY_FACTOR_MISMATCH = 53  # a, b: float64 bits (-1: None)
+    CALL_FLAGS_MISMATCH = 54   # a: this rank's call flags (errors.CALL_FLAGS), b: rank 0's
+    BAD_ARGUMENT = 55          # a: argument id (ARGUMENTS; 0: an option) that raised when read
+    BAD_GROUP = 56             # (no details)
+    RANKS_PER_NODE = 57        # a: ranks_per_node, b: group size
+    RANKS_PER_NODE_MISMATCH = 58  # a: this rank's ranks_per_node, b: rank 0's (production only)
+    HIER_UNSUPPORTED = 59      # a: what (errors.HIER_UNSUPPORTED_WHAT), b: 0 (production only)
+
+# ---- dtypes ------------------------------------------------------------------------------------
+# dtype codes carried as integers in the count-exchange header (torch and NumPy names alike).
+DTYPE_CODES = {
+    "float32": 1, "bfloat16": 2, "float16": 3, "float64": 4,
+    "int8": 5, "int16": 6, "int32": 7, "int64": 8, "uint8": 9, "bool": 10,
+    "float8_e4m3fn": 11, "uint16": 12, "uint32": 13, "uint64": 14, "float8_e5m2": 15,
+    "complex64": 16, "complex128": 17, "float8_e8m0fnu": 18,
+}
+
 
 # ---- options -------------------------------------------------------------------------------
 TRANSPORT_CODES = {"pairs": 0, "dedup": 1, "hier": 2}

@@ -27,7 +27,7 @@ import numpy as np
 from . import transports
 from .arith import scaled, weight_grad_dot
 from .combine import sums_back
-from .common import DispatchResult
+from .records import DispatchResult
 from .validate import check_results, check_rows
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import transports
 from .arith import grouped_total_sum, partial_sum
-from .common import DispatchResult
+from .records import DispatchResult
 from .validate import check_results, check_rows
 
 

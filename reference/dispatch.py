@@ -31,7 +31,7 @@ import numpy as np
 
 from . import transports
 from .capacity import kept_mask
-from .common import DispatchResult, Group, resolve_options
+from .records import DispatchResult, Group, resolve_options
 from .expertmajor import assemble
 from .payloads import wire_rows
 from .rankmajor import rank_major_fields
@@ -83,7 +83,7 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
             combine's summation order (combine.py; 1, the default: rank by rank) and the hier
             transport's nodes; the dispatch's arrays do not depend on it.
     Returns:
-        R ``DispatchResult`` (common.py), one per destination rank.
+        R ``DispatchResult`` (records.py), one per destination rank.
     """
     group, xs, idx, ws = prepare(xs, topk_idx, topk_weights, num_experts, align, capacity,
                                  transport, exchange, payload, max_tokens_per_rank, ranks_per_node)

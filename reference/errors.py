@@ -1,15 +1,20 @@
-"""Input errors: one class, one table of reasons, shared by the reference and production.
+"""Input errors: one class, and the message of every reason, shared by the reference and
+production.
 
 Every bad-input check in epkit yields an ``(code, a, b)`` triple: a reason code from
-``REASONS`` and two integer details. Production ships the triple inside the count exchange, so
+``abi.Reason`` and two integer details. Production ships the triple inside the count exchange, so
 every rank formats the *same* message for the *same* offending rank (the lowest one that is
-bad); the reference raises exactly that message. Keeping the table here (pure Python, no torch)
-is what lets the two raise identical errors.
+bad); the reference raises exactly that message. Keeping the messages here (pure Python, no
+torch) is what lets the two raise identical errors. The codes themselves (``Reason``, the dtype
+and option codes) are abi.py's; this module only names and formats them.
 """
 
 from __future__ import annotations
 
-import enum
+import struct
+
+from .abi import (DTYPE_CODES, EXCHANGE_CODES, PAYLOAD_BLOCKS, PAYLOAD_CODES, TRANSPORT_CODES,
+                  Reason)
 
 __all__ = ["InputError", "Reason", "DTYPE_CODES", "dtype_name", "format_reason"]
 
@@ -35,85 +40,11 @@ class InputError(ValueError):
         return (InputError, (self.rank, int(self.code), self.reason))
 
 
-# dtype codes carried as integers in the count-exchange header (torch and NumPy names alike).
-DTYPE_CODES = {
-    "float32": 1, "bfloat16": 2, "float16": 3, "float64": 4,
-    "int8": 5, "int16": 6, "int32": 7, "int64": 8, "uint8": 9, "bool": 10,
-    "float8_e4m3fn": 11, "uint16": 12, "uint32": 13, "uint64": 14, "float8_e5m2": 15,
-    "complex64": 16, "complex128": 17, "float8_e8m0fnu": 18,
-}
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
 
 
 def dtype_name(code: int) -> str:
     return _DTYPE_NAMES.get(int(code), "an unsupported dtype")
-
-
-class Reason(enum.IntEnum):
-    """Why an input is bad. Values are part of the wire format: never renumber."""
-
-    OK = 0
-    INDEX_OUT_OF_RANGE = 1     # a: the value, b: num_experts
-    DUPLICATE_EXPERT = 2       # a: row, b: expert
-    INDEX_DTYPE = 3            # a: dtype code
-    X_NOT_2D = 4               # a: ndim
-    IDX_SHAPE = 5              # a: topk_idx rows, b: x rows
-    WEIGHTS_SHAPE = 6          # a: weights rows, b: weights cols
-    HIDDEN_MISMATCH = 7        # a: this rank's H, b: rank 0's H
-    DTYPE_MISMATCH = 8         # a: this rank's dtype code, b: rank 0's
-    TOPK_MISMATCH = 9          # a: this rank's K, b: rank 0's K
-    EXPERTS_NOT_DIVISIBLE = 10  # a: num_experts, b: group size
-    ALIGN = 11                 # a: align
-    CAPACITY = 12              # a: capacity
-    NONFINITE_WEIGHT = 13      # a: row
-    NONFINITE_PAYLOAD = 14     # a: row, b: payload code (OPTION_NAMES)
-    HIDDEN_NOT_MULT32 = 15     # a: H, b: payload code (the name is historical: H % block)
-    EXPERT_Y_ROWS = 16         # a: expert_y rows, b: dispatch rows
-    EXPERT_Y_HIDDEN = 17       # a: expert_y H, b: dispatch H
-    X_DTYPE = 18               # a: dtype code
-    WEIGHTS_DTYPE = 19         # a: dtype code
-    STATIC_OVERFLOW = 20       # a: tokens, b: max_tokens_per_rank
-    EQUAL_NONUNIFORM = 21      # (no details)
-    NUM_EXPERTS = 22           # a: num_experts
-    EXPERT_Y_DTYPE = 23        # a: dtype code
-    OPTION = 24                # a: option id (see _OPTIONS), b: value id
-    IDX_NOT_2D = 25            # a: ndim
-    WEIGHTS_NOT_2D = 26        # a: ndim
-    GRAD_ROWS = 27             # a: gradient rows, b: expected rows
-    GRAD_HIDDEN = 28           # a: gradient H, b: expected H
-    GRAD_DTYPE = 29            # a: dtype code
-    STATIC_MAX = 30            # a: max_tokens_per_rank (-1 when missing)
-    ROWS_DTYPE_MISMATCH = 31   # a: this rank's expert_y / gradient dtype code, b: rank 0's
-    TOPK_TOO_LARGE = 32        # a: K, b: the dedup transport's limit (255)
-    # Production only (a multi-process group can disagree; the reference's one call cannot).
-    # They come from the call header every rank agrees on first (production/agree.py).
-    NOT_A_TENSOR = 33          # a: argument id (ARGUMENTS)
-    DEVICE = 34                # a: argument id, b: device code (DEVICES)
-    CALL_MISMATCH = 35         # a: this rank's operation (OPERATIONS), b: rank 0's
-    CALL_SEQUENCE = 36         # a: this rank's call number on the group, b: rank 0's
-    NUM_EXPERTS_MISMATCH = 37  # a: this rank's value, b: rank 0's
-    ALIGN_MISMATCH = 38        # a, b: as above
-    CAPACITY_MISMATCH = 39     # a, b: as above (-1: None)
-    TRANSPORT_MISMATCH = 40    # a, b: option codes (OPTION_NAMES)
-    EXCHANGE_MISMATCH = 41     # a, b: option codes
-    PAYLOAD_MISMATCH = 42      # a, b: option codes
-    MAX_TOKENS_MISMATCH = 43   # a, b: values (-1: None)
-    DISPATCH_MISMATCH = 44     # a: call number of the dispatch this rank combines, b: rank 0's
-    FOREIGN_DISPATCH = 45      # a: why (FOREIGN), b: detail
-    TOO_MANY_LOCAL_EXPERTS = 46  # a: experts per rank, b: the dedup limit (2**24 - 1)
-    SEND_COUNTS = 47           # a: entries, b: group size (epkit.exchange)
-    SEND_COUNTS_SUM = 48       # a: x rows, b: the sum of send_counts
-    SEND_COUNTS_NEGATIVE = 49  # a: the count
-    ROW_WIDTH_MISMATCH = 50    # a: elements per row on this rank, b: rank 0's
-    CAPACITY_FACTOR = 51       # a: the factor's float64 bits (-1: not a number)
-    CAPACITY_AND_FACTOR = 52   # (no details)
-    CAPACITY_FACTOR_MISMATCH = 53  # a, b: float64 bits (-1: None)
-    CALL_FLAGS_MISMATCH = 54   # a: this rank's call flags (CALL_FLAGS), b: rank 0's
-    BAD_ARGUMENT = 55          # a: argument id (ARGUMENTS; 0: an option) that raised when read
-    BAD_GROUP = 56             # (no details)
-    RANKS_PER_NODE = 57        # a: ranks_per_node, b: group size
-    RANKS_PER_NODE_MISMATCH = 58  # a: this rank's ranks_per_node, b: rank 0's (production only)
-    HIER_UNSUPPORTED = 59      # a: what (HIER_UNSUPPORTED_WHAT), b: 0 (production only)
 
 
 _OPTIONS = {1: "transport", 2: "exchange", 3: "payload"}
@@ -123,12 +54,11 @@ DEVICES = {0: "cpu", 1: "cuda", 2: "meta", 3: "another"}
 OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
               2: "epkit.combine", 3: "epkit.exchange", 4: "the backward of epkit.dispatch",
               5: "the backward of epkit.combine"}
-# Option codes as they travel in the call header (production/agree.py); -1: not a valid name.
-OPTION_NAMES = {
-    "transport": {0: "pairs", 1: "dedup", 2: "hier"},
-    "exchange": {0: "ragged", 1: "padded", 2: "equal", 3: "auto", 4: "lazy", 5: "static"},
-    "payload": {0: "None", 1: "mxfp8", 2: "fp8_block128"},
-}
+# Option codes as they travel in the call header (production/agree.py), code -> name, derived
+# from abi.py's tables; -1: not a valid name.
+OPTION_NAMES = {kind: {code: str(name) for name, code in codes.items()} for kind, codes in
+                (("transport", TRANSPORT_CODES), ("exchange", EXCHANGE_CODES),
+                 ("payload", PAYLOAD_CODES))}
 # What production's hier transport refuses (HIER_UNSUPPORTED's a).
 HIER_UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
                          4: "torch.compile"}
@@ -148,14 +78,10 @@ MAX_ALIGN = 1 << 20  # beyond it the padding alone would be an absurd allocation
 
 def factor_bits(f) -> int:
     """A capacity factor as it travels in the call header: its float64 bits (-1: None)."""
-    import struct
-
     return -1 if f is None else struct.unpack("<q", struct.pack("<d", float(f)))[0]
 
 
 def _factor(bits: int) -> str:
-    import struct
-
     return "None" if bits == -1 else repr(struct.unpack("<d", struct.pack("<q", int(bits)))[0])
 
 
@@ -167,8 +93,6 @@ def _flags(bits: int, other: int) -> str:
 
 def _payload(code: int) -> tuple:
     """A payload code's name and block (0: unknown) for the payload checks' texts."""
-    from .abi import PAYLOAD_BLOCKS  # abi imports this module: read it when formatting
-
     name = OPTION_NAMES["payload"].get(int(code), "")
     block = PAYLOAD_BLOCKS.get(name, 0)
     return (name, block) if block else ("", 0)

@@ -10,9 +10,16 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .common import Group, padded
+from .records import Group
 
 # One row of an expert's segment: (payload row [H], its scales [H/block] or None, s, t, k, weight).
+
+
+def padded(n: int, align: int) -> int:
+    """``n`` rounded up to a multiple of ``align`` (0 stays 0)."""
+    return -(-n // align) * align
+
+
 Row = Tuple[np.ndarray, Optional[np.ndarray], int, int, int, np.float32]
 
 

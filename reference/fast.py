@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from .arith import weight_grad_dot
-from .common import DispatchResult, Group, Layout
+from .records import DispatchResult, Group, Layout
 from .dispatch import prepare
 from .exchange import exchange
 from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128

@@ -30,7 +30,7 @@ from typing import Tuple
 import numpy as np
 
 from .abi import FP8_BLOCK128_BLOCK as BLOCK
-from .common import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
+from .dtypes import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
 
 AMAX_MIN = np.float32(1e-4)   # DeepEP's clamp of the block maximum
 

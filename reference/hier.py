@@ -66,8 +66,10 @@ import numpy as np
 
 from .abi import HIER_TOKEN_META_BYTES
 from .arith import partial_sum, scaled, total_sum, weight_grad_dot
-from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
-                     DEDUP_TOKEN_META_BYTES, FLOAT32, Group)
+from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES
+from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
+from .dtypes import FLOAT32
+from .records import Group
 from .errors import Reason, error
 from .exchange import exchange_bytes, exchange_rows, is_uniform
 from .expertmajor import assemble

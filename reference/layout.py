@@ -21,7 +21,7 @@ from typing import List, Sequence
 
 import numpy as np
 
-from .common import Layout
+from .records import Layout
 from .validate import check_layout
 
 
@@ -56,7 +56,7 @@ def layout(topk_idx: Sequence[np.ndarray], num_experts: int) -> List[Layout]:
         topk_idx: R arrays, each [T_r, K] integer.
         num_experts: E, a multiple of R.
     Returns:
-        R ``Layout`` records (common.Layout).
+        R ``Layout`` records (records.Layout).
     """
     idx = check_layout(topk_idx, num_experts)
     R, E = len(idx), int(num_experts)

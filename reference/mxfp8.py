@@ -31,7 +31,7 @@ from typing import Tuple
 import numpy as np
 
 from .abi import MXFP8_BLOCK as BLOCK
-from .common import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
+from .dtypes import E4M3, E4M3_MAX, FLOAT32, e4m3_blocks, e4m3_dequantized
 
 E4M3_EMAX = 8          # floor(log2(448))
 SCALE_BIAS = 127       # E8M0 code = e + 127

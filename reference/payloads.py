@@ -28,7 +28,7 @@ import numpy as np
 
 from . import fp8_block128, mxfp8
 from .abi import PAYLOAD_BLOCKS, PAYLOAD_CODES, PAYLOAD_SCALE_BYTES, payload_bytes
-from .common import E4M3, FLOAT32
+from .dtypes import E4M3, FLOAT32
 from .errors import Reason
 
 Triple = Tuple[int, int, int]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import Group
+from .records import Group
 
 
 def rank_major_fields(group: Group, d: int, rows, scales, idx, ws, kept) -> dict:

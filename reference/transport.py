@@ -82,9 +82,11 @@ import numpy as np
 
 from .arith import grouped_total_sum, partial_sum, scaled, weight_grad_dot
 from .capacity import kept_counts, kept_mask
-from .common import (DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_SLOT_ROW_BYTES,
-                     DEDUP_TOKEN_META_BYTES, FLOAT32, FLOAT_DTYPES, PAIRS_META_BYTES, Group,
-                     dtype_code, resolve_options)
+from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES
+from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
+from .abi import PAIRS_META_BYTES
+from .dtypes import FLOAT32, FLOAT_DTYPES, dtype_code
+from .records import Group, resolve_options
 from .errors import Reason, error
 from .exchange import exchange_bytes, exchange_rows, resolve
 from .expertmajor import assemble

@@ -41,7 +41,9 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import payloads
-from .common import BFLOAT16, EXCHANGES, FLOAT32, FLOAT_DTYPES, TRANSPORTS, dtype_code
+from .dtypes import BFLOAT16, FLOAT32, FLOAT_DTYPES, dtype_code
+from .exchange import NAMES as EXCHANGES
+from .records import TRANSPORTS
 from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 
 Triple = Tuple[int, int, int]

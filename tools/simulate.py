@@ -64,8 +64,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from epkit.reference import hier
+from epkit.reference.dtypes import FLOAT_DTYPES
 from epkit.reference.fast import count_words, count_words_block
-from epkit.reference.common import FLOAT_DTYPES, Group
+from epkit.reference.records import Group
 from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
 
 ROUTINGS = ("uniform", "zipf", "hot", "grouped")

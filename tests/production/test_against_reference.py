@@ -136,7 +136,7 @@ def test_weight_gradients_move_pairs_bytes(group_pool, exchange):
     row where the reference counts a two-row in-band header (docs/design.md)."""
     from epkit import reference as ref
     from epkit.reference import transport as tp
-    from epkit.reference.common import Group
+    from epkit.reference.records import Group
 
     rng = np.random.default_rng(5)
     R, E, H, K, T = 3, 6, 8, 3, 5

@@ -8,7 +8,7 @@ from typing import List, Optional
 import numpy as np
 from hypothesis import strategies as st
 
-from epkit.reference.common import BFLOAT16
+from epkit.reference.dtypes import BFLOAT16
 
 F32 = np.dtype(np.float32)
 DTYPES = (F32, BFLOAT16)

@@ -67,8 +67,8 @@ def test_python_takes_the_plan_layout_from_abi():
 
 
 def test_error_texts_name_options_by_the_abi_codes():
-    """errors.OPTION_NAMES (the texts' code -> name tables; errors.py cannot import abi.py,
-    which imports it) agree with abi.py's codes, the payload table's included."""
+    """errors.OPTION_NAMES (the texts' code -> name tables) are derived from abi.py's codes,
+    and the payload table has a row for every payload code."""
     from epkit.reference import payloads
     from epkit.reference.errors import OPTION_NAMES
 

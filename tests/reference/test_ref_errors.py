@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from epkit import reference as ref
-from epkit.reference.common import BFLOAT16
+from epkit.reference.dtypes import BFLOAT16
 from epkit.reference.errors import Reason
 
 R, E, K, H, T = 3, 6, 2, 32, 4

@@ -63,9 +63,9 @@ def test_static_overflow_is_an_input_error_in_move_and_bytes():
 
 
 def test_the_transport_table_covers_every_transport_with_the_three_passes():
-    from epkit.reference import common, transports
+    from epkit.reference import records, transports
 
-    assert set(transports.TABLE) == set(common.TRANSPORTS)
+    assert set(transports.TABLE) == set(records.TRANSPORTS)
     for name, module in transports.TABLE.items():
         for fn in ("dispatch", "reduce_back", "combine_backward", "dispatch_bytes_of",
                    "combine_bytes_of"):

@@ -12,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from epkit import reference as ref
 from epkit.reference import payloads
-from epkit.reference.common import BFLOAT16
+from epkit.reference.dtypes import BFLOAT16
 from epkit.reference.errors import Reason
 
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -11,7 +11,7 @@ from epkit import reference as ref
 from epkit.reference import hier, transport
 from epkit.reference.arith import grouped_total_sum, total_sum
 from epkit.reference.capacity import kept_mask
-from epkit.reference.common import Group
+from epkit.reference.records import Group
 from refcases import F32, assert_lists_bitwise, assert_results_bitwise, bits, cases
 
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
@@ -45,7 +45,7 @@ def test_hier_equals_pairs_and_dedup_bit_for_bit(case, data):
     max_t = max(x.shape[0] for x in case.xs) + case.seed % 2
     kw = case.kw(rank_major=True, ranks_per_node=G)
     base = ref.dispatch(case.xs, case.idx, case.ws, **kw)
-    y_dtype = data.draw(st.sampled_from((F32, ref.common.BFLOAT16)), "y dtype")
+    y_dtype = data.draw(st.sampled_from((F32, ref.dtypes.BFLOAT16)), "y dtype")
     ys = case.rows_like([r.expert_x.shape for r in base], y_dtype, salt=3)
     go = case.rows_like([x.shape for x in case.xs], case.dtype, salt=4)
     want = passes(case, base, ys, go, weighted)
@@ -90,7 +90,7 @@ def order_cases(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(order_cases(), st.sampled_from((F32, ref.common.BFLOAT16)), st.booleans())
+@given(order_cases(), st.sampled_from((F32, ref.dtypes.BFLOAT16)), st.booleans())
 def test_every_transport_sums_in_the_grouped_order(c, y_dtype, weighted):
     """With wide-range expert outputs the grouped order matters; canonical, pairs, dedup and
     hier agree bit for bit on it (combine and dispatch backward), node partials included."""
@@ -119,7 +119,7 @@ def test_hier_never_moves_more_inter_node_bytes_than_pairs(case, data):
     its combine ``min(n, u)`` rows per token row against pairs' n; so in both passes hier's
     inter-node bytes never exceed pairs', pair of nodes by pair of nodes."""
     G = data.draw(st.sampled_from(divisors(case.R)), "ranks_per_node")
-    y_dtype = data.draw(st.sampled_from((F32, ref.common.BFLOAT16)), "y dtype")
+    y_dtype = data.draw(st.sampled_from((F32, ref.dtypes.BFLOAT16)), "y dtype")
     kw = dict(num_experts=case.E, hidden=case.H, dtype=case.dtype, payload=case.payload,
               exchange="ragged", capacity=case.capacity)
     pairs_d = ref.dispatch_bytes(case.idx, transport="pairs", **kw)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from epkit import reference as ref
-from epkit.reference.common import BFLOAT16
+from epkit.reference.dtypes import BFLOAT16
 
 finite32 = st.floats(allow_nan=False, allow_infinity=False, width=32)
 blocks = hnp.arrays(np.float32, st.tuples(st.integers(0, 3), st.sampled_from([32, 64])),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from epkit import reference as ref
 from epkit.reference import transport
 from epkit.reference.capacity import kept_mask
-from epkit.reference.common import Group
+from epkit.reference.records import Group
 from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases, payload_row_bytes
 
 EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
@@ -178,7 +178,7 @@ def test_dedup_never_sends_more_bytes_than_pairs(case, ex):
         assert (dedup < pairs).all() == (tok.max() < slots.max())
     elif shared.any():
         assert (dedup < pairs).all()
-    for ydt in (F32, ref.common.BFLOAT16):   # combine: expert_y float32 or bfloat16
+    for ydt in (F32, ref.dtypes.BFLOAT16):   # combine: expert_y float32 or bfloat16
         per = 4 // ydt.itemsize
         ckw = dict(kw, payload=None, dtype=ydt)
         cd = ref.combine_bytes(case.idx, transport="dedup", **ckw)
@@ -376,7 +376,7 @@ def test_plan_from_count_words_alone_bounds_the_bytes(case, ex):
     rows (capacity dropped something) or its way back (which needs every token row's n), the
     plan says ``exact=False`` and its bytes bound the exact ones from above, never above pairs'."""
     max_t = max(x.shape[0] for x in case.xs)
-    for ydt in (F32, ref.common.BFLOAT16):
+    for ydt in (F32, ref.dtypes.BFLOAT16):
         group = Group(case.R, case.E, case.H, case.K, ydt, 1, case.capacity, None, "dedup", ex,
                       max_t)
         words = transport.count_words(case.idx, case.R, case.E)

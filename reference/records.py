@@ -1,11 +1,8 @@
-"""Shared vocabulary of the reference: dtypes, option names, wire sizes, the result records.
+"""The records of the reference: what a dispatch returns (``DispatchResult``), what layout
+returns (``Layout``), the group-wide facts of one call (``Group``), and the option names.
 
-Nothing here computes an operation; every module of the reference imports its names from here.
-
-dtypes
-    ``x`` is float32 or bfloat16 (``ml_dtypes.bfloat16``); the element of a quantized payload
-    (payloads.py) is ``ml_dtypes.float8_e4m3fn``. Casting float32 to bfloat16 or E4M3 with
-    ``ndarray.astype`` rounds to nearest, ties to even (ml_dtypes).
+Nothing here computes an operation. The option codes are abi.py's; the payload table is
+payloads.py's (``Group.payload_of`` names a row of it).
 """
 
 from __future__ import annotations
@@ -13,70 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import ml_dtypes
 import numpy as np
 
-# The wire format's numbers live in abi.py, shared with the kernels (docs/design.md): pairs rows
-# ``payload | int32 t, int32 k, int32 j, float32 w``; dedup token rows ``payload | int32 t,
-# int32 n`` (n: the token's kept slots on the destination), slot rows ``int32 (k << 24 | j),
-# float32 w``.
-from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES, PAIRS_META_BYTES
-from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
-from .errors import DTYPE_CODES
+from . import payloads
+from .abi import TRANSPORT_CODES
 
-FLOAT32 = np.dtype(np.float32)
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-FLOAT_DTYPES = (FLOAT32, BFLOAT16)  # what x, expert_y and gradients may be
-
-# Option values. The OPTION reason's detail ``b`` is -1 for a value not in these tables.
-TRANSPORTS = ("pairs", "dedup", "hier")   # hier: reference only (hier.py)
-EXCHANGES = ("ragged", "padded", "equal", "static", "auto")
-# Payload names: payloads.NAMES (the payload table).
-
-
-def dtype_code(dt) -> int:
-    """The header code of a dtype (``errors.DTYPE_CODES``); 0 for a dtype outside the table."""
-    try:
-        return DTYPE_CODES.get(np.dtype(dt).name, 0)
-    except TypeError:
-        return 0
-
-
-E4M3_MAX = np.float32(448.0)  # the largest finite E4M3: quantized payloads saturate to it
-
-
-def e4m3_blocks(x: np.ndarray, block: int, payload: str) -> np.ndarray:
-    """A quantized payload's input ``x [T, H]`` float32 / bfloat16 as float32 blocks
-    ``[T, H / block, block]`` (bfloat16 widened exactly); ValueError unless 2-D, ``H % block
-    == 0`` and finite."""
-    x = np.asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"epkit.reference: {payload} quantizes a 2-D [T, H] array")
-    T, H = x.shape
-    if H % block != 0:
-        raise ValueError(f"epkit.reference: {payload} needs H % {block} == 0, got H = {H}")
-    v = x.astype(FLOAT32).reshape(T, H // block, block)
-    if not np.isfinite(v).all():
-        raise ValueError(f"epkit.reference: {payload} input holds a non-finite value")
-    return v
-
-
-def e4m3_dequantized(q: np.ndarray, scale: np.ndarray, block: int, payload: str) -> np.ndarray:
-    """``float32(q) * scale`` per block, one float32 multiply: ``q [T, H]`` E4M3, ``scale
-    [T, H / block]`` float32 -> ``[T, H]`` float32 (exact for MXFP8's powers of two)."""
-    q = np.asarray(q)
-    scale = np.asarray(scale, FLOAT32)
-    T, H = q.shape
-    if scale.shape != (T, H // block) or H % block != 0:
-        raise ValueError(f"epkit.reference: {payload}'s scales must have shape "
-                         f"[T, H // {block}]")
-    return (q.astype(FLOAT32).reshape(T, H // block, block) * scale[:, :, None]).reshape(T, H)
-
-
-def padded(n: int, align: int) -> int:
-    """``n`` rounded up to a multiple of ``align`` (0 stays 0)."""
-    return -(-n // align) * align
+# Option values (abi.py's codes). The OPTION reason's detail ``b`` is -1 for a value not in
+# these tables; the exchange names are exchange.NAMES, the payload names payloads.NAMES.
+TRANSPORTS = tuple(TRANSPORT_CODES)
 
 
 @dataclass
@@ -155,7 +96,7 @@ class DispatchResult:
     max_tokens_per_rank: Optional[int] = None
     # The nodes of the combine's summation order (arith.grouped_total_sum); 1: rank by rank.
     ranks_per_node: int = 1
-    # What a simulated transport keeps between dispatch and combine (transport.py); None for
+    # What a simulated transport keeps between dispatch and combine (transports/); None for
     # canonical runs and for the vectorized tier.
     wire: Any = field(default=None, repr=False)
 
@@ -196,12 +137,9 @@ class Group:
         return self.num_experts // self.num_ranks
 
     @property
-    def payload_of(self):
-        """This call's entry of the payload table (payloads.py; imported here, not at the top:
-        the payload modules import this one)."""
-        from .payloads import get
-
-        return get(self.payload)
+    def payload_of(self) -> payloads.Payload:
+        """This call's entry of the payload table (payloads.py)."""
+        return payloads.get(self.payload)
 
     @property
     def row_dtype(self) -> np.dtype:
