@@ -12,7 +12,7 @@ JOBS    ?= 2
 # torch brings the one it was built with, which is then kept).
 TRITON  ?= triton==3.9.0
 
-.PHONY: setup verify test test-fast bench simulate build clean
+.PHONY: setup verify test test-fast bench simulate build clean docs
 
 setup: $(STAMP)
 
@@ -42,6 +42,14 @@ bench: $(STAMP)
 
 simulate: $(STAMP)
 	$(VENV)/bin/epkit simulate $(ARGS)
+
+# The docs' quoted outputs and figures, regenerated: every command output a doc quotes between
+# <!-- output: CMD --> markers is rerun into it (tests/docs/test_doc_outputs.py checks them), then
+# the figures of docs/benchmarks.md come from scripts/docs_figures.sh, where that script exists.
+docs: $(STAMP)
+	$(VPY) tests/docs/doc_outputs.py
+	@if [ -f scripts/docs_figures.sh ]; then bash scripts/docs_figures.sh; \
+	else echo "make docs: no scripts/docs_figures.sh yet: the figures are left as they are"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info
