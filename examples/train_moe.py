@@ -87,25 +87,32 @@ def batch(step, args):
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--batch", type=int, default=16, help="global sequences per step")
-    p.add_argument("--seq", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--ffn", type=int, default=64)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--shared-expert", action="store_true")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=50, help="training steps (default 50)")
+    p.add_argument("--batch", type=int, default=16, help="global sequences per step (default 16)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sequence (default 16)")
+    p.add_argument("--vocab", type=int, default=64,
+                   help="vocabulary size V of the synthetic data (default 64)")
+    p.add_argument("--hidden", type=int, default=32, help="model width H (default 32)")
+    p.add_argument("--ffn", type=int, default=64, help="each expert's FFN width (default 64)")
+    p.add_argument("--experts", type=int, default=8,
+                   help="experts per MoE layer, a multiple of the rank count (default 8)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="transformer blocks, each attention + MoE (default 2)")
+    p.add_argument("--shared-expert", action="store_true",
+                   help="add a shared expert every token goes through (overlapped with the "
+                        "token exchange in the expert-parallel run)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and of the synthetic data (default 0)")
     p.add_argument("--dense", action="store_true", help="one process, DenseMoE (the reference run)")
     p.add_argument("--losses", help="write the per-step losses here (JSON list), rank 0")
     p.add_argument("--compare-dense", action="store_true",
                    help="rank 0 also trains the dense model on the whole batch and reports the "
                         "difference of the losses every step")
     p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (the per-step losses are still printed)")
+                   help="no progress bar even on a terminal (there is none where stderr is not "
+                        "a terminal, e.g. a log file); the per-step losses are printed either way")
     args = p.parse_args(argv)
     if args.compare_dense and args.dense:
         p.error("--compare-dense runs the dense model beside the expert-parallel one: drop --dense")
@@ -150,7 +157,7 @@ def train(args) -> list[float]:
     tokens_per_step = args.batch * args.seq
     losses, gaps = [], []
     bar = None
-    if rank == 0 and not args.no_progress:
+    if rank == 0 and not args.no_progress and sys.stderr.isatty():  # a log gets plain lines
         from tqdm import tqdm
 
         mode = "dense" if args.dense else f"expert-parallel x{world}"
