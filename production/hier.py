@@ -46,7 +46,7 @@ from .device import device_path, mark_host, to_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
 from .collectives import all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
-from epkit.reference import hier as spec
+from epkit.reference.transports import hier as spec
 from epkit.reference.errors import Reason
 
 C = ops.C

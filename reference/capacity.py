@@ -8,8 +8,12 @@ moves: slot ``(s, t, k)`` to ``e`` is kept iff
     #(used slots to e on ranks < s) + #(used slots to e on rank s with token < t)  <  C
 
 A dropped slot behaves like ``-1`` from then on: it is not dispatched, contributes nothing to
-combine and gets zero gradient. ``capacity=None`` keeps every used slot. ``capacity_factor=f`` (production) means the capacity
-``capacity_from_factor(S, E, f)``.
+combine and gets zero gradient. ``capacity=None`` keeps every used slot. ``capacity_factor=f``
+(production) means the capacity ``capacity_from_factor(S, E, f)``.
+
+One body per rule, for both tiers: the kept mask is ``kept_mask`` (the group's used slots
+sorted by expert, ``sorted_slots``: a slot's rank within its expert is the count above), the
+kept counts a rank derives from the count exchange ``kept_counts``.
 """
 
 from __future__ import annotations
@@ -32,22 +36,35 @@ def capacity_from_factor(used_slots: int, num_experts: int, capacity_factor: flo
     return math.ceil(Fraction(float(capacity_factor)) * int(used_slots) / int(num_experts))
 
 
+def sorted_slots(idx_all: np.ndarray, num_experts: int, capacity: Optional[int]):
+    """The rule above over the whole group at once. ``idx_all``: every rank's routing
+    concatenated and flattened (slot ``f = g * K + k`` of global token ``g``, ranks ascending,
+    so canonical order is ``f`` ascending). The used slots sorted by expert, stable (canonical
+    order within an expert): ``(f_sorted, e_sorted, used [E], start [E + 1], rank_in_e, keep
+    (sorted order), kept_all [G * K] bool)``; a slot is kept iff its rank within its expert
+    (the used slots to that expert before it) is below ``capacity``."""
+    f_used = np.flatnonzero(idx_all >= 0)
+    f_sorted = f_used[np.argsort(idx_all[f_used], kind="stable")]
+    e_sorted = idx_all[f_sorted]
+    used = np.bincount(e_sorted, minlength=num_experts).astype(np.int64)
+    start = np.concatenate([[0], np.cumsum(used)])
+    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
+    keep = np.ones(len(f_sorted), bool) if capacity is None else rank_in_e < capacity
+    kept_all = np.zeros(idx_all.shape, bool)
+    kept_all[f_sorted[keep]] = True
+    return f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all
+
+
 def kept_mask(topk_idx: Sequence[np.ndarray], num_experts: int,
               capacity: Optional[int]) -> List[np.ndarray]:
-    """Args: topk_idx R arrays [T_s, K] int64 (validated). Returns R arrays [T_s, K] bool."""
-    seen = np.zeros(int(num_experts), np.int64)   # slots to each expert met so far, canonical order
-    kept = []
-    for idx in topk_idx:
-        mask = np.zeros(idx.shape, bool)
-        for t in range(idx.shape[0]):
-            for k in range(idx.shape[1]):
-                e = int(idx[t, k])
-                if e < 0:
-                    continue
-                mask[t, k] = capacity is None or seen[e] < capacity
-                seen[e] += 1
-        kept.append(mask)
-    return kept
+    """Args: topk_idx R arrays [T_s, K] int64 (validated, one K). Returns R arrays [T_s, K]
+    bool (``sorted_slots``, both tiers)."""
+    K = topk_idx[0].shape[1]
+    base = np.concatenate([[0], np.cumsum([i.shape[0] for i in topk_idx])]).astype(np.int64)
+    flat = np.concatenate([np.asarray(i, np.int64).reshape(len(i) * K) for i in topk_idx])
+    kept_all = sorted_slots(flat, int(num_experts), capacity)[-1]
+    return [kept_all[base[s] * K:base[s + 1] * K].reshape(topk_idx[s].shape)
+            for s in range(len(topk_idx))]
 
 
 def kept_counts(counts: np.ndarray, capacity: Optional[int]) -> np.ndarray:

@@ -24,9 +24,12 @@ same bytes; they differ in what travels:
             work can run while the rows travel. ``exchange="lazy"`` (an option value of
             dispatch and combine) is the ``auto`` variant on the lazy schedule.
 
-Each variant is one entry of ``VARIANTS``: how it moves rows (``move``) and how many bytes
-that takes without moving any (``bytes``). A new variant is one pair of functions here, its
-ABI code in abi.py and its counterpart in production (epkit.collectives).
+Each variant is one row of ``VARIANTS``: how it moves rows (``move``), how many bytes that
+takes without moving any (``bytes``) and the shape of its chunks (``fixed``: one length for
+every chunk; ``in_band``: the count travels in the chunk). Each ``exchange=`` option value is
+one row of ``OPTIONS``: which variant it runs for a plan's sections (``pick``) and on which
+schedule. A new variant is one row of each here, its ABI code in abi.py and its counterpart in
+production (epkit.collectives).
 
 A transport may move several sections (dedup: token rows and slot rows), each one exchange of
 its own rows with its own counts and, under static, its own ``cap``. The variant is decided
@@ -44,16 +47,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .abi import EXCHANGE_CODES, VARIANT_CODES
 from .errors import Reason, error
 
-NAMES = ("ragged", "padded", "equal", "static", "auto")  # what an option may name
 SCHEDULES = ("eager", "lazy")
-
-
-def split_option(exchange: str) -> Tuple[str, str]:
-    """An ``exchange=`` option value -> ``(variant name, schedule)``: ``"lazy"`` is the auto
-    variant on the lazy schedule; every other name is itself, eager."""
-    return ("auto", "lazy") if exchange == "lazy" else (exchange, "eager")
 
 
 def is_uniform(counts: np.ndarray) -> bool:
@@ -61,21 +58,84 @@ def is_uniform(counts: np.ndarray) -> bool:
     return bool((counts == counts.flat[0]).all())
 
 
-def resolve(variant: str, *counts: np.ndarray) -> str:
-    """The variant that runs for a plan whose sections have the given [R, R] count matrices:
-    ``auto`` -> equal when every section is uniform, else ragged; ``equal`` with a section that
-    is not uniform raises EQUAL_NONUNIFORM, naming the lowest rank with a count that differs
-    from its section's ``[0][0]`` (over all sections)."""
-    uniform = all(is_uniform(c) for c in counts)
-    if variant == "auto":
-        return "equal" if uniform else "ragged"
-    if variant == "equal" and not uniform:
-        rank = min(int(np.flatnonzero((c != c.flat[0]).any(axis=1))[0])
-                   for c in counts if not is_uniform(c))
-        raise error(rank, Reason.EQUAL_NONUNIFORM)
-    if variant not in VARIANTS:
+# --- the options: which variant an exchange= value runs ----------------------------------------
+# ``pick(sections)``: the variant for a plan whose sections are ``(counts, ranks)`` pairs, a
+# count matrix [n, n] and the (global) rank of each of its rows.
+
+def _fixed(name: str) -> Callable:
+    return lambda sections: name
+
+
+def _auto(sections) -> str:
+    """equal when every section is uniform, else ragged."""
+    return "equal" if all(is_uniform(c) for c, _ in sections) else "ragged"
+
+
+def _equal(sections) -> str:
+    """equal; a section that is not uniform raises EQUAL_NONUNIFORM, naming the lowest rank
+    with a count that differs from its section's ``[0][0]`` (over all sections)."""
+    bad = [ranks[int(np.flatnonzero((c != c.flat[0]).any(axis=1))[0])]
+           for c, ranks in sections if not is_uniform(c)]
+    if bad:
+        raise error(min(bad), Reason.EQUAL_NONUNIFORM)
+    return "equal"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``exchange=`` value: the variant it runs for a plan (``pick``, over every section of
+    the plan), the schedule it runs on, and on another schedule the option it stands for."""
+    name: str
+    pick: Callable
+    schedule: str = "eager"
+    eager: Optional[str] = None     # the same option on the eager schedule (None: itself)
+
+    @property
+    def code(self) -> int:
+        """The ABI code (abi.EXCHANGE_CODES): the call header's."""
+        return EXCHANGE_CODES[self.name]
+
+
+OPTIONS: Dict[str, Option] = {o.name: o for o in (
+    Option("ragged", _fixed("ragged")),
+    Option("padded", _fixed("padded")),
+    Option("equal", _equal),
+    Option("static", _fixed("static")),
+    Option("auto", _auto),
+    Option("lazy", _auto, "lazy", eager="auto"),   # auto on the lazy schedule
+)}
+assert set(OPTIONS) == set(EXCHANGE_CODES), "abi.EXCHANGE_CODES and the option table differ"
+# What a reference operation's exchange= may name: the options on the eager schedule (the lazy
+# schedule is ``issue``).
+NAMES: Tuple[str, ...] = tuple(n for n, o in OPTIONS.items() if o.schedule == "eager")
+
+
+def split_option(exchange: str) -> Tuple[str, str]:
+    """An ``exchange=`` option value -> ``(variant name, schedule)``: ``"lazy"`` is the auto
+    variant on the lazy schedule; every other name is itself, eager."""
+    option = OPTIONS.get(exchange)
+    if option is None:
+        return exchange, "eager"
+    return option.eager or option.name, option.schedule
+
+
+def resolve(variant: str, *counts: np.ndarray, ranks: Optional[Sequence] = None) -> str:
+    """The variant that runs for a plan whose sections have the given count matrices (the
+    option's ``pick``): ``auto`` -> equal when every section is uniform, else ragged; ``equal``
+    with a section that is not uniform raises EQUAL_NONUNIFORM, naming the lowest rank with a
+    count that differs from its section's ``[0][0]`` (over all sections). ``ranks``: the global
+    rank of each section's rows (default: row i is rank i)."""
+    option = OPTIONS.get(variant)
+    if option is None or option.schedule != "eager":
         raise ValueError(f"epkit.reference: unknown exchange variant {variant!r}")
-    return variant
+    if ranks is None:
+        ranks = [range(len(c)) for c in counts]
+    return option.pick(list(zip(counts, ranks)))
+
+
+def is_static(exchange: Optional[str]) -> bool:
+    """The option runs the static variant (chunks of a fixed cap: needs max_tokens_per_rank)."""
+    return exchange in VARIANTS and VARIANTS[exchange].in_band
 
 
 def header_rows(row_bytes: int) -> int:
@@ -193,18 +253,27 @@ def _static_bytes(counts, row_bytes, cap):
 class Variant:
     """One way of moving a section's rows: ``move`` carries it out on byte rows, ``bytes``
     says what it would send without moving anything ([R, R] int64, padding and headers
-    included)."""
+    included). ``fixed``: every chunk has one length (padded, equal, static); ``in_band``:
+    chunks of a fixed cap, each with its count in a header row (static)."""
     name: str
     move: Callable
     bytes: Callable
+    fixed: bool = False
+    in_band: bool = False
+
+    @property
+    def code(self) -> int:
+        """The ABI code (abi.VARIANT_CODES): the plan's VARIANT word."""
+        return VARIANT_CODES[self.name]
 
 
 VARIANTS: Dict[str, Variant] = {v.name: v for v in (
     Variant("ragged", _ragged_move, _ragged_bytes),
-    Variant("padded", _padded_move, _padded_bytes),
-    Variant("equal", _equal_move, _ragged_bytes),  # uniform: n rows per chunk, no padding
-    Variant("static", _static_move, _static_bytes),
+    Variant("padded", _padded_move, _padded_bytes, fixed=True),
+    Variant("equal", _equal_move, _ragged_bytes, fixed=True),  # uniform: n rows a chunk
+    Variant("static", _static_move, _static_bytes, fixed=True, in_band=True),
 )}
+assert set(VARIANTS) == set(VARIANT_CODES), "abi.VARIANT_CODES and the variant table differ"
 
 
 def exchange_rows(bufs: Sequence[np.ndarray], send_counts, variant: str = "ragged",

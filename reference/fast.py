@@ -10,7 +10,7 @@ dispatch
     (s, then t) - a slot's rank within its expert decides capacity; its padded position is
     ``expert_offsets[j] + rank``. With ``transport`` set, the result is the canonical one (the
     clear tier proves every transport gives it bit for bit) plus ``bytes_sent`` from the plan
-    (the clear tier's own accounting, transport.dispatch_bytes_of: every section of the wire
+    (the clear tier's own accounting, accounting.py and transports/: every section of the wire
     format, dedup's token rows and slot rows, as its exchange variant moves it); the same
     InputErrors are raised (EQUAL_NONUNIFORM over both dedup sections, STATIC_OVERFLOW, ...).
 
@@ -26,14 +26,15 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from .accounting import bytes_group, combine_bytes_of, dispatch_bytes_of, wire_plan
 from .arith import weight_grad_dot
+from .capacity import kept_mask, sorted_slots
 from .records import DispatchResult, Group, Layout
 from .dispatch import prepare
 from .exchange import exchange
 from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .payloads import wire_rows
-from .transport import bytes_group, combine_bytes_of, dispatch_bytes_of, plan
 from .validate import check_layout, check_results, check_rows
 
 # exchange and the payloads' quantize / dequantize are vectorized already: the same functions.
@@ -73,7 +74,7 @@ def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) ->
 
     Args: idx [sum(tokens), K] integer (``-1`` = unused slot); tokens: tokens of each rank.
     Returns: int64 [len(tokens), E + R], row ``s`` = ``[tokens_per_expert | tokens_per_rank]``
-    of that rank, what ``transport.count_words`` gives."""
+    of that rank, what ``transports.count_words`` gives."""
     n_ranks, L = len(tokens), E // R
     idx = np.asarray(idx, np.int64)
     K = idx.shape[1] if idx.ndim == 2 else 0
@@ -90,7 +91,7 @@ def count_words_block(idx: np.ndarray, tokens: Sequence[int], R: int, E: int) ->
 
 
 def count_words(idx: Sequence[np.ndarray], num_ranks: int, num_experts: int) -> np.ndarray:
-    """transport.count_words, vectorized: int64 [R, E + R]."""
+    """transports.count_words, vectorized: int64 [R, E + R]."""
     K = max((np.shape(i)[1] for i in idx if np.ndim(i) == 2), default=0)
     cat = np.concatenate([np.asarray(i, np.int64).reshape(len(i), K) for i in idx])
     return count_words_block(cat, [len(i) for i in idx], num_ranks, num_experts)
@@ -128,8 +129,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     idx_all = _cat(idx, (K,)).ravel()
     w_all = _cat(ws, (K,)).ravel()
 
-    f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all = _sorted_slots(idx_all, E,
-                                                                               group.capacity)
+    f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all = sorted_slots(idx_all, E,
+                                                                              group.capacity)
     kept_cnt = used if group.capacity is None else np.minimum(used, group.capacity)
     kept = [kept_all[base[s] * K:base[s + 1] * K].reshape(int(T[s]), K) for s in range(R)]
     bytes_sent = None
@@ -167,43 +168,10 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
     return results
 
 
-def _sorted_slots(idx_all: np.ndarray, E: int, capacity: Optional[int]):
-    """The group's used slots (flat ``f = g * K + k``) sorted by expert, stable (canonical
-    order within an expert): ``(f_sorted, e_sorted, used [E], start [E + 1], rank_in_e, keep
-    (sorted order), kept_all [G * K] bool)``; capacity keeps a slot by its rank in its expert."""
-    f_used = np.flatnonzero(idx_all >= 0)
-    f_sorted = f_used[np.argsort(idx_all[f_used], kind="stable")]
-    e_sorted = idx_all[f_sorted]
-    used = np.bincount(e_sorted, minlength=E).astype(np.int64)
-    start = np.concatenate([[0], np.cumsum(used)])
-    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
-    keep = np.ones(len(f_sorted), bool) if capacity is None else rank_in_e < capacity
-    kept_all = np.zeros(idx_all.shape, bool)
-    kept_all[f_sorted[keep]] = True
-    return f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all
-
-
-def _kept(idx: List[np.ndarray], E: int, capacity: Optional[int]) -> List[np.ndarray]:
-    """capacity.kept_mask, vectorized: R arrays [T_s, K] bool."""
-    K = idx[0].shape[1]
-    base = np.concatenate([[0], np.cumsum([i.shape[0] for i in idx])]).astype(np.int64)
-    kept_all = _sorted_slots(_cat(idx, (K,)).ravel(), E, capacity)[-1]
-    return [kept_all[base[s] * K:base[s + 1] * K].reshape(idx[s].shape) for s in range(len(idx))]
-
-
 def _wire_plan(group: Group, idx: List[np.ndarray], kept: List[np.ndarray]):
-    """transport.wire_plan, vectorized: the count words, and for dedup every rank's token rows
-    (tokens with a kept slot on d) and single-slot token rows per destination."""
-    R, E, L = group.num_ranks, group.num_experts, group.num_local_experts
-    words = count_words(idx, R, E)
-    if group.transport != "dedup":
-        return plan(group, words)
-    rows, single = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
-    for s, (i, k) in enumerate(zip(idx, kept)):
-        t, slot = np.nonzero(k)
-        n = np.bincount(t * R + i[t, slot] // L, minlength=i.shape[0] * R).reshape(-1, R)
-        rows[s], single[s] = (n >= 1).sum(axis=0), (n == 1).sum(axis=0)
-    return plan(group, words, rows, single)
+    """The transport's plan (accounting.wire_plan: for dedup the token rows of
+    layout.token_rows) on the count words counted here."""
+    return wire_plan(group, idx, kept, count_words(idx, group.num_ranks, group.num_experts))
 
 
 def _rank_major(group: Group, d, idx_all, kept_all, w_all, rows_all, scales_all, src, base) -> dict:
@@ -289,15 +257,15 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
 
 def dispatch_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
                    exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
-    """transport.dispatch_bytes, vectorized."""
+    """accounting.dispatch_bytes, vectorized."""
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return dispatch_bytes_of(group, _wire_plan(group, idx, _kept(idx, group.num_experts, group.capacity)))
+    return dispatch_bytes_of(group, _wire_plan(group, idx, kept_mask(idx, group.num_experts, group.capacity)))
 
 
 def combine_bytes(topk_idx, num_experts, hidden, dtype="bfloat16", transport="dedup",
                   exchange="ragged", capacity=None, payload=None, max_tokens_per_rank=None):
-    """transport.combine_bytes, vectorized."""
+    """accounting.combine_bytes, vectorized."""
     group, idx = bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capacity,
                              payload, max_tokens_per_rank)
-    return combine_bytes_of(group, _wire_plan(group, idx, _kept(idx, group.num_experts, group.capacity)))
+    return combine_bytes_of(group, _wire_plan(group, idx, kept_mask(idx, group.num_experts, group.capacity)))

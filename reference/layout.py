@@ -13,6 +13,10 @@ The count exchange then gives rank ``d``
 
 All counts are *pre-capacity* (capacity needs the whole group's counts; layout is local).
 Checks: options (num_experts >= 1, E % R == 0), then per rank: integer dtype, 2-D, range, duplicates.
+
+After capacity (``kept``: capacity.kept_mask), the token rows a rank sends (the dedup and hier
+transports', the rank-major rows): token t is sent to rank d once iff d holds at least one of
+its *kept* slots (``token_rows``, from ``kept_per_rank``). Both tiers count them here.
 """
 
 from __future__ import annotations
@@ -47,6 +51,23 @@ def local_counts(idx: np.ndarray, num_ranks: int, num_experts: int):
             is_token_in_rank[t, e // L] = True
     tokens_per_rank = is_token_in_rank.sum(axis=0, dtype=np.int64)
     return tokens_per_expert, tokens_per_rank, slots_per_rank, is_token_in_rank
+
+
+def kept_per_rank(idx: np.ndarray, kept: np.ndarray, num_ranks: int, num_experts: int) -> np.ndarray:
+    """One rank's kept slots per token and destination rank: int64 [T, R], entry [t, d] the
+    kept slots of token t on rank d (``idx`` [T, K] int64 validated, ``kept`` [T, K] bool)."""
+    T, L = idx.shape[0], num_experts // num_ranks
+    t, k = np.nonzero(kept)
+    dest = np.bincount(t * num_ranks + idx[t, k] // L, minlength=T * num_ranks)
+    return dest.astype(np.int64).reshape(T, num_ranks)
+
+
+def token_rows(idx: np.ndarray, kept: np.ndarray, num_ranks: int, num_experts: int):
+    """One rank's token rows per destination: ``(rows [R] int64: its tokens with a kept slot
+    on d, single [R] int64: those with exactly one)``. ``rows`` is what the rank contributes
+    to the dedup count exchange's second all-gather when capacity dropped something."""
+    n = kept_per_rank(idx, kept, num_ranks, num_experts)
+    return (n >= 1).sum(axis=0, dtype=np.int64), (n == 1).sum(axis=0, dtype=np.int64)
 
 
 def layout(topk_idx: Sequence[np.ndarray], num_experts: int) -> List[Layout]:

@@ -43,6 +43,7 @@ import numpy as np
 from . import payloads
 from .dtypes import BFLOAT16, FLOAT32, FLOAT_DTYPES, dtype_code
 from .exchange import NAMES as EXCHANGES
+from .exchange import is_static
 from .records import TRANSPORTS
 from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 
@@ -71,7 +72,7 @@ def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exch
         return (Reason.OPTION, 2, -1)
     if payload is not None and payload not in payloads.NAMES:
         return (Reason.OPTION, 3, -1)
-    if exchange == "static" and (max_tokens_per_rank is None
+    if is_static(exchange) and (max_tokens_per_rank is None
                                  or not 0 <= int(max_tokens_per_rank) <= MAX_TOKENS):
         return (Reason.STATIC_MAX, -1 if max_tokens_per_rank is None else int(max_tokens_per_rank), 0)
     if not 1 <= int(ranks_per_node) <= num_ranks or num_ranks % int(ranks_per_node):
@@ -186,7 +187,7 @@ def check_dispatch(xs, topk_idx, topk_weights, *, num_experts, align=1, capacity
     xs = [np.asarray(x) for x in xs]
     idx = [np.asarray(i) for i in topk_idx]
     ws = [np.asarray(w) for w in topk_weights]
-    static_max = max_tokens_per_rank if exchange == "static" else None
+    static_max = max_tokens_per_rank if is_static(exchange) else None
     headers = np.stack([
         header(local_triple(xs[r], idx[r], ws[r], int(num_experts), payload, static_max), xs[r], idx[r])
         for r in range(R)])

@@ -63,11 +63,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from epkit.reference import hier
+from epkit.reference.accounting import combine_bytes_of, dispatch_bytes_of, plan
 from epkit.reference.dtypes import FLOAT_DTYPES
 from epkit.reference.fast import count_words, count_words_block
 from epkit.reference.records import Group
-from epkit.reference.transport import combine_bytes_of, dispatch_bytes_of, plan
+from epkit.reference.transports import hier
 
 ROUTINGS = ("uniform", "zipf", "hot", "grouped")
 TRANSPORTS = ("pairs", "dedup", "hier")

@@ -7,7 +7,7 @@ import pytest
 
 from epkit import reference as ref
 from epkit.tools import simulate as sim
-from epkit.reference import transport
+from epkit.reference import transports as transport
 
 
 def _routing(rng, R, E, K, unused=0.2):
@@ -55,7 +55,7 @@ def test_hier_counts_and_bytes_equal_the_reference(seed):
     """The vectorized kept mask and NodeCounts equal reference.capacity / reference.hier's
     clear ones (unused slots, zero-token ranks, capacity), and the simulator's hier stages are
     what reference.hier's dispatch and combine move."""
-    from epkit.reference import hier
+    from epkit.reference.transports import hier
     from epkit.reference.capacity import kept_mask
 
     rng = np.random.default_rng(300 + seed)
@@ -281,7 +281,7 @@ def test_hier_target_at_64_ranks(dtype):
 def _dedup_exactness(idx, R, E, K, cap, dtype, ex, H=8):
     """(simulated bytes with NodeCounts, from the count words alone, what the run moved), per
     pass."""
-    from epkit.reference import hier
+    from epkit.reference.transports import hier
     from epkit.reference.capacity import kept_mask
 
     nodes = hier.node_counts(idx, kept_mask(idx, E, cap), R, E, 1)

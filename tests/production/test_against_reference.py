@@ -135,7 +135,7 @@ def test_weight_gradients_move_pairs_bytes(group_pool, exchange):
     and tokens with two kept slots on one rank included; static chunks carry one zero front
     row where the reference counts a two-row in-band header (docs/design.md)."""
     from epkit import reference as ref
-    from epkit.reference import transport as tp
+    from epkit.reference import accounting as tp
     from epkit.reference.records import Group
 
     rng = np.random.default_rng(5)

@@ -1,4 +1,4 @@
-"""The hier transport (reference/hier.py) and the grouped summation order (ranks_per_node)."""
+"""The hier transport (reference/transports/hier.py) and the grouped summation order (ranks_per_node)."""
 
 import struct
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epkit import reference as ref
-from epkit.reference import hier, transport
+from epkit.reference.transports import hier
 from epkit.reference.arith import grouped_total_sum, total_sum
 from epkit.reference.capacity import kept_mask
 from epkit.reference.records import Group

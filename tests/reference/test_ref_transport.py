@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epkit import reference as ref
-from epkit.reference import transport
+from epkit.reference import accounting, transports
 from epkit.reference.capacity import kept_mask
 from epkit.reference.records import Group
 from refcases import F32, assert_lists_bitwise, assert_results_bitwise, cases, payload_row_bytes
@@ -100,12 +100,12 @@ def test_transports_equal_canonical(case, tr, weighted):
                    max_tokens_per_rank=args["max_tokens_per_rank"])
         moved = np.stack([r.bytes_sent for r in res])
         assert np.array_equal(moved, ref.dispatch_bytes(case.idx, dtype=case.dtype, **bkw))
-        _, moved_back = transport.reduce_back(res, ys, weighted)
+        _, moved_back = transports.reduce_back(res, ys, weighted)
         assert np.array_equal(moved_back, ref.combine_bytes(case.idx, dtype=ys[0].dtype, **bkw))
-        _, _, moved_cb = transport.combine_backward(res, go, ys, weighted)
+        _, _, moved_cb = transports.combine_backward(res, go, ys, weighted)
         group = Group(case.R, case.E, case.H, case.K, go[0].dtype, case.align, case.capacity,
                       case.payload, tr, ex, args["max_tokens_per_rank"])
-        want_cb = transport.combine_backward_bytes_of(group, res[0].wire.plan, weighted)
+        want_cb = accounting.combine_backward_bytes_of(group, res[0].wire.plan, weighted)
         assert len(moved_cb) == len(want_cb) == (2 if weighted and case.K else 1)
         for got_m, want_m in zip(moved_cb, want_cb):
             assert np.array_equal(got_m, want_m), (tr, ex, got_m, want_m)
@@ -213,14 +213,14 @@ def test_dedup_combine_backward_never_moves_more_bytes_than_pairs(case, ex):
         group = Group(case.R, case.E, case.H, case.K, case.dtype, case.align, case.capacity,
                       None, tr, ex, max_t)
         try:
-            p = transport.wire_plan(group, case.idx, kept)
+            p = accounting.wire_plan(group, case.idx, kept)
         except ref.InputError as err:       # equal: pairs needs its rows uniform, dedup both sections
             assert ex == "equal" and err.code == ref.Reason.EQUAL_NONUNIFORM
             assert not (uniform(tok) and uniform(slots))
             return
-        moved[tr] = transport.combine_backward_bytes_of(group, p, weighted=True)
+        moved[tr] = accounting.combine_backward_bytes_of(group, p, weighted=True)
         variant = p.variant
-        unweighted = transport.combine_backward_bytes_of(group, p, weighted=False)
+        unweighted = accounting.combine_backward_bytes_of(group, p, weighted=False)
         assert len(unweighted) == 1 and np.array_equal(unweighted[0], moved[tr][0])
         if case.K == 0:                     # no slot, no weight gradient
             assert len(moved[tr]) == 1
@@ -262,7 +262,7 @@ def test_dedup_fewer_bytes_when_experts_share_a_rank():
 
 def _decode_dedup(group, s, xs, idx, ws, kept):
     """Rank s's dedup sections, decoded: per peer, token rows (x, t, n) and slot rows (k, j, w)."""
-    send, (token_rows, slot_rows) = transport._dedup_send(group, s, xs[s], None, idx[s], ws[s], kept[s])
+    send, (token_rows, slot_rows) = transports.of("dedup").send(group, s, xs[s], None, idx[s], ws[s], kept[s])
     P = group.payload_bytes
     assert token_rows.shape[1] == P + 8 and slot_rows.shape[1] == 8
     toks = [(np.frombuffer(r[:P].tobytes(), F32).tolist(),) + struct.unpack("<ii", r[P:].tobytes())
@@ -379,17 +379,17 @@ def test_plan_from_count_words_alone_bounds_the_bytes(case, ex):
     for ydt in (F32, ref.dtypes.BFLOAT16):
         group = Group(case.R, case.E, case.H, case.K, ydt, 1, case.capacity, None, "dedup", ex,
                       max_t)
-        words = transport.count_words(case.idx, case.R, case.E)
-        loose = transport.plan(group, words)
+        words = transports.count_words(case.idx, case.R, case.E)
+        loose = accounting.plan(group, words)
         kept = kept_mask(case.idx, case.E, case.capacity)
-        exact = transport.wire_plan(group, case.idx, kept)
+        exact = accounting.wire_plan(group, case.idx, kept)
         assert exact.exact and not loose.exact
         assert loose.dropped == exact.dropped
         pg = Group(**dict(group.__dict__, transport="pairs"))
-        pairs = transport.plan(pg, words)
-        for of in (transport.dispatch_bytes_of, transport.combine_bytes_of):
+        pairs = accounting.plan(pg, words)
+        for of in (accounting.dispatch_bytes_of, accounting.combine_bytes_of):
             e, b, p = of(group, exact), of(group, loose), of(pg, pairs)
             assert (e <= b).all() and (b <= p).all(), (of.__name__, e, b, p)
         if not exact.dropped:
-            assert np.array_equal(transport.dispatch_bytes_of(group, loose),
-                                  transport.dispatch_bytes_of(group, exact))
+            assert np.array_equal(accounting.dispatch_bytes_of(group, loose),
+                                  accounting.dispatch_bytes_of(group, exact))

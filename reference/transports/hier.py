@@ -64,18 +64,20 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from .abi import HIER_TOKEN_META_BYTES
-from .arith import partial_sum, scaled, total_sum, weight_grad_dot
-from .abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES
-from .abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
-from .dtypes import FLOAT32
-from .records import Group
-from .errors import Reason, error
-from .exchange import exchange_bytes, exchange_rows, is_uniform
-from .expertmajor import assemble
-from .payloads import wire_rows
-from .rankmajor import rank_major_fields
-from .transport import _as_rows, _payload, _rows_of, _unpayload, count_words
+from ..abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK, DEDUP_TOKEN_META_BYTES, HIER_TOKEN_META_BYTES
+from ..abi import SLOT_ROW_BYTES as DEDUP_SLOT_ROW_BYTES
+from ..arith import partial_sum, scaled, total_sum, weight_grad_dot
+from ..dtypes import FLOAT32
+from ..errors import Reason, error
+from ..exchange import exchange_bytes, exchange_rows, is_static, resolve
+from ..expertmajor import assemble
+from ..layout import kept_per_rank
+from ..payloads import wire_rows
+from ..rankmajor import rank_major_fields
+from ..records import Group
+from .base import Transport, as_rows, group_of, payload, rows_of, unpayload
+from .dedup import CountWordsDedup
+from .direct import count_words
 
 SLOT = struct.Struct("<If")      # a slot row: (k << 24 | j), w
 WGRAD_ROW_BYTES = 4              # one float32 weight gradient per kept slot
@@ -117,22 +119,13 @@ class NodeCounts:
 def node_counts(idx: Sequence[np.ndarray], kept: Sequence[np.ndarray], R: int, E: int,
                 G: int) -> NodeCounts:
     """NodeCounts from every rank's routing ``[T, K] int64`` and kept mask ``[T, K] bool``."""
-    L, N = E // R, R // G
-    c = {name: np.zeros(shape, np.int64) for name, shape in
-         (("tokens", (R, R)), ("multi", (R, R)), ("slots", (R, R)), ("node_tokens", (R, N)),
-          ("node_multi", (R, N)))}
+    rows = []
     for s in range(R):
-        for row, keep in zip(idx[s], kept[s]):
-            ranks = [int(e) // L for e, k in zip(row, keep) if k]
-            for d in set(ranks):
-                c["tokens"][s, d] += 1
-                c["multi"][s, d] += ranks.count(d) >= 2
-                c["slots"][s, d] += ranks.count(d)
-            nodes = [d // G for d in ranks]
-            for n in set(nodes):
-                c["node_tokens"][s, n] += 1
-                c["node_multi"][s, n] += nodes.count(n) >= 2
-    return NodeCounts(**c)
+        n = kept_per_rank(idx[s], kept[s], R, E)             # [T, R]: t's kept slots on rank d
+        node = n.reshape(n.shape[0], R // G, G).sum(axis=2)  # [T, N]: ... on node n
+        rows.append(((n >= 1).sum(0), (n >= 2).sum(0), n.sum(0), (node >= 1).sum(0),
+                     (node >= 2).sum(0)))
+    return NodeCounts(*[np.array(col, np.int64).reshape(R, -1) for col in zip(*rows)])
 
 
 def _stage1(node_matrix: np.ndarray, G: int) -> np.ndarray:
@@ -190,18 +183,11 @@ def _sections(p: HierPlan, G: int):
 
 
 def _resolve(variant: str, sections) -> str:
-    """exchange.resolve over subgroups: equal needs every section uniform inside every
-    subgroup; a refusal names the lowest (global) rank whose row differs from its subgroup
-    section's first count."""
-    subs = [m[np.ix_(g, g)] for m, groups in sections for g in groups]
-    uniform = all(is_uniform(c) for c in subs)
-    if variant == "auto":
-        return "equal" if uniform else "ragged"
-    if variant == "equal" and not uniform:
-        bad = [g[int(np.flatnonzero((m[np.ix_(g, g)] != m[g[0], g[0]]).any(axis=1))[0])]
-               for m, groups in sections for g in groups if not is_uniform(m[np.ix_(g, g)])]
-        raise error(min(bad), Reason.EQUAL_NONUNIFORM)
-    return variant
+    """exchange.resolve over subgroups: every section inside every subgroup is one count
+    matrix (equal needs each uniform; a refusal names the lowest global rank whose row differs
+    from its subgroup section's first count)."""
+    subs = [(m[np.ix_(g, g)], g) for m, groups in sections for g in groups]
+    return resolve(variant, *[c for c, _ in subs], ranks=[g for _, g in subs])
 
 
 def plan(group: Group, c: NodeCounts) -> HierPlan:
@@ -222,7 +208,7 @@ def _node_sum(rank_matrix: np.ndarray, G: int) -> np.ndarray:
 
 def caps(group: Group, u: int = 2) -> Optional[dict]:
     """The static chunks (rows) of every section (module docstring); None unless static."""
-    if group.exchange != "static":
+    if not is_static(group.exchange):
         return None
     T, K, L, G = group.max_tokens_per_rank, group.topk, group.num_local_experts, group.ranks_per_node
     N = group.num_ranks // G
@@ -333,10 +319,10 @@ def _stage1_send(group: Group, rows, scales, idx, ws, kept):
             mine = [k for k in range(idx.shape[1]) if kept[t, k] and int(idx[t, k]) // (G * L) == n]
             if mine:
                 sent[n].append(t)
-                tok.append(_payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine)))
+                tok.append(payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine)))
                 slot += [SLOT.pack(k << 24 | (int(idx[t, k]) - n * G * L), ws[t, k]) for k in mine]
-    return sent, _as_rows(tok, group.payload_bytes + DEDUP_TOKEN_META_BYTES), \
-        _as_rows(slot, DEDUP_SLOT_ROW_BYTES)
+    return sent, as_rows(tok, group.payload_bytes + DEDUP_TOKEN_META_BYTES), \
+        as_rows(slot, DEDUP_SLOT_ROW_BYTES)
 
 
 def _slot(row: np.ndarray):
@@ -369,8 +355,8 @@ def _forward(group: Group, f: int, got_tok, got_slot, p: HierPlan):
                 fan[-1].append(a)
                 tok.append(payloads[a] + struct.pack("<iii", s, t, len(mine)))
                 slot += [SLOT.pack(k << 24 | j, w) for k, j, w in mine]
-    return arrivals, fan, _as_rows(tok, P + HIER_TOKEN_META_BYTES), \
-        _as_rows(slot, DEDUP_SLOT_ROW_BYTES)
+    return arrivals, fan, as_rows(tok, P + HIER_TOKEN_META_BYTES), \
+        as_rows(slot, DEDUP_SLOT_ROW_BYTES)
 
 
 def _receive(group: Group, got_tok, got_slot):
@@ -379,7 +365,7 @@ def _receive(group: Group, got_tok, got_slot):
     entries, cursor = [], 0
     for i in range(got_tok.shape[0]):
         s, t, n = struct.unpack("<iii", got_tok[i, P:].tobytes())
-        x, scale = _unpayload(group, got_tok[i])
+        x, scale = unpayload(group, got_tok[i])
         entries.append((s, t, x, scale, [_slot(r) for r in got_slot[cursor:cursor + n]], i))
         cursor += n
     assert cursor == got_slot.shape[0], "the token rows' n claim every slot row"
@@ -430,12 +416,6 @@ def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
 
 
 # --- the way back: combine and dispatch backward -----------------------------------------------
-
-def _group_of(res) -> Group:
-    r = res[0]
-    return Group(r.num_ranks, r.num_experts, r.hidden, r.topk, r.x_dtype, r.align, r.capacity,
-                 r.payload, r.transport, r.exchange, r.max_tokens_per_rank, r.ranks_per_node)
-
 
 def _units(rows: List[np.ndarray], partial, u: int, row_dtype) -> List[np.ndarray]:
     """A token row's return: its n rows when ``n <= u``, else the float32 partial (``partial()``,
@@ -527,13 +507,13 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
     """Combine (``ys`` = expert_y) or dispatch backward (``ys`` = gradients, unweighted) back
     over both stages. Returns (R float32 arrays [T_s, H] before the cast, [stage 2 back,
     stage 1 back] [R, R] int64 bytes)."""
-    group = _group_of(res)
+    group = group_of(res)
     R, G = group.num_ranks, group.ranks_per_node
     p, row_dtype = res[0].wire.plan, ys[0].dtype
     u = 4 // row_dtype.itemsize
     inter, intra = inter_subgroups(R, G), intra_subgroups(R, G)
     back2 = p.back_rows(2, u)
-    bufs = [_rows_of(np.array(_back_at_rank(group, res[d], ys[d], weighted, u), row_dtype)
+    bufs = [rows_of(np.array(_back_at_rank(group, res[d], ys[d], weighted, u), row_dtype)
                      .reshape(-1, group.hidden)) for d in range(R)]
     got2, moved2 = stage_exchange(bufs, back2, intra, p.variant, _cap(group, "s2_back", u))
     bufs = []
@@ -541,7 +521,7 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
         node = intra[f // G]
         rows = _split(got2[f], back2[node, f], row_dtype)
         out = _back_at_forwarder(group, res[f].wire, f, rows, weighted, u, row_dtype)
-        bufs.append(_rows_of(np.array(out, row_dtype).reshape(-1, group.hidden)))
+        bufs.append(rows_of(np.array(out, row_dtype).reshape(-1, group.hidden)))
     back1 = p.back_rows(1, u)
     got1, moved1 = stage_exchange(bufs, back1, inter, p.variant, _cap(group, "s1_back", u))
     outs = []
@@ -560,13 +540,13 @@ def _grads_forward(group, res, grad_outs):
     R, G, H = group.num_ranks, group.ranks_per_node, group.hidden
     p, dt = res[0].wire.plan, grad_outs[0].dtype
     inter, intra = inter_subgroups(R, G), intra_subgroups(R, G)
-    bufs = [_rows_of(np.array([grad_outs[s][t] for tokens in res[s].wire.sent for t in tokens],
+    bufs = [rows_of(np.array([grad_outs[s][t] for tokens in res[s].wire.sent for t in tokens],
                               dt).reshape(-1, H)) for s in range(R)]
     got1, moved1 = stage_exchange(bufs, p.s1_tok, inter, p.variant, _cap(group, "s1_tok"))
     bufs = []
     for f in range(R):
         g = got1[f].copy().view(dt)                     # one row per arrival, in order
-        bufs.append(_rows_of(np.array([g[a] for fan in res[f].wire.fan for a in fan], dt)
+        bufs.append(rows_of(np.array([g[a] for fan in res[f].wire.fan for a in fan], dt)
                              .reshape(-1, H)))
     got2, moved2 = stage_exchange(bufs, p.s2_tok, intra, p.variant, _cap(group, "s2_tok"))
     return [g.copy().view(dt) for g in got2], [moved1, moved2]
@@ -579,7 +559,7 @@ def _wgrads_back(group, res, gw_rows):
     R, G, K, L = group.num_ranks, group.ranks_per_node, group.topk, group.num_local_experts
     p = res[0].wire.plan
     inter, intra = inter_subgroups(R, G), intra_subgroups(R, G)
-    bufs = [_rows_of(np.array([v for row in gw_rows[d] for v in row], FLOAT32).reshape(-1, 1))
+    bufs = [rows_of(np.array([v for row in gw_rows[d] for v in row], FLOAT32).reshape(-1, 1))
             for d in range(R)]
     got2, moved2 = stage_exchange(bufs, p.s2_slot.T, intra, p.variant, _cap(group, "s2_slot"))
     bufs = []
@@ -593,7 +573,7 @@ def _wgrads_back(group, res, gw_rows):
                 for sl in wire.arrivals[a][2]:
                     if sl[1] == d:
                         got[a, sl[0]] = next(per_d[i])
-        bufs.append(_rows_of(np.array([got[a, sl[0]] for a, (_, _, slots) in enumerate(wire.arrivals)
+        bufs.append(rows_of(np.array([got[a, sl[0]] for a, (_, _, slots) in enumerate(wire.arrivals)
                                        for sl in slots], FLOAT32).reshape(-1, 1)))
     got1, moved1 = stage_exchange(bufs, p.s1_slot.T, inter, p.variant, _cap(group, "s1_slot"))
     gws = []
@@ -613,7 +593,7 @@ def _wgrads_back(group, res, gw_rows):
 def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], weighted: bool):
     """Combine backward through hier. Returns (gys: R arrays [M_d, H] in y's dtype, gws: R
     arrays [T_s, K] float32, moved: the [R, R] byte matrices of each exchange run)."""
-    group = _group_of(res)
+    group = group_of(res)
     K = group.topk
     grads, moved = _grads_forward(group, res, grad_outs)
     gys, gw_rows = [], []
@@ -632,3 +612,36 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
         return gys, [np.zeros((r.num_tokens, K), FLOAT32) for r in res], moved
     gws, moved_back = _wgrads_back(group, res, gw_rows)
     return gys, gws, moved + moved_back
+
+
+class Hier(Transport):
+    """The hier transport behind the interface of transports/base.py (the functions above)."""
+
+    name = "hier"
+    # dispatch_bytes / combine_bytes know the one-stage transports (docs/semantics.md): under
+    # hier they give dedup's plan from the count words alone; its stages' bytes are
+    # dispatch_bytes_of / combine_bytes_of here.
+    accounting = CountWordsDedup()
+
+    def wire_plan(self, group: Group, idx, kept, words=None) -> HierPlan:
+        return plan(group, node_counts(idx, kept, group.num_ranks, group.num_experts,
+                                       group.ranks_per_node))
+
+    def dispatch_bytes_of(self, group: Group, p: HierPlan) -> List[np.ndarray]:
+        return dispatch_bytes_of(group, p)
+
+    def combine_bytes_of(self, group: Group, p: HierPlan, y_dtype=None) -> List[np.ndarray]:
+        return combine_bytes_of(group, p, y_dtype)
+
+    def dispatch(self, group: Group, xs, idx, ws, kept, rank_major: bool):
+        return dispatch(group, xs, idx, ws, kept, rank_major)
+
+    def reduce_back(self, res, ys: List[np.ndarray], weighted: bool):
+        return reduce_back(res, ys, weighted)
+
+    def combine_backward(self, res, grad_outs: List[np.ndarray], ys: List[np.ndarray],
+                         weighted: bool):
+        return combine_backward(res, grad_outs, ys, weighted)
+
+
+HIER = Hier()
