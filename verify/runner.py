@@ -30,9 +30,10 @@ from .accumulate import describe_accumulate, parse_accumulate
 from .adapters import load_factory
 from .capabilities import FEATURES, declarations, resolve_capabilities
 from .cases import ModeSpec
-from .checks import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
-                                 Mismatch, Verdict, check_case, weaker)
+from .checks import check_case
 from .strategies import cases, corner_cases
+from .verdict import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED, Mismatch,
+                      Verdict, weaker)
 
 __all__ = ["DEFAULT_IMPL", "ModeResult", "Suite", "SuiteResult", "Tally", "modes_of",
            "select_modes"]

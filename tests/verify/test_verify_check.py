@@ -295,7 +295,7 @@ def test_the_bound_formula():
 
 # -- the bound: special values, exact zeros, per-dtype accumulation --------------------------
 def test_the_bound_wants_nan_where_the_exact_value_is_nan_and_the_same_infinity():
-    from epkit.verify.checks import _bounded
+    from epkit.verify.bounds import _bounded
 
     exact = np.array([[np.nan, np.inf, -np.inf, 1.0]])
     ab = np.abs(np.nan_to_num(exact, nan=0.0, posinf=1.0, neginf=1.0))
@@ -313,7 +313,7 @@ def test_the_bound_wants_nan_where_the_exact_value_is_nan_and_the_same_infinity(
 
 
 def test_an_error_against_an_exact_zero_is_reported_in_absolute_terms():
-    from epkit.verify.checks import _bounded
+    from epkit.verify.bounds import _bounded
 
     msg = _bounded(np.float32([[0.5]]), np.zeros((1, 1)), np.zeros((1, 1)), np.ones((1, 1)),
                    "float32", "float32")[0]
