@@ -3,17 +3,19 @@
 No process group and no token payload: for ``R`` ranks (up to 1024 and beyond), ``E`` experts,
 top-``K``, ``T`` tokens per rank and a routing distribution, it draws the routing rank block by
 rank block, keeps only the count words every rank would all-gather
-(``[tokens_per_expert (E) | tokens_per_rank (R)]``, exactly ``reference.transport.count_words``),
-and hands them to the reference's own plan and byte accounting
-(``reference.transport.plan``, ``dispatch_bytes_of``, ``combine_bytes_of``: the functions behind
-``epkit.reference.dispatch_bytes`` / ``combine_bytes``). It prints, for pairs and dedup, the
-bytes each rank sends (max and mean), expert load imbalance, the slots a capacity factor drops,
-and a predicted dispatch and combine time from the bandwidth model below. For the hier
-transport, whose counts need each token's kept slots per rank and node (not in the count
-words), it also keeps, per source rank, ``reference.hier.NodeCounts`` (tokens with one / two or
-more kept slots per rank and per node, kept slots per rank), vectorized and equal to
-``reference.hier.node_counts``, and asks ``reference.hier.plan``, ``dispatch_bytes_of`` and
-``combine_bytes_of`` for its two stages' bytes.
+(``[tokens_per_expert (E) | tokens_per_rank (R)]``, exactly ``reference.transports.count_words``)
+and, per source rank, ``reference.transports.hier.NodeCounts`` (kept token rows, token rows with
+two or more kept slots and kept slots, per rank and per node: what dedup's exact plan and hier's
+two stages need), counted by the reference's own rules (``reference.capacity.kept_counts`` for
+the kept slots, ``reference.fast.count_words_block`` of the kept routing for the token rows), and
+hands them to the reference's plans and byte accounting (``reference.accounting.plan``,
+``dispatch_bytes_of``, ``combine_bytes_of``, the functions behind
+``epkit.reference.dispatch_bytes`` / ``combine_bytes``; ``reference.transports.hier.plan`` and
+its ``dispatch_bytes_of`` / ``combine_bytes_of`` for hier). Every transport is one row of
+:data:`TABLE`: its plan, its byte matrices per stage, and its stages (which peers each stage
+runs among, and the sections whose messages it sends). It prints, per transport and pass, the
+messages and bytes each rank sends, expert load imbalance, the slots a capacity factor drops,
+and a predicted time from the link model below.
 
 Routing (every token names ``K`` distinct experts):
     uniform   every expert alike
@@ -35,18 +37,27 @@ ranks_per_node``, else inter-node. The diagonal ``s == d`` (a local copy) is exc
 ``total_bytes``, ``intra_node_bytes`` and ``inter_node_bytes`` alike, so
 ``intra_node_bytes + inter_node_bytes == total_bytes`` (whole group, per transport and pass).
 
-Bandwidth model (documented in docs/benchmarks.md): ranks sit ``--ranks-per-node`` to a node.
-Each rank has an intra-node link of ``--intra-gbps`` and an inter-node link of ``--inter-gbps``
-(GB/s, each direction, full duplex), used at the same time. For an exchange with byte matrix
-``B[s, d]`` (the diagonal, a local copy, costs nothing), rank ``r`` needs
-``t_intra_r = max(intra_out_r, intra_in_r) / intra`` on its intra-node link and
-``t_inter_r = max(inter_out_r, inter_in_r) / inter`` on its inter-node link; the two tiers run
-concurrently, so ``t_r = max(t_intra_r, t_inter_r)``, and the exchange ends with the slowest
-rank: ``t = latency + max_r t_r``. The report gives each tier's own time too (``intra_ms =
-max_r t_intra_r``, ``inter_ms = max_r t_inter_r``). A pass of several stages that depend on
-each other (hier: the inter-node stage, then the intra-node one) costs the sum of its stages'
-times, each with its latency (no pipelining between the stages is modelled). An all-to-all's
-duration under ideal scheduling; congestion, incast and message rate are not modelled.
+Link model (documented in docs/benchmarks.md, with the sources of its defaults): ranks sit
+``--ranks-per-node`` to a node. Each rank has an intra-node link (``--intra-gbps``, GB/s each
+way, full duplex; ``--intra-us`` per message) and an inter-node link (``--inter-gbps``,
+``--inter-us``), used at the same time. A message is one section of one exchange between one
+pair of ranks (pairs: one section; dedup's dispatch: two, token rows then slot rows; hier: two
+in each dispatch stage); a ragged exchange sends a message to each peer it has rows for, a
+padded one to every peer of its stage. For an exchange with byte matrix ``B[s, d]`` and message
+matrix ``M[s, d]`` (the diagonal, a local copy, costs nothing), rank ``r`` needs on each tier
+``t_tier_r = max(M_out * alpha + B_out / beta, M_in * alpha + B_in / beta)`` (that tier's
+messages and bytes out of and into ``r``); the tiers run concurrently, so
+``t_r = max(t_intra_r, t_inter_r)``, and the exchange ends with the slowest rank:
+``t = latency + max_r t_r`` (``--latency-us``, a fixed cost per exchange stage, 0 by default).
+The report gives each tier's own time (``intra_ms``, ``inter_ms``) and the messages' alpha
+alone (``message_ms``). A pass of several stages that depend on each other (hier: the
+inter-node stage, then the intra-node one) costs the sum of its stages' times (no pipelining
+between the stages is modelled). An all-to-all's duration under ideal scheduling, the messages
+of a rank one after another; congestion and incast are not modelled.
+
+Heatmaps (``--plot``): up to 128 ranks, the dispatch bytes rank by rank; past that, node by
+node beside one node rank by rank. hier's two stages are drawn one panel each (stage 1
+inter-node, stage 2 intra-node).
 
 Capacity: ``--capacity-factor F`` sets ``C = ceil(F * R * T * K / E)`` slots per expert,
 group-wide (epkit's capacity: the first ``C`` slots in (source rank, token) order are kept).
@@ -59,18 +70,24 @@ import json
 import math
 import sys
 import time
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from epkit.reference.accounting import combine_bytes_of, dispatch_bytes_of, plan
+from epkit.reference.capacity import kept_counts, sorted_slots
 from epkit.reference.dtypes import FLOAT_DTYPES
 from epkit.reference.fast import count_words, count_words_block
 from epkit.reference.records import Group
 from epkit.reference.transports import hier
 
 ROUTINGS = ("uniform", "zipf", "hot", "grouped")
-TRANSPORTS = ("pairs", "dedup", "hier")
+# the link model's defaults (sources in docs/benchmarks.md, "The link model")
+INTRA_GBPS = 450.0   # NVLink 4 (H100 / H200): 900 GB/s per GPU both ways
+INTER_GBPS = 50.0    # ConnectX-7 NDR InfiniBand: 400 Gb/s per port, one port a GPU
+INTRA_US = 1.5       # one intra-node message (NVLink), microseconds
+INTER_US = 3.0       # one inter-node RDMA message, microseconds
 _MAX_SLOTS_PER_BLOCK = 1 << 22  # routing drawn at most ~4M slots at a time (memory bound)
 
 
@@ -184,51 +201,49 @@ def draw_count_words(R: int, E: int, K: int, T: int, routing: str = "uniform", s
     return words
 
 
-def kept_block(idx: np.ndarray, before: np.ndarray, capacity: Optional[int]) -> np.ndarray:
+def kept_block(idx: np.ndarray, tokens: Sequence[int], counts: np.ndarray, before: np.ndarray,
+               capacity: Optional[int]) -> np.ndarray:
     """The kept mask ``[n, K] bool`` of consecutive ranks' routing (rows in (rank, token)
-    order), given ``before [E]``, the used slots of every expert on the ranks before them, which
-    it advances: a slot is kept iff the used slots to its expert before it, in (rank, token)
-    order, are fewer than ``capacity`` (reference.capacity)."""
+    order, ``tokens`` rows per rank, ``counts [ranks, E]`` their used slots per expert), given
+    ``before [E]``, the used slots of every expert on the ranks before them, which it advances.
+    The rule is the reference's own: ``reference.capacity.kept_counts`` gives each rank's kept
+    slots per expert from the slots before it, and a rank keeps its first that many slots to an
+    expert in token order (their order within an expert from ``reference.capacity.sorted_slots``,
+    keyed by (rank, expert))."""
     used = idx >= 0
-    e = idx[used]
     if capacity is None:
-        np.add.at(before, e, 1)
+        before += counts.sum(axis=0)
         return used
-    order = np.argsort(e, kind="stable")          # slots of one expert stay in (rank, token) order
-    first = np.searchsorted(e[order], e[order], side="left")
-    place = np.empty(len(e), np.int64)
-    place[order] = np.arange(len(e)) - first
-    kept = np.zeros(idx.shape, bool)
-    kept[used] = before[e] + place < capacity
-    before += np.bincount(e, minlength=len(before))
-    return kept
-
-
-def _repeats(col: np.ndarray):
-    """Per slot of ``col [n, K]`` (-1: none): (first of its value in the row, second of it)."""
-    seen = np.zeros(col.shape, np.int64)
-    for k in range(1, col.shape[1]):
-        seen[:, k] = (col[:, :k] == col[:, k:k + 1]).sum(axis=1)
-    valid = col >= 0
-    return valid & (seen == 0), valid & (seen == 1)
+    n_ranks, E = counts.shape
+    kept_n = kept_counts(np.vstack([before[None], counts]), capacity)[1:]   # [ranks, E]
+    before += counts.sum(axis=0)
+    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))[:, None]
+    key = np.where(used, owner * E + idx, -1).ravel()
+    f_sorted, e_sorted, _, _, ordinal, _, _ = sorted_slots(key, n_ranks * E, None)
+    kept = np.zeros(key.shape, bool)
+    kept[f_sorted] = ordinal < kept_n.ravel()[e_sorted]
+    return kept.reshape(idx.shape)
 
 
 def node_counts_block(idx: np.ndarray, kept: np.ndarray, tokens: Sequence[int], R: int, E: int,
                       G: int) -> dict:
-    """``reference.hier.NodeCounts``'s rows of consecutive ranks, vectorized: a dict of
-    ``[len(tokens), R]`` / ``[len(tokens), R / G]`` int64 arrays."""
+    """``reference.transports.hier.NodeCounts``'s rows of consecutive ranks (a dict of
+    ``[len(tokens), R]`` / ``[len(tokens), R / G]`` int64 arrays), counted by the reference's
+    count words (``reference.fast.count_words_block``) of the kept routing: its
+    ``tokens_per_rank`` are the token rows (tokens with a kept slot on ``d``), the same count
+    with ``R / G`` "ranks" of ``E * G / R`` experts the node token rows, and with every token's
+    first kept slot on each rank (node) left out, the tokens with two or more there (``multi``,
+    ``node_multi``; each row's experts sorted, so a rank's or node's slots are adjacent)."""
     n_ranks, L, N = len(tokens), E // R, R // G
-    owner = np.repeat(np.arange(n_ranks, dtype=np.int64), np.asarray(tokens, np.int64))[:, None]
-    dest = np.where(kept, idx // L, -1)
-    node = np.where(kept, dest // G, -1)
-    out = {}
-    for name, col, width in (("", dest, R), ("node_", node, N)):
-        first, second = _repeats(col)
-        key = owner * width + col
-        count = lambda m: np.bincount(key[m], minlength=n_ranks * width).reshape(n_ranks, width)
-        out[name + "tokens"], out[name + "multi"] = count(first), count(second)
-        if not name:
-            out["slots"] = count(col >= 0)
+    k_idx = np.sort(np.where(kept, idx, -1), axis=1)
+    words = count_words_block(k_idx, tokens, R, E)
+    out = {"tokens": words[:, E:], "slots": words[:, :E].reshape(n_ranks, R, L).sum(axis=2),
+           "node_tokens": count_words_block(k_idx, tokens, N, E)[:, E:]}
+    for name, width in (("multi", R), ("node_multi", N)):
+        unit = k_idx // (E // width)                        # -1 (no kept slot) stays negative
+        again = np.zeros(k_idx.shape, bool)
+        again[:, 1:] = (unit[:, 1:] == unit[:, :-1]) & (k_idx[:, 1:] >= 0)
+        out[name] = count_words_block(np.where(again, k_idx, -1), tokens, width, E)[:, E:]
     return out
 
 
@@ -246,7 +261,7 @@ def draw_counts(R: int, E: int, K: int, T: int, routing: str = "uniform", skew: 
     for s0, n, idx in routing_blocks(R, E, K, T, routing, skew, hot_expert, hot_fraction, seed,
                                      ranks_per_node, nodes_per_token):
         words[s0:s0 + n] = count_words_block(idx, [T] * n, R, E)
-        kept = kept_block(idx, before, capacity)
+        kept = kept_block(idx, [T] * n, words[s0:s0 + n, :E], before, capacity)
         for k, v in node_counts_block(idx, kept, [T] * n, R, E, G).items():
             parts[k][s0:s0 + n] = v
     return words, hier.NodeCounts(**parts)
@@ -266,7 +281,56 @@ def routing_blocks(R: int, E: int, K: int, T: int, routing: str, skew: float, ho
                                     nodes, nodes_per_token)
 
 
-# ---- traffic and the bandwidth model -----------------------------------------------------
+# ---- the transport table, traffic and the link model ----------------------------------------
+
+@dataclass(frozen=True)
+class Stage:
+    """One exchange of a pass: its name, the peers it runs among (``group``: every rank;
+    ``inter``: the ranks of one local index, one a node, hier's stage 1; ``intra``: the ranks of
+    one node, hier's stage 2), and its sections' row counts ``[R, R]`` from the plan (each
+    section is an exchange of its own: a message per peer it reaches)."""
+
+    name: str
+    peers: str
+    sections: Callable
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A row of the transport table: the reference's plan for it (from the count words and
+    the drawn NodeCounts), its byte matrices per stage and pass, and its stages."""
+
+    plan: Callable          # (group, words, NodeCounts or None) -> plan
+    dispatch: Callable      # (group, plan) -> [B [R, R] per stage]
+    combine: Callable
+    stages: dict            # pass -> (Stage, ...) in the order they run
+
+
+def _dedup_plan(group, words, c):
+    """The exact dedup plan with the drawn NodeCounts: the kept token rows (what the count
+    exchange's second all-gather carries under capacity) and the single-slot ones (the way
+    back's raw rows); from the count words alone, an upper bound (Plan.exact False)."""
+    return plan(group, words) if c is None else plan(group, words, c.tokens, c.tokens - c.multi)
+
+
+_ONE_PASS = {"dispatch": lambda g, p: [dispatch_bytes_of(g, p)],
+             "combine": lambda g, p: [combine_bytes_of(g, p)]}
+TABLE = {
+    "pairs": Transport(lambda g, w, c: plan(g, w), **_ONE_PASS, stages={
+        "dispatch": (Stage("all-to-all", "group", lambda p: [p.rows]),),
+        "combine": (Stage("all-to-all", "group", lambda p: [p.rows.T]),)}),
+    "dedup": Transport(_dedup_plan, **_ONE_PASS, stages={
+        "dispatch": (Stage("all-to-all", "group", lambda p: [p.rows, p.slots]),),
+        "combine": (Stage("all-to-all", "group", lambda p: [p.rows.T]),)}),
+    "hier": Transport(lambda g, w, c: hier.plan(g, c), hier.dispatch_bytes_of,
+                      hier.combine_bytes_of, stages={
+        "dispatch": (Stage("inter-node", "inter", lambda p: [p.s1_tok, p.s1_slot]),
+                     Stage("intra-node", "intra", lambda p: [p.s2_tok, p.s2_slot])),
+        "combine": (Stage("intra-node", "intra", lambda p: [p.s2_tok.T]),
+                    Stage("inter-node", "inter", lambda p: [p.s1_tok.T]))}),
+}
+TRANSPORTS = tuple(TABLE)
+
 
 def traffic(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16", transport="dedup",
             exchange="ragged", capacity: Optional[int] = None):
@@ -278,24 +342,42 @@ def traffic(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16", transpo
 
 def traffic_stages(words: np.ndarray, E: int, K: int, H: int, dtype="bfloat16",
                    transport="dedup", exchange="ragged", capacity: Optional[int] = None,
-                   ranks_per_node: int = 1, node_counts: Optional[hier.NodeCounts] = None) -> dict:
+                   ranks_per_node: int = 1, node_counts: Optional[hier.NodeCounts] = None,
+                   messages: bool = False) -> dict:
     """``{"dispatch": [B...], "combine": [B...]}``: each pass's exchanges in the order they run,
-    each an [R, R] int64 byte matrix (pairs, dedup: one exchange a pass; hier: stage 1 then
-    stage 2, and back, from ``node_counts``)."""
+    each an [R, R] int64 byte matrix (the transport's row of :data:`TABLE`; hier needs
+    ``node_counts``). With ``messages``, also ``"messages": {pass: [M...]}``, the messages
+    ``s -> d`` of each stage (:func:`stage_messages`)."""
     R = words.shape[0]
     dtype = _dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     group = Group(R, E, H, K, dtype, 1, capacity, None, transport, exchange, None, ranks_per_node)
-    if transport == "hier":
-        p = hier.plan(group, node_counts)
-        return {"dispatch": hier.dispatch_bytes_of(group, p),
-                "combine": hier.combine_bytes_of(group, p)}
-    if transport == "dedup" and node_counts is not None:
-        # the exact dedup plan: the kept token rows (what the count exchange's second
-        # all-gather carries under capacity) and the single-slot ones (the way back's raw rows)
-        p = plan(group, words, node_counts.tokens, node_counts.tokens - node_counts.multi)
-    else:  # from the count words alone: for dedup an upper bound (Plan.exact False)
-        p = plan(group, words)
-    return {"dispatch": [dispatch_bytes_of(group, p)], "combine": [combine_bytes_of(group, p)]}
+    row = TABLE[transport]
+    p = row.plan(group, words, node_counts)
+    out = {ph: getattr(row, ph)(group, p) for ph in ("dispatch", "combine")}
+    if messages:
+        out["messages"] = {ph: [stage_messages(st, p, ranks_per_node) for st in row.stages[ph]]
+                           for ph in ("dispatch", "combine")}
+    return out
+
+
+def peer_mask(R: int, ranks_per_node: int, peers: str) -> np.ndarray:
+    """[R, R] bool: the pairs ``s -> d`` (``s != d``) a stage of ``peers`` can use."""
+    G = max(1, ranks_per_node)
+    r = np.arange(R)
+    mask = {"group": np.ones((R, R), bool), "intra": same_node(R, G),
+            "inter": (r[:, None] % G == r[None, :] % G) & ~same_node(R, G)}[peers]
+    return mask & ~np.eye(R, dtype=bool)
+
+
+def stage_messages(stage: Stage, p, ranks_per_node: int) -> np.ndarray:
+    """[R, R] int64 messages ``s -> d`` of one stage: one per section and peer it sends rows to
+    (ragged), or, padded, one per section to every peer of the stage (a padded chunk travels
+    empty or not); the diagonal (a local copy) is none."""
+    sections = stage.sections(p)
+    mask = peer_mask(sections[0].shape[0], ranks_per_node, stage.peers)
+    variant = getattr(p, "variant", "ragged")
+    return sum(((c > 0) if variant == "ragged" else np.ones_like(mask)) & mask
+               for c in sections).astype(np.int64)
 
 
 def _dtype(name: str) -> np.dtype:
@@ -319,36 +401,78 @@ def split_tiers(B: np.ndarray, ranks_per_node: int):
     return intra, np.where(same, 0, B).astype(np.float64)
 
 
-def tier_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float):
-    """Per rank, ``(t_intra_r, t_inter_r)`` seconds (module docstring): each tier's busier
-    direction over that tier's link."""
-    intra, inter = split_tiers(B, ranks_per_node)
-    return (np.maximum(intra.sum(1), intra.sum(0)) / (intra_gbps * 1e9),
-            np.maximum(inter.sum(1), inter.sum(0)) / (inter_gbps * 1e9))
+@dataclass(frozen=True)
+class Links:
+    """Each rank's two links: GB/s each way (full duplex) and microseconds a message (the
+    per-message cost alpha, paid at the sender and at the receiver), intra- and inter-node."""
+
+    intra_gbps: float
+    inter_gbps: float
+    intra_us: float = 0.0
+    inter_us: float = 0.0
+
+
+def tier_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
+                 M: Optional[np.ndarray] = None, intra_us: float = 0.0, inter_us: float = 0.0):
+    """Per rank, ``(t_intra_r, t_inter_r)`` seconds (module docstring): on each tier the busier
+    direction, ``messages * alpha + bytes / beta`` (``M``: messages [R, R]; none: bytes only)."""
+    out = []
+    for (b_tier, m_tier), gbps, us in zip(
+            zip(split_tiers(B, ranks_per_node),
+                split_tiers(np.zeros_like(B) if M is None else M, ranks_per_node)),
+            (intra_gbps, inter_gbps), (intra_us, inter_us)):
+        cost = lambda axis: m_tier.sum(axis) * us * 1e-6 + b_tier.sum(axis) / (gbps * 1e9)
+        out.append(np.maximum(cost(1), cost(0)))
+    return tuple(out)
 
 
 def predict_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
-                    latency_us: float = 0.0):
-    """The bandwidth model of the module docstring for one exchange: ``(t, per-rank t_r)``
+                    latency_us: float = 0.0, M: Optional[np.ndarray] = None,
+                    intra_us: float = 0.0, inter_us: float = 0.0):
+    """The link model of the module docstring for one exchange: ``(t, per-rank t_r)``
     seconds, the two tiers concurrent."""
-    t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps)
+    t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps, M, intra_us,
+                                    inter_us)
     t_r = np.maximum(t_intra, t_inter)
     return latency_us * 1e-6 + float(t_r.max()), t_r
 
 
 def price(stages, ranks_per_node: int, intra_gbps: float, inter_gbps: float,
-          latency_us: float = 0.0) -> dict:
+          latency_us: float = 0.0, messages=None, intra_us: float = 0.0,
+          inter_us: float = 0.0) -> dict:
     """A pass of exchanges run one after the other: ``predicted_ms`` (the sum of each
     exchange's :func:`predict_seconds`), ``intra_ms`` / ``inter_ms`` (the sum over exchanges of
-    the slowest rank's time on that tier alone)."""
-    out = {"predicted_ms": 0.0, "intra_ms": 0.0, "inter_ms": 0.0}
-    for B in stages:
-        t, _ = predict_seconds(B, ranks_per_node, intra_gbps, inter_gbps, latency_us)
-        t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps)
+    the slowest rank's time on that tier alone), ``message_ms`` (the same for the messages'
+    alpha alone, tiers concurrent)."""
+    out = {"predicted_ms": 0.0, "intra_ms": 0.0, "inter_ms": 0.0, "message_ms": 0.0}
+    for i, B in enumerate(stages):
+        M = None if messages is None else messages[i]
+        t, _ = predict_seconds(B, ranks_per_node, intra_gbps, inter_gbps, latency_us, M,
+                               intra_us, inter_us)
+        t_intra, t_inter = tier_seconds(B, ranks_per_node, intra_gbps, inter_gbps, M,
+                                        intra_us, inter_us)
         out["predicted_ms"] += 1e3 * t
         out["intra_ms"] += 1e3 * float(t_intra.max())
         out["inter_ms"] += 1e3 * float(t_inter.max())
+        if M is not None:
+            a_intra, a_inter = tier_seconds(0 * B, ranks_per_node, 1.0, 1.0, M, intra_us,
+                                            inter_us)
+            out["message_ms"] += 1e3 * float(np.maximum(a_intra, a_inter).max())
     return out
+
+
+def message_stats(names, messages, ranks_per_node: int) -> dict:
+    """One pass's message counts: per stage the most and the mean a rank sends (``intra``,
+    ``inter``: the most on each tier), and the most a rank sends over the whole pass."""
+    per = []
+    for name, M in zip(names, messages):
+        intra, inter = split_tiers(M, ranks_per_node)
+        sent = (intra + inter).sum(1)
+        per.append({"stage": name, "max_per_rank": int(sent.max()),
+                    "mean_per_rank": float(sent.mean()), "intra_max_per_rank": int(intra.sum(1).max()),
+                    "inter_max_per_rank": int(inter.sum(1).max())})
+    total = sum(M - np.diag(np.diag(M)) for M in messages)
+    return {"stages": per, "max_per_rank": int(total.sum(1).max())}
 
 
 def byte_stats(B: np.ndarray, ranks_per_node: int) -> dict:
@@ -365,10 +489,11 @@ def byte_stats(B: np.ndarray, ranks_per_node: int) -> dict:
             "local_copy_bytes_mean": float(np.diag(B).mean())}
 
 
-def _pass(stages, args) -> dict:
+def _pass(stages, messages, names, args) -> dict:
     return dict(byte_stats(sum(stages), args.ranks_per_node),
+                messages=message_stats(names, messages, args.ranks_per_node),
                 **price(stages, args.ranks_per_node, args.intra_gbps, args.inter_gbps,
-                        args.latency_us))
+                        args.latency_us, messages, args.intra_us, args.inter_us))
 
 
 def simulate(args) -> dict:
@@ -384,7 +509,7 @@ def simulate(args) -> dict:
     t_draw = time.perf_counter() - t0
     counts = words[:, :E]
     load = counts.sum(axis=0)
-    out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "markdown")},
            "capacity": capacity,
            "expert_load": {"max": int(load.max()), "mean": float(load.mean()),
                            "min": int(load.min()),
@@ -396,18 +521,16 @@ def simulate(args) -> dict:
                             float(rank_load.max() / max(rank_load.mean(), 1e-12))}
     used = int(counts.sum())
     mats = {}
-    for tr in TRANSPORTS:
-        stages = traffic_stages(words, E, K, H, args.dtype, tr, args.exchange, capacity,
-                                args.ranks_per_node, nodes)
-        mats[tr] = sum(stages["dispatch"])
-        out["transports"][tr] = {ph: _pass(stages[ph], args) for ph in ("dispatch", "combine")}
-    if capacity is not None:
-        from epkit.reference.capacity import kept_counts
-
-        kept = int(kept_counts(counts, capacity).sum())
-        out["dropped"] = {"slots": used - kept, "fraction": (used - kept) / max(used, 1)}
-    else:
-        out["dropped"] = {"slots": 0, "fraction": 0.0}
+    for tr, row in TABLE.items():
+        st = traffic_stages(words, E, K, H, args.dtype, tr, args.exchange, capacity,
+                            args.ranks_per_node, nodes, messages=True)
+        mats[tr] = st["dispatch"]
+        out["transports"][tr] = {
+            ph: dict(_pass(st[ph], st["messages"][ph], [s.name for s in row.stages[ph]], args),
+                     stages=[s.name for s in row.stages[ph]])
+            for ph in ("dispatch", "combine")}
+    kept = int(kept_counts(counts, capacity).sum())
+    out["dropped"] = {"slots": used - kept, "fraction": (used - kept) / max(used, 1)}
     out["tokens_per_rank_mean_distinct_ranks"] = float(words[:, E:].sum() / (R * T)) if T else 0.0
     out["seconds"] = {"routing_and_counts": t_draw, "total": time.perf_counter() - t0}
     out["_matrices"] = mats
@@ -424,16 +547,44 @@ def _gb(v: float) -> str:
     return f"{v / 1e9:,.2f}"
 
 
+def _msgs(s: dict) -> str:
+    """Messages the busiest rank sends in a pass, stage by stage (``127+7``: hier's two)."""
+    return "+".join(str(st["max_per_rank"]) for st in s["messages"]["stages"])
+
+
+COLUMNS = ("transport", "pass", "msgs/rank", "max MB out", "max MB in", "inter GB", "intra GB",
+           "msg ms", "inter ms", "intra ms", "predicted ms")
+
+
+def table_rows(res: dict) -> list[list[str]]:
+    """The report's table, one list of cells (:data:`COLUMNS`) per transport and pass."""
+    return [[tr, ph, _msgs(s), _mb(s["max_bytes_per_rank"]), _mb(s["max_bytes_received"]),
+             _gb(s["inter_node_bytes"]), _gb(s["intra_node_bytes"]), f"{s['message_ms']:.3f}",
+             f"{s['inter_ms']:.3f}", f"{s['intra_ms']:.3f}", f"{s['predicted_ms']:.3f}"]
+            for tr, d in res["transports"].items() for ph in ("dispatch", "combine")
+            for s in (d[ph],)]
+
+
+def markdown(res: dict) -> str:
+    """The report's table as Markdown (``--markdown``: what docs/benchmarks.md quotes)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |",
+             "| --- | --- | " + " | ".join("---:" for _ in COLUMNS[2:]) + " |"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in table_rows(res)])
+
+
 def report(res: dict) -> str:
     c = res["config"]
-    lines = [f"epkit simulate: {c['ranks']} ranks ({c['ranks_per_node']} per node, intra "
-             f"{c['intra_gbps']} GB/s, inter {c['inter_gbps']} GB/s), {c['experts']} experts, "
+    lines = [f"epkit simulate: {c['ranks']} ranks ({c['ranks_per_node']} per node), "
+             f"{c['experts']} experts, "
              f"top-{c['topk']}, {c['tokens']} tokens/rank, hidden {c['hidden']}, {c['dtype']}, "
              f"routing {c['routing']}" + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
              + (f" (expert {c['hot_expert']} in {c['hot_fraction']:.0%} of tokens)"
                 if c["routing"] == "hot" else "")
              + (f" ({c['nodes_per_token']} nodes per token)" if c["routing"] == "grouped" else "")
-             + f", {c['exchange']} exchange"]
+             + f", {c['exchange']} exchange",
+             f"links: intra-node {c['intra_gbps']:g} GB/s + {c['intra_us']:g} us a message, "
+             f"inter-node {c['inter_gbps']:g} GB/s + {c['inter_us']:g} us a message"
+             + (f", {c['latency_us']:g} us an exchange" if c["latency_us"] else "")]
     el, rl = res["expert_load"], res["rank_load"]
     lines.append(f"expert load: max {el['max']:,} mean {el['mean']:,.1f} slots "
                  f"(imbalance {el['imbalance_max_over_mean']:.2f}); rank load imbalance "
@@ -443,20 +594,17 @@ def report(res: dict) -> str:
         lines.append(f"capacity {res['capacity']:,} slots per expert (factor "
                      f"{c['capacity_factor']}): dropped {res['dropped']['slots']:,} slots "
                      f"({res['dropped']['fraction']:.2%})")
-    lines.append(f"  {'transport':<10}{'pass':<10}{'max MB out':>12}{'max MB in':>12}"
-                 f"{'inter GB':>11}{'intra GB':>11}{'inter ms':>10}{'intra ms':>10}"
-                 f"{'predicted ms':>14}")
-    for tr, d in res["transports"].items():
-        for ph in ("dispatch", "combine"):
-            s = d[ph]
-            lines.append(f"  {tr:<10}{ph:<10}{_mb(s['max_bytes_per_rank']):>12}"
-                         f"{_mb(s['max_bytes_received']):>12}{_gb(s['inter_node_bytes']):>11}"
-                         f"{_gb(s['intra_node_bytes']):>11}{s['inter_ms']:>10.3f}"
-                         f"{s['intra_ms']:>10.3f}{s['predicted_ms']:>14.3f}")
-    lines.append("(MB: per rank, to / from other ranks; GB: the whole group's bytes over "
-                 "inter-node and intra-node pairs; ms: the slowest rank on that tier alone, "
-                 "and the predicted pass, tiers concurrent, stages in sequence; the local copy "
-                 f"is left out; {res['seconds']['total']:.1f} s)")
+    widths = (10, 10, 10, 12, 12, 11, 11, 8, 10, 10, 14)
+    for i, cells in enumerate([list(COLUMNS)] + table_rows(res)):
+        lines.append("  " + "".join(f"{v:<{w}}" if j < 2 else f"{v:>{w}}"
+                                    for j, (v, w) in enumerate(zip(cells, widths))))
+    lines.append("(msgs/rank: the busiest rank's messages, one per section and peer, per stage "
+                 "(hier: inter-node + intra-node; dedup's dispatch has two sections, token rows "
+                 "and slot rows); MB: per rank, to / from other ranks; GB: the whole group's bytes "
+                 "over inter-node and intra-node pairs; msg ms: the messages' per-message cost "
+                 "alone; inter / intra ms: the slowest rank on that tier, messages and bytes; "
+                 "predicted: tiers concurrent, stages in sequence; the local copy is left out; "
+                 f"{res['seconds']['total']:.1f} s)")
     return "\n".join(lines)
 
 
@@ -481,38 +629,158 @@ def _times(v: float) -> str:
     return f"×{v:g}"
 
 
-def _relative(B: np.ndarray):
-    """``(off, mean, rel)``: the bytes without the diagonal, the mean off-diagonal pair, and
-    every pair divided by that mean."""
-    R = B.shape[0]
-    off = B.astype(np.float64).copy()
-    np.fill_diagonal(off, 0.0)
-    mean = off.sum() / max(1, R * (R - 1))
+RANK_LEVEL_MAX = 128   # past this many ranks (and with nodes) a heatmap goes node by node
+
+
+def _relative(B: np.ndarray, mask: Optional[np.ndarray] = None):
+    """``(off, mean, rel)``: the bytes of the pairs ``mask`` keeps (default: every pair off the
+    diagonal), zero elsewhere; the mean of those pairs; every pair divided by that mean."""
+    if mask is None:
+        mask = ~np.eye(B.shape[0], dtype=bool)
+    off = np.where(mask, B, 0).astype(np.float64)
+    mean = off.sum() / max(1, int(mask.sum()))
     return off, mean, (off / mean if mean > 0 else off)
 
 
-def heatmap_caption(B: np.ndarray) -> str:
-    """The heatmap's caption: what to look for, and how much of it this matrix holds."""
-    R = B.shape[0]
-    off, mean, rel = _relative(B)
+def _hot(B: np.ndarray, mask: Optional[np.ndarray] = None, unit: str = "rank",
+         labels: Optional[Sequence[int]] = None) -> str:
+    """The hottest column and row of ``B`` against the mean, and the spread of its pairs."""
+    off, mean, rel = _relative(B, mask)
+    mask = ~np.eye(B.shape[0], dtype=bool) if mask is None else mask
+    labels = list(range(B.shape[0])) if labels is None else list(labels)
     cols, rows = off.sum(0), off.sum(1)
     hot_col, hot_row = int(cols.argmax()), int(rows.argmax())
-    cmean, rmean = cols.mean() or 1.0, rows.mean() or 1.0
-    spread = float(np.percentile(np.abs(rel[~np.eye(R, dtype=bool)] - 1), 90)) if R > 1 else 0.0
-    return (f"What to look for: a red column is a destination rank receiving more than its "
-            f"share (hot experts), a red row a source sending more; pale means even.\n"
-            f"Here: hottest destination rank {hot_col} receives ×{cols[hot_col] / cmean:.2f} "
-            f"the mean; busiest source rank {hot_row} sends ×{rows[hot_row] / rmean:.2f}; "
-            f"90 % of pairs lie within ±{100 * spread:.0f} % of the mean pair. Grey: the "
-            "diagonal (a local copy, not sent) and empty pairs.")
+    cmean, rmean = cols[mask.any(0)].mean() or 1.0, rows[mask.any(1)].mean() or 1.0
+    spread = float(np.percentile(np.abs(rel[mask] - 1), 90)) if mask.any() else 0.0
+    pairs = "pairs" if unit == "rank" else f"{unit} pairs"
+    return (f"hottest destination {unit} {labels[hot_col]} receives ×{cols[hot_col] / cmean:.2f} "
+            f"the mean; busiest source {unit} {labels[hot_row]} sends "
+            f"×{rows[hot_row] / rmean:.2f}; 90 % of {pairs} lie within ±{100 * spread:.0f} % of "
+            "the mean pair")
 
 
-def heatmap(path: str, B: np.ndarray, title: str, ranks_per_node: int) -> None:
-    """The ``[R, R]`` byte matrix as each pair's bytes relative to the mean pair: a diverging
-    colour scale centred on the mean (white), logarithmic and symmetric (``×1/m`` to ``×m``, at
-    least ``×0.8`` to ``×1.25``), ticks at round factors (:func:`relative_ticks`); the diagonal
-    (a local copy) and empty pairs grey; node boundaries drawn and labelled; a caption saying
-    what to look for and naming the hottest column and row (:func:`heatmap_caption`)."""
+def heatmap_caption(B: np.ndarray) -> str:
+    """The rank-by-rank heatmap's caption: what to look for, and how much of it ``B`` holds."""
+    return ("What to look for: a red column is a destination rank receiving more than its "
+            "share (hot experts), a red row a source sending more; pale means even.\n"
+            f"Here: {_hot(B)}. Grey: the diagonal (a local copy, not sent) and empty pairs.")
+
+
+def node_matrix(B: np.ndarray, ranks_per_node: int) -> np.ndarray:
+    """[N, N]: the bytes from each node's ranks to each node's ranks."""
+    N, G = B.shape[0] // ranks_per_node, ranks_per_node
+    return B.reshape(N, G, N, G).sum(axis=(1, 3))
+
+
+@dataclass
+class Panel:
+    """One heatmap: ``B`` drawn relative to the mean of the pairs ``mask`` keeps (grey
+    elsewhere); ``unit`` rank or node; ``first``: the global index of its first row."""
+
+    B: np.ndarray
+    mask: np.ndarray
+    title: str
+    unit: str = "rank"
+    first: int = 0
+    ranks_per_node: int = 0      # node boundaries drawn in a rank-by-rank panel of the group
+
+
+def _zoom(B: np.ndarray, G: int, title: str, mask: np.ndarray) -> Panel:
+    """The rank-by-rank block of the node whose ranks receive the most (within ``mask``)."""
+    got = np.where(mask, B, 0).sum(axis=0).reshape(-1, G).sum(axis=1)
+    n = int(got.argmax())
+    sl = slice(n * G, (n + 1) * G)
+    return Panel(B[sl, sl], ~np.eye(G, dtype=bool), f"{title}: inside node {n}, rank by rank",
+                 first=n * G)
+
+
+def heatmap_panels(stages: Sequence[np.ndarray], ranks_per_node: int,
+                   stage_names: Sequence[str] = ()) -> tuple[list[Panel], str]:
+    """What :func:`heatmap` draws, and its caption. One exchange (pairs, dedup): up to
+    :data:`RANK_LEVEL_MAX` ranks one rank-by-rank panel; past it, node by node (the inter-node
+    pairs) beside one node rank by rank (the node receiving the most). Two stages (hier): one
+    panel per stage, stage 1 (inter-node: only pairs of one local index on different nodes)
+    and stage 2 (intra-node: inside each node); past :data:`RANK_LEVEL_MAX` ranks stage 1 node
+    by node and stage 2 inside one node."""
+    R, G = stages[0].shape[0], ranks_per_node
+    nodes = R // G if 1 < G < R and R % G == 0 else 0
+    big = R > RANK_LEVEL_MAX and nodes > 1
+    off_node = ~np.eye(max(nodes, 1), dtype=bool)
+    if len(stages) == 1:
+        B = stages[0]
+        if not big:
+            return [Panel(B, ~np.eye(R, dtype=bool), "", ranks_per_node=G if nodes else 0)], \
+                heatmap_caption(B)
+        NB = node_matrix(B, G)
+        zoom = _zoom(B, G, "intra-node pairs", same_node(R, G) & ~np.eye(R, dtype=bool))
+        return [Panel(NB, off_node, "node by node (inter-node pairs)", unit="node"), zoom], (
+            f"{R} ranks are too many to draw rank by rank: left, node by node (a node's row: "
+            f"what its {G} ranks send each other node; the diagonal, inside a node, grey); "
+            f"right, node {zoom.first // G}'s ranks (the node receiving the most inside itself) "
+            "rank by rank, its diagonal (a local copy) grey. Each panel relative to its own mean "
+            "pair. What to look for: a red column is a destination receiving more than its "
+            "share (hot experts), a red row a source sending more; pale means even.\n"
+            f"Here, node by node: {_hot(NB, off_node, 'node')}; inside node "
+            f"{zoom.first // G}: {_hot(zoom.B, zoom.mask, 'rank', range(zoom.first, zoom.first + G))}.")
+    s1, s2 = stages
+    names = list(stage_names) or ["stage 1", "stage 2"]
+    inter, intra = peer_mask(R, G, "inter"), peer_mask(R, G, "intra")
+    if big:
+        p1 = Panel(node_matrix(s1, G), off_node, f"stage 1, {names[0]}: node by node", unit="node")
+        p2 = _zoom(s2, G, f"stage 2, {names[1]}", intra)
+    else:
+        p1 = Panel(s1, inter, f"stage 1, {names[0]}", ranks_per_node=G)
+        p2 = Panel(s2, intra, f"stage 2, {names[1]}", ranks_per_node=G)
+    labels2 = range(p2.first, p2.first + p2.B.shape[0])
+    return [p1, p2], (
+        "hier moves the pass in two stages, one after the other: stage 1 (inter-node) sends a "
+        "token once to each node holding one of its kept slots, to the rank there with the "
+        "sender's local index, so only pairs of one local index on different nodes carry bytes; "
+        "stage 2 (intra-node) fans the rows out inside each node. Each panel is relative to its "
+        "own stage's mean pair; grey: pairs the stage does not use (and empty ones).\n"
+        f"Here: stage 1 moves {_gb(float(np.where(inter, s1, 0).sum()))} GB, "
+        f"{_hot(p1.B, p1.mask, p1.unit)}; stage 2 moves {_gb(float(np.where(intra, s2, 0).sum()))}"
+        f" GB, {_hot(p2.B, p2.mask, 'rank', labels2)}.")
+
+
+def _node_ticks(ax, R: int, G: int) -> None:
+    """A rank-by-rank panel's nodes: boundaries, rank numbers at each node's first rank
+    (bottom, left) and node names ``n0``, ``n1``... in italics at their centres (top, right)."""
+    nodes = R // G
+    if nodes <= 64:
+        for b in range(G, R, G):
+            for line in (ax.axhline, ax.axvline):
+                line(b - 0.5, color="black", lw=0.5, alpha=0.5 if nodes <= 16 else 0.25)
+    every = max(1, math.ceil(nodes / 16))  # at most 16 node labels per axis
+    starts = list(range(0, R, G * every))
+    ax.set_xticks(starts, [str(v) for v in starts])
+    ax.set_yticks(starts, [str(v) for v in starts])
+    centres = [n * G + (G - 1) / 2 for n in range(0, nodes, every)]
+    names = [f"n{n}" for n in range(0, nodes, every)]
+    top, right = ax.secondary_xaxis("top"), ax.secondary_yaxis("right")
+    top.set_xticks(centres, names, fontsize=7, style="italic", color="0.3")
+    right.set_yticks(centres, names, fontsize=7, style="italic", color="0.3")
+    top.tick_params(length=0)
+    right.tick_params(length=0)
+    ax.set_title(f"nodes of {G} ranks (n0, n1, ...)" + (f", every {every}th named" if every > 1
+                                                      else ""), fontsize=8, color="0.3")
+
+
+def _index_ticks(ax, n: int, first: int, prefix: str) -> None:
+    every = max(1, math.ceil(n / 16))
+    pos = list(range(0, n, every))
+    ax.set_xticks(pos, [f"{prefix}{first + p}" for p in pos], rotation=90 if n > 8 else 0)
+    ax.set_yticks(pos, [f"{prefix}{first + p}" for p in pos])
+
+
+def heatmap(path: str, stages, title: str, ranks_per_node: int,
+            stage_names: Sequence[str] = ()) -> None:
+    """The byte matrices of one pass (one ``[R, R]`` array, or hier's two stages) as each
+    pair's bytes relative to its panel's mean pair (:func:`heatmap_panels`): a diverging colour
+    scale centred on the mean (white), logarithmic and symmetric (``×1/m`` to ``×m``, at least
+    ``×0.8`` to ``×1.25``), ticks at round factors (:func:`relative_ticks`); pairs outside a
+    panel (the diagonal, a local copy) and empty pairs grey; nodes drawn and named ``n0``...
+    (ranks by number); a caption saying what to look for and measuring it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -520,50 +788,53 @@ def heatmap(path: str, B: np.ndarray, title: str, ranks_per_node: int) -> None:
     from matplotlib.colors import LogNorm
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    R = B.shape[0]
-    _, mean, rel = _relative(B)
-    data = np.ma.masked_less_equal(rel, 0.0)
-    m = max(1.25, float(data.max()) if data.count() else 1.0,
-            1.0 / float(data.min()) if data.count() else 1.0)
+    stages = [stages] if isinstance(stages, np.ndarray) else list(stages)
+    panels, caption = heatmap_panels(stages, ranks_per_node, stage_names)
+    shown = []
+    for p in panels:
+        _, mean, rel = _relative(p.B, p.mask)
+        shown.append((mean, np.ma.masked_where(~p.mask | (rel <= 0), rel)))
+    m = max([1.25] + [float(d.max()) for _, d in shown if d.count()]
+            + [1.0 / float(d.min()) for _, d in shown if d.count()])
     cmap = matplotlib.colormaps["RdBu_r"].with_extremes(bad="0.8")
-    fig = plt.figure(figsize=(7.6, 7.4), layout="constrained")
-    ax = fig.add_subplot()
-    im = ax.imshow(data, cmap=cmap, norm=LogNorm(vmin=1 / m, vmax=m), interpolation="nearest")
-    cb = fig.colorbar(im, ax=ax, shrink=0.82, pad=0.02)
-    ticks = relative_ticks(m)
-    cb.ax.yaxis.set_major_locator(FixedLocator(ticks))
+    fig = plt.figure(figsize=(7.6 if len(panels) == 1 else 13.5, 7.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, p, (mean, data) in zip(axes, panels, shown):
+        im = ax.imshow(data, cmap=cmap, norm=LogNorm(vmin=1 / m, vmax=m), interpolation="nearest")
+        n = p.B.shape[0]
+        if p.ranks_per_node:
+            _node_ticks(ax, n, p.ranks_per_node)
+        elif p.unit == "node":
+            _index_ticks(ax, n, 0, "n")
+        else:
+            _index_ticks(ax, n, p.first, "")
+        ax.tick_params(labelsize=7)
+        ax.set(xlabel=f"destination {p.unit}", ylabel=f"source {p.unit}")
+        if p.title or len(panels) > 1:
+            ax.set_xlabel(f"destination {p.unit}\n{p.title} (mean pair {mean / 1e6:,.2f} MB)",
+                          fontsize=9)
+    cb = fig.colorbar(im, ax=list(axes), shrink=0.82, pad=0.02)
+    cb.ax.yaxis.set_major_locator(FixedLocator(relative_ticks(m)))
     cb.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _times(v)))
     cb.ax.yaxis.set_minor_locator(NullLocator())
-    cb.set_label(f"bytes sent / the mean pair's {mean / 1e6:,.2f} MB (log scale; white = mean)")
-    nodes = R // ranks_per_node if 1 < ranks_per_node < R and R % ranks_per_node == 0 else 0
-    if nodes:
-        if nodes <= 64:
-            alpha = 0.5 if nodes <= 16 else 0.25
-            for b in range(ranks_per_node, R, ranks_per_node):
-                ax.axhline(b - 0.5, color="black", lw=0.5, alpha=alpha)
-                ax.axvline(b - 0.5, color="black", lw=0.5, alpha=alpha)
-        every = max(1, math.ceil(nodes / 16))  # at most 16 node labels per axis
-        centres = [n * ranks_per_node + (ranks_per_node - 1) / 2 for n in range(0, nodes, every)]
-        labels = [f"node {n}" if nodes <= 8 else str(n) for n in range(0, nodes, every)]
-        starts = list(range(0, R, ranks_per_node * every))
-        ax.set_xticks(starts, [str(v) for v in starts])
-        ax.set_yticks(starts, [str(v) for v in starts])
-        top = ax.secondary_xaxis("top")
-        top.set_xticks(centres, labels, fontsize=7)
-        top.tick_params(length=0)
-        right = ax.secondary_yaxis("right")
-        right.set_yticks(centres, labels, fontsize=7)
-        right.tick_params(length=0)
-        node_word = f"nodes of {ranks_per_node} ranks" + (" (every %d labelled)" % every if every > 1 else "")
-        top.set_xlabel(node_word, fontsize=8)
-    ax.tick_params(labelsize=7)
-    ax.set(xlabel="destination rank", ylabel="source rank")
+    label = "bytes sent / the mean pair" + (f"'s {shown[0][0] / 1e6:,.2f} MB" if len(panels) == 1
+                                            else " of its panel")
+    cb.set_label(label + " (log scale; white = mean)")
     fig.suptitle(title, fontsize=10)
-    caption = heatmap_caption(B)
     fig.text(0.01, 0.005, caption, fontsize=7.5, ha="left", va="bottom", wrap=True)
-    fig.get_layout_engine().set(rect=(0, 0.075, 1, 0.925))
+    fig.get_layout_engine().set(rect=(0, 0.09, 1, 0.91))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+LINK_FLAGS = (
+    ("--intra-gbps", INTRA_GBPS, "intra-node link, GB/s per rank each way (NVLink 4 on H100 / "
+                                 "H200: 900 GB/s both ways, docs/benchmarks.md)"),
+    ("--inter-gbps", INTER_GBPS, "inter-node link, GB/s per rank each way (one ConnectX-7 NDR "
+                                 "InfiniBand port a GPU: 400 Gb/s)"),
+    ("--intra-us", INTRA_US, "cost of one intra-node message, microseconds (alpha: paid per "
+                             "peer and section, at the sender and at the receiver)"),
+    ("--inter-us", INTER_US, "cost of one inter-node message (RDMA), microseconds"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -579,7 +850,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="token dtype")
     ap.add_argument("--routing", choices=ROUTINGS, default="uniform",
-                    help="routing distribution (see above)")
+                    help="how each token picks its top-k distinct experts: uniform (every "
+                         "expert alike); zipf (expert of popularity rank i has weight "
+                         "i ** -skew, --skew); hot (expert --hot-expert in a fraction "
+                         "--hot-fraction of the tokens, the other slots uniform); grouped "
+                         "(node-limited, DeepSeek-V3 style: --nodes-per-token nodes drawn "
+                         "first, then the experts among theirs)")
     ap.add_argument("--skew", type=float, default=1.2, help="Zipf exponent (routing zipf)")
     ap.add_argument("--hot-expert", type=int, default=0, help="the hot expert (routing hot)")
     ap.add_argument("--hot-fraction", type=float, default=0.5,
@@ -591,26 +867,45 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes-per-token", type=int, default=4,
                     help="routing grouped: each token draws this many distinct nodes uniformly, "
                          "then its top-k distinct experts uniformly among those nodes' experts")
-    ap.add_argument("--intra-gbps", type=float, default=150.0, help="GB/s per rank and link, each way")
-    ap.add_argument("--inter-gbps", type=float, default=50.0, help="GB/s per rank and link, each way")
-    ap.add_argument("--latency-us", type=float, default=0.0, help="fixed cost per exchange")
+    for flag, default, text in LINK_FLAGS:   # the link model's four figures
+        ap.add_argument(flag, type=float, default=default, help=text)
+    ap.add_argument("--latency-us", type=float, default=0.0,
+                    help="a fixed cost per exchange stage on top of the per-message costs "
+                         "(launch, synchronisation); 0 by default")
     ap.add_argument("--capacity-factor", type=float, default=None,
                     help="capacity C = ceil(F * R * T * K / E) slots per expert (default: none)")
     ap.add_argument("--exchange", choices=["ragged", "padded"], default="ragged",
                     help="exchange whose bytes are counted")
     ap.add_argument("--seed", type=int, default=0, help="seed of the routing")
     ap.add_argument("--json", metavar="PATH", help="write the report's figures here")
-    ap.add_argument("--plot", metavar="PATH", help="PNG heatmap of the rank x rank dispatch bytes")
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the table as Markdown too (what docs/benchmarks.md quotes)")
+    ap.add_argument("--plot", metavar="PATH",
+                    help="PNG heatmap of the dispatch bytes each source sends each destination "
+                         f"(rank by rank up to {RANK_LEVEL_MAX} ranks; past that node by node "
+                         "beside one node rank by rank)")
     ap.add_argument("--plot-transport", choices=list(TRANSPORTS), default="dedup",
-                    help="whose dispatch bytes --plot shows")
+                    help="whose dispatch bytes --plot shows (hier: one panel per stage, "
+                         "inter-node then intra-node)")
     return ap
+
+
+def experts_hint(experts: int, ranks: int) -> str:
+    """The error for an --experts that is not a positive multiple of --ranks, with the
+    nearest valid values."""
+    up = ranks * max(1, math.ceil(experts / ranks))
+    more = f" or --experts {4 * ranks} (4 a rank)" if up != 4 * ranks else ""
+    return (f"--experts must be a positive multiple of --ranks ({ranks}): got {experts}; try "
+            f"--experts {up} ({up // ranks} a rank){more}")
 
 
 def parse_args(argv):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.ranks < 1 or args.experts % args.ranks:
-        ap.error("--experts must be a positive multiple of --ranks")
+    if args.ranks < 1:
+        ap.error("--ranks must be at least 1")
+    if args.experts < 1 or args.experts % args.ranks:
+        ap.error(experts_hint(args.experts, args.ranks))
     if not 1 <= args.topk <= args.experts:
         ap.error("--topk must be in [1, experts]")
     if args.routing == "hot" and not 0 <= args.hot_expert < args.experts:
@@ -632,6 +927,8 @@ def main(argv=None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     res = simulate(args)
     print(report(res))
+    if args.markdown:
+        print(markdown(res))
     mats = res.pop("_matrices")
     if args.json:
         with open(args.json, "w") as f:
@@ -640,11 +937,14 @@ def main(argv=None) -> int:
     if args.plot:
         c = res["config"]
         routing = c["routing"] + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
-        heatmap(args.plot, mats[args.plot_transport],
-                f"{args.plot_transport} dispatch: bytes each source rank sends each destination "
-                f"rank\n{c['ranks']} ranks, {c['experts']} experts, top-{c['topk']}, "
-                f"{c['tokens']} tokens/rank, hidden {c['hidden']} {c['dtype']}, {routing} routing",
-                args.ranks_per_node)
+        tr = args.plot_transport
+        what = "(two stages)" if len(mats[tr]) > 1 else ""
+        heatmap(args.plot, mats[tr],
+                f"{tr} dispatch: bytes each source sends each destination {what}\n"
+                f"{c['ranks']} ranks ({c['ranks_per_node']} a node), {c['experts']} experts, "
+                f"top-{c['topk']}, {c['tokens']} tokens/rank, hidden {c['hidden']} {c['dtype']}, "
+                f"{routing} routing", args.ranks_per_node,
+                res["transports"][tr]["dispatch"]["stages"])
         print(f"wrote {args.plot}")
     return 0
 

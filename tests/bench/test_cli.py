@@ -13,7 +13,8 @@ from epkit.tools import bench, cli, simulate
 
 @pytest.mark.parametrize("module, defaults", [
     (bench, ["(default: 4)", "(default: 2048)", "(default: bfloat16)", "(default: 300.0)"]),
-    (simulate, ["(default: 64)", "(default: 7168)", "(default: uniform)", "(default: 150.0)"]),
+    (simulate, ["(default: 64)", "(default: 7168)", "(default: uniform)", "(default: 450.0)",
+                "(default: 3.0)"]),
 ])
 def test_help_shows_defaults(module, defaults, capsys):
     with pytest.raises(SystemExit):

@@ -67,7 +67,8 @@ def test_hier_counts_and_bytes_equal_the_reference(seed):
     cap = [None, 0, 1, 3][seed % 4]
     cat = np.concatenate(idx)
     before = np.zeros(E, np.int64)
-    kept = sim.kept_block(cat, before, cap)
+    tokens = [len(i) for i in idx]
+    kept = sim.kept_block(cat, tokens, sim.count_words(idx, R, E)[:, :E], before, cap)
     want_kept = kept_mask(idx, E, cap)
     np.testing.assert_array_equal(kept, np.concatenate(want_kept).reshape(kept.shape))
     np.testing.assert_array_equal(before, np.bincount(cat[cat >= 0], minlength=E))
@@ -324,3 +325,101 @@ def test_dedup_count_words_alone_overcount_where_capacity_splits_a_token():
     exact, bound, moved = _dedup_exactness(idx, 2, 4, 2, 1, "bfloat16", "ragged")
     np.testing.assert_array_equal(exact["dispatch"], moved["dispatch"])
     assert bound["dispatch"][0, 1] > exact["dispatch"][0, 1]
+
+
+def test_experts_error_suggests_a_multiple_of_the_ranks(capsys):
+    with pytest.raises(SystemExit):
+        sim.parse_args(["--ranks", "1024"])                 # the default 256 experts
+    err = capsys.readouterr().err
+    assert "--experts 1024" in err and "--experts 4096" in err
+    with pytest.raises(SystemExit):
+        sim.parse_args(["--ranks", "48", "--experts", "100"])
+    assert "--experts 144" in capsys.readouterr().err
+
+
+def test_routing_help_describes_each_routing(capsys):
+    with pytest.raises(SystemExit):
+        sim.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "see above" not in text
+    for routing in sim.ROUTINGS:
+        assert f"{routing} (" in text, routing
+
+
+def _hand_case():
+    """4 ranks, 2 a node ({0, 1}, {2, 3}), one expert a rank, top-2, one token a rank but
+    rank 3: rank 0's token goes to ranks 1 and 2, rank 1's and rank 2's to ranks 0 and 1."""
+    idx = [np.array([[1, 2]]), np.array([[0, 1]]), np.array([[0, 1]]), np.zeros((0, 2), np.int64)]
+    words = sim.count_words(idx, 4, 4)
+    kept = [np.ones(i.shape, bool) for i in idx]
+    nodes = sim.hier.node_counts(idx, kept, 4, 4, 2)
+    return {tr: sim.traffic_stages(words, 4, 2, 8, "bfloat16", tr, "ragged", None, 2, nodes,
+                                   messages=True)["messages"] for tr in sim.TRANSPORTS}
+
+
+def test_message_counts_by_hand():
+    m = _hand_case()
+    pairs = np.array([[0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])  # peers with rows
+    np.testing.assert_array_equal(m["pairs"]["dispatch"], [pairs])
+    np.testing.assert_array_equal(m["pairs"]["combine"], [pairs.T])
+    np.testing.assert_array_equal(m["dedup"]["dispatch"], [2 * pairs])   # token rows, slot rows
+    np.testing.assert_array_equal(m["dedup"]["combine"], [pairs.T])
+    # hier stage 1 (same local index, other node): rank 0 -> rank 2 (its token's node 1 slot),
+    # rank 2 -> rank 0; stage 2 (inside a node): forwarder 0 carries ranks 0 and 2's rows to
+    # rank 1, forwarder 1 its own row to rank 0; forwarder 2 only to itself (a local copy)
+    s1 = np.zeros((4, 4), np.int64)
+    s1[0, 2] = s1[2, 0] = 2
+    s2 = np.zeros((4, 4), np.int64)
+    s2[0, 1] = s2[1, 0] = 2
+    np.testing.assert_array_equal(m["hier"]["dispatch"][0], s1)
+    np.testing.assert_array_equal(m["hier"]["dispatch"][1], s2)
+    np.testing.assert_array_equal(m["hier"]["combine"][0], (s2 // 2).T)   # way back: one section
+    np.testing.assert_array_equal(m["hier"]["combine"][1], (s1 // 2).T)
+
+
+def test_messages_at_64_ranks_and_what_they_cost():
+    args = sim.parse_args(["--tokens", "64", "--hidden", "16"])      # 64 ranks, 8 a node
+    tr = sim.simulate(args)["transports"]
+    assert tr["pairs"]["dispatch"]["messages"]["max_per_rank"] == 63        # every other rank
+    assert tr["dedup"]["dispatch"]["messages"]["max_per_rank"] == 2 * 63
+    st = tr["hier"]["dispatch"]["messages"]["stages"]
+    assert [s["stage"] for s in st] == ["inter-node", "intra-node"]
+    assert st[0]["max_per_rank"] == 2 * 7 and st[0]["intra_max_per_rank"] == 0  # 7 other nodes
+    assert st[1]["max_per_rank"] == 2 * 7 and st[1]["inter_max_per_rank"] == 0  # 7 node peers
+    assert tr["pairs"]["dispatch"]["message_ms"] == pytest.approx(63 * sim.INTER_US / 1e3,
+                                                                  rel=0.2)
+    # alpha alone: 3 messages of 0 bytes over the inter-node tier cost 3 alpha
+    B, M = np.zeros((2, 2), np.int64), np.array([[0, 3], [0, 0]])
+    p = sim.price([B], 1, 1.0, 1.0, 0.0, [M], intra_us=1.0, inter_us=5.0)
+    assert p["predicted_ms"] == pytest.approx(0.015) and p["message_ms"] == pytest.approx(0.015)
+
+
+def test_hier_plot_has_a_panel_per_stage_and_its_own_caption(tmp_path):
+    pytest.importorskip("matplotlib")
+    rng = np.random.default_rng(0)
+    R, G = 16, 4
+    s1 = np.where(sim.peer_mask(R, G, "inter"), rng.integers(1, 100, (R, R)), 0)
+    s2 = np.where(sim.peer_mask(R, G, "intra"), rng.integers(1, 100, (R, R)), 0)
+    panels, caption = sim.heatmap_panels([s1, s2], G, ["inter-node", "intra-node"])
+    assert [p.title for p in panels] == ["stage 1, inter-node", "stage 2, intra-node"]
+    np.testing.assert_array_equal(panels[0].mask, sim.peer_mask(R, G, "inter"))
+    assert "stage 1 (inter-node)" in caption and "stage 2 (intra-node)" in caption
+    assert "hot experts" not in caption
+    png = tmp_path / "h.png"
+    rc = sim.main(["--ranks", "16", "--experts", "32", "--tokens", "32", "--hidden", "16",
+                   "--ranks-per-node", "4", "--plot", str(png), "--plot-transport", "hier"])
+    assert rc == 0 and png.stat().st_size > 0
+
+
+def test_past_128_ranks_the_heatmap_goes_node_by_node():
+    rng = np.random.default_rng(1)
+    R, G = 256, 8
+    B = rng.integers(1, 100, (R, R))
+    B[:, 8 * 5 + 3] *= 4                                  # rank 43, on node 5, receives 4x
+    panels, caption = sim.heatmap_panels([B], G)
+    assert [p.unit for p in panels] == ["node", "rank"]
+    assert panels[0].B.shape == (32, 32) and panels[1].B.shape == (8, 8)
+    assert panels[1].first == 40                          # node 5's ranks, rank by rank
+    assert "hottest destination node 5" in caption
+    small, _ = sim.heatmap_panels([B[:128, :128]], G)      # up to 128 ranks: rank by rank
+    assert len(small) == 1 and small[0].B.shape == (128, 128)
