@@ -15,7 +15,7 @@ G = 1 (the default) N_d = +0.0 + P_d, and the order is bitwise the rank-by-rank 
 ``sum over d ascending of P_d(t)`` (arith.grouped_total_sum says why).
 
 Results of a transport run (``dispatch(..., transport=...)``) are combined through the same
-transport and exchange (its reduce_back, transports.py); the bytes are the same.
+transport and exchange (its reduce_back, transports/); the bytes are the same.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Rank ``d`` holds local experts ``j = 0..L-1`` (global ``e = d * L + j``). Its ou
 Rank-major output (``rank_major=True``): rankmajor.py.
 
 How the rows travel (``transport``, ``exchange``) is not part of the result: every combination
-gives these arrays bit for bit (transport.py carries them out for real).
+gives these arrays bit for bit (transports/ carries them out for real).
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
         align: pad each expert's segment to a multiple of this (>= 1).
         capacity: keep at most this many slots per expert (capacity.py), None = all.
         transport: None (with exchange None) = the canonical computation; "pairs" or "dedup" =
-            carried out through the simulated transport (transport.py; transports.py is the
-            table); "hier" through the
-            node-aware one (hier.py).
+            carried out through the simulated transport (transports/pairs.py, dedup.py;
+            transports/__init__.py is the table); "hier" through the node-aware one
+            (transports/hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
             uniform, else ragged).
         payload: None, "mxfp8" or "fp8_block128" (payloads.py).

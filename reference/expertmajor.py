@@ -15,8 +15,9 @@ from .records import Group
 # One row of an expert's segment: (payload row [H], its scales [H/block] or None, s, t, k, weight).
 
 
-def padded(n: int, align: int) -> int:
-    """``n`` rounded up to a multiple of ``align`` (0 stays 0)."""
+def padded(n, align: int):
+    """``n`` rounded up to a multiple of ``align`` (0 stays 0); ``n`` an int or an int64 array
+    (both tiers' segment lengths)."""
     return -(-n // align) * align
 
 

@@ -29,12 +29,13 @@ import numpy as np
 from .accounting import bytes_group, combine_bytes_of, dispatch_bytes_of, wire_plan
 from .arith import weight_grad_dot
 from .capacity import kept_mask, sorted_slots
-from .records import DispatchResult, Group, Layout
 from .dispatch import prepare
 from .exchange import exchange
+from .expertmajor import padded
 from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .payloads import wire_rows
+from .records import DispatchResult, Group, Layout
 from .validate import check_layout, check_results, check_rows
 
 # exchange and the payloads' quantize / dequantize are vectorized already: the same functions.
@@ -143,8 +144,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
         sel = keep[lo:hi]
         f, e, r_in = f_sorted[lo:hi][sel], e_sorted[lo:hi][sel], rank_in_e[lo:hi][sel]
         tokens_per_expert = kept_cnt[d * L:(d + 1) * L].copy()
-        expert_offsets = np.concatenate([[0], np.cumsum(-(-tokens_per_expert // group.align)
-                                                        * group.align)]).astype(np.int64)
+        expert_offsets = np.concatenate([[0], np.cumsum(padded(tokens_per_expert, group.align))]
+                                        ).astype(np.int64)
         M = int(expert_offsets[-1])
         m = expert_offsets[e - d * L] + r_in
         g = f // K

@@ -111,8 +111,8 @@ class Payload(Codes):
         Returns ``(rows, scales)``: R arrays [T_s, H]; R arrays [T_s, H / block] or None."""
         if not self.quantized:
             return list(xs), None
-        pairs = [self.encode(x) for x in xs]
-        return [q for q, _ in pairs], [s for _, s in pairs]
+        encoded = [self.encode(x) for x in xs]
+        return [q for q, _ in encoded], [s for _, s in encoded]
 
     def to_bytes(self, row: np.ndarray, scale: Optional[np.ndarray]) -> bytes:
         """One token's payload bytes: the row, then its scales little-endian."""

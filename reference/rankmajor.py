@@ -10,7 +10,7 @@ travels there), ordered by s then t:
     recv_topk_weights [N, K] float32   topk_weights_s[t, k] where the id is >= 0; else 0.0
     recv_src          [N, 2] int64     (s, t)
 
-The dedup transport produces exactly these arrays on the wire (transport.py); the pairs
+The dedup transport produces exactly these arrays on the wire (transports/dedup.py); the pairs
 transport has no such buffer, so a pairs run computes them with this module.
 """
 

@@ -42,8 +42,7 @@ import numpy as np
 
 from . import payloads
 from .dtypes import BFLOAT16, FLOAT32, FLOAT_DTYPES, dtype_code
-from .exchange import NAMES as EXCHANGES
-from .exchange import is_static
+from .exchange import NAMES as EXCHANGES, is_static
 from .records import TRANSPORTS
 from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
 

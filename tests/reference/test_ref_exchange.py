@@ -36,6 +36,12 @@ def test_every_variant_moves_the_ragged_result_and_the_bytes_it_says(plan, name)
 def test_the_table_names_every_variant_an_option_may_name():
     assert set(ex.NAMES) == set(ex.VARIANTS) | {"auto"}
     assert all(v.name == k for k, v in ex.VARIANTS.items())
+    assert all(o.name == k for k, o in ex.OPTIONS.items())
+    # the codes are abi.py's: one row per code, no name typed twice
+    from epkit.reference import abi
+
+    assert {v.code for v in ex.VARIANTS.values()} == set(abi.VARIANT_CODES.values())
+    assert {o.code for o in ex.OPTIONS.values()} == set(abi.EXCHANGE_CODES.values())
 
 
 def test_lazy_is_the_auto_variant_on_the_lazy_schedule():
@@ -66,7 +72,9 @@ def test_the_transport_table_covers_every_transport_with_the_three_passes():
     from epkit.reference import records, transports
 
     assert set(transports.TABLE) == set(records.TRANSPORTS)
-    for name, module in transports.TABLE.items():
-        for fn in ("dispatch", "reduce_back", "combine_backward", "dispatch_bytes_of",
-                   "combine_bytes_of"):
-            assert callable(getattr(module, fn, None)), (name, fn)
+    for name, transport in transports.TABLE.items():
+        assert isinstance(transport, transports.Transport) and transport.name == name
+        for fn in ("wire_plan", "dispatch", "reduce_back", "combine_backward",
+                   "dispatch_bytes_of", "combine_bytes_of"):
+            method = getattr(type(transport), fn)
+            assert method is not getattr(transports.Transport, fn), (name, fn)  # its own body
