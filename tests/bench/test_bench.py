@@ -171,3 +171,55 @@ def test_table_prints_the_memory_columns():
     figures = bench.ratios([dict(row, rss_growth_vs_held=1.5)])
     assert figures["memory_vs_held"] == 1.5
     assert any("memory_vs_held" in ln and "met" in ln for ln in bench.target_lines(figures))
+
+
+def test_each_table_is_headed_by_its_own_run():
+    """A sweep's group runs at its own world size and tokens: its table says so, not the
+    command line's (a 2-rank sweep table was headed "4 ranks")."""
+    printed = []
+
+    class Bar:
+        def update(self, n):
+            pass
+
+        def write(self, text, file=None):
+            printed.append(text)
+
+    args = bench.parse_args(["--world-size", "4", "--tokens", "2048"])
+    row = {"median_ms": 10.0, "p10_ms": 9.0, "p90_ms": 11.0, "bytes": 2e6, "times_ms": [10.0]}
+    for world, tokens in ((4, 2048), (2, 512)):   # one reporter per group, as main makes them
+        on_message = bench._reporter(args, Bar())
+        on_message("workload", {"world_size": world, "tokens": tokens, "algo_bytes": 1e6,
+                                "rows": {"epkit dedup": row}})
+    assert printed[0].strip().startswith("4 ranks, 2048 tokens/rank")
+    assert printed[1].strip().startswith("2 ranks, 512 tokens/rank"), printed[1]
+
+
+def test_missed_targets_are_explained_once():
+    missed = bench.target_lines({"overhead_vs_exchange": 2.7, "speedup_vs_naive": 1.0})
+    assert sum("MISSED" in ln for ln in missed) == 3          # two figures and the one note
+    assert missed.count(bench.MISSED_NOTE) == 1
+    assert "not an error" in bench.MISSED_NOTE and "this machine" in bench.MISSED_NOTE
+    assert bench.MISSED_NOTE not in bench.target_lines({"overhead_vs_exchange": 1.2})
+
+
+def test_quick_sweeps_show_a_trend_with_spread_and_a_legend_off_the_lines():
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    args = bench.parse_args(["--quick", "--plot", "x.png"])
+    assert len(args.sweep_tokens) >= 4 and len(args.sweep_world) >= 3
+    rows = [{"name": name, "tokens": t, "world_size": w, "median_ms": f * t * w / 100,
+             "p10_ms": 0.9 * f * t * w / 100, "p90_ms": 1.2 * f * t * w / 100, "iters": 10}
+            for f, name in ((1, "epkit dedup"), (3, "plain-torch"), (0.5, "floor"))
+            for t, w in [(t, 4) for t in args.sweep_tokens] + [(args.tokens, w)
+                                                               for w in args.sweep_world if w != 4]]
+    fig = bench.figure({"rows": rows}, args)
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    for ax in fig.axes:
+        assert not legend.overlaps(ax.get_window_extent())   # below the panels, not over them
+        assert len(ax.collections) == 3                        # a p10-p90 band per line
+        assert all(len(line.get_xdata()) >= 3 for line in ax.get_lines())
+    assert "median of 10 timed iterations" in " ".join(t.get_text() for t in fig.texts)
+    plt.close(fig)
