@@ -29,6 +29,20 @@ from .base import as_rows, chunk_bounds, payload, unpayload
 from .direct import Direct, Plan
 
 
+SLOT = struct.Struct("<If")     # a slot row: int32 (k << 24 | j), float32 w (abi.SLOT_ROW_BYTES)
+
+
+def slot_row(k: int, j: int, w) -> bytes:
+    """A slot row's bytes: slot k of its token, expert j on the receiver, weight w."""
+    return SLOT.pack(k << SLOT_K_SHIFT | j, w)
+
+
+def read_slot(row: np.ndarray) -> Tuple[int, int, np.float32]:
+    """A slot row (uint8 [8]) -> ``(k, j, w)``."""
+    code, w = SLOT.unpack(row.tobytes())
+    return code >> SLOT_K_SHIFT, code & (DEDUP_MAX_LOCAL - 1), np.float32(w)
+
+
 def slots_on(idx: np.ndarray, kept: np.ndarray, t: int, d: int, L: int) -> List[int]:
     """Token t's kept slots on rank d, k ascending (its token row's n is their number)."""
     return [k for k in range(idx.shape[1]) if kept[t, k] and int(idx[t, k]) // L == d]
@@ -114,8 +128,7 @@ class Dedup(Direct):
             send.append(tokens)
             for t in tokens:
                 tokens_out.append(payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine[t])))
-                slots_out += [struct.pack("<If", k << SLOT_K_SHIFT | (int(idx[t, k]) - d * L), ws[t, k])
-                              for k in mine[t]]
+                slots_out += [slot_row(k, int(idx[t, k]) - d * L, ws[t, k]) for k in mine[t]]
         return send, [as_rows(tokens_out, group.payload_bytes + DEDUP_TOKEN_META_BYTES),
                       as_rows(slots_out, SLOT_ROW_BYTES)]
 
@@ -143,8 +156,7 @@ class Dedup(Direct):
             recv_src[n] = (source[n], t)
             assert count >= 1, "a token row travels only with a kept slot"
             for i in range(cursor, cursor + count):
-                code, w = struct.unpack("<If", got_slots[i].tobytes())
-                k, j = code >> SLOT_K_SHIFT, code & (DEDUP_MAX_LOCAL - 1)
+                k, j, w = read_slot(got_slots[i])
                 assert k < K and j < L and recv_topk_idx[n, k] == -1, "a well-formed slot row"
                 recv_topk_idx[n, k] = j
                 recv_topk_weights[n, k] = w

@@ -77,11 +77,11 @@ gradients exactly pairs' bytes (``combine_backward_bytes_of``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
-from ..arith import weight_grad_dot, scaled
+from ..arith import scaled, weight_grad_dot
 from ..capacity import kept_counts
 from ..dtypes import FLOAT32
 from ..exchange import exchange_bytes, exchange_rows, is_static

@@ -76,10 +76,9 @@ from ..payloads import wire_rows
 from ..rankmajor import rank_major_fields
 from ..records import Group
 from .base import Transport, as_rows, group_of, payload, rows_of, unpayload
-from .dedup import CountWordsDedup
+from .dedup import CountWordsDedup, read_slot, slot_row
 from .direct import count_words
 
-SLOT = struct.Struct("<If")      # a slot row: (k << 24 | j), w
 WGRAD_ROW_BYTES = 4              # one float32 weight gradient per kept slot
 
 
@@ -320,14 +319,9 @@ def _stage1_send(group: Group, rows, scales, idx, ws, kept):
             if mine:
                 sent[n].append(t)
                 tok.append(payload(group, rows, scales, t) + struct.pack("<ii", t, len(mine)))
-                slot += [SLOT.pack(k << 24 | (int(idx[t, k]) - n * G * L), ws[t, k]) for k in mine]
+                slot += [slot_row(k, int(idx[t, k]) - n * G * L, ws[t, k]) for k in mine]
     return sent, as_rows(tok, group.payload_bytes + DEDUP_TOKEN_META_BYTES), \
         as_rows(slot, DEDUP_SLOT_ROW_BYTES)
-
-
-def _slot(row: np.ndarray):
-    code, w = SLOT.unpack(row.tobytes())
-    return code >> 24, code & (DEDUP_MAX_LOCAL - 1), np.float32(w)
 
 
 def _forward(group: Group, f: int, got_tok, got_slot, p: HierPlan):
@@ -340,7 +334,7 @@ def _forward(group: Group, f: int, got_tok, got_slot, p: HierPlan):
     for i, s in enumerate(sources):
         t, n = struct.unpack("<ii", got_tok[i, P:].tobytes())
         slots = []
-        for k, jn, w in map(_slot, got_slot[cursor:cursor + n]):
+        for k, jn, w in map(read_slot, got_slot[cursor:cursor + n]):
             slots.append((k, base + jn // L, jn % L, w))
         cursor += n
         arrivals.append((int(s), t, slots))
@@ -354,7 +348,7 @@ def _forward(group: Group, f: int, got_tok, got_slot, p: HierPlan):
             if mine:
                 fan[-1].append(a)
                 tok.append(payloads[a] + struct.pack("<iii", s, t, len(mine)))
-                slot += [SLOT.pack(k << 24 | j, w) for k, j, w in mine]
+                slot += [slot_row(k, j, w) for k, j, w in mine]
     return arrivals, fan, as_rows(tok, P + HIER_TOKEN_META_BYTES), \
         as_rows(slot, DEDUP_SLOT_ROW_BYTES)
 
@@ -366,7 +360,7 @@ def _receive(group: Group, got_tok, got_slot):
     for i in range(got_tok.shape[0]):
         s, t, n = struct.unpack("<iii", got_tok[i, P:].tobytes())
         x, scale = unpayload(group, got_tok[i])
-        entries.append((s, t, x, scale, [_slot(r) for r in got_slot[cursor:cursor + n]], i))
+        entries.append((s, t, x, scale, [read_slot(r) for r in got_slot[cursor:cursor + n]], i))
         cursor += n
     assert cursor == got_slot.shape[0], "the token rows' n claim every slot row"
     segments, which = [[] for _ in range(L)], [[] for _ in range(L)]
