@@ -25,7 +25,7 @@ Per (s, d), dedup's dispatch bytes (ragged) are ``rows * (P + 8) + slots * 8 <= 
 16)`` = pairs', since every token row has ``n >= 1`` kept slots (``rows <= slots``), with
 equality only when no two of a token's kept slots share d; capacity included.
 
-The plan (``plan``) is what every rank derives from the count exchange, an all-gather of
+The plan (``Direct.plan``) is what every rank derives from the count exchange, an all-gather of
 ``[tokens_per_expert (E) | tokens_per_rank (R)]`` per rank (after the validation header,
 validate.py): kept counts ``kept[s, e]`` (capacity.kept_counts), the rows ``s -> d`` of every
 section (pairs: ``sum over e on d of kept[s, e]``; dedup token rows: ``token_rows[s, d]``, the
@@ -40,8 +40,8 @@ section's ``cap`` rows per chunk).
 Dedup's token rows ``s -> d`` are ``tokens_per_rank_s[d]`` when capacity dropped nothing
 anywhere in the group. When it dropped something (every rank sees it in the gathered counts:
 ``kept != counts``), they are not derivable from the count words, so the dedup count exchange
-runs one more all-gather: every rank contributes ``token_rows[s, :]`` (R int64 words: its
-tokens with a kept slot on each rank), identical under every variant (the static one too).
+runs one more all-gather: every rank contributes ``token_rows[s, :]`` (layout.token_rows; R
+int64 words: its tokens with a kept slot on each rank), identical under every variant (the static one too).
 Without drops there is no second collective (``Plan.dropped`` says which).
 
 The way back (combine, dispatch backward) is the exchange with the counts transposed:
