@@ -2,113 +2,47 @@
 
 ``GroupPool.run(fn, world_size, *per_rank_args)`` runs ``fn(group, rank, *args_for_rank)`` on
 ranks ``0..world_size-1`` (a subgroup made at start-up) and returns their results in rank order.
-``fn`` must live in a module importable from this folder. A worker that raises out of step
-with its peers, or hangs past the timeout, takes the group down with it and a fresh one is
-started for the next call, so one failing test never poisons the next.
+``fn`` must live in a module the workers can import (they are spawned, with this process's
+``sys.path`` and environment as they are when the group starts). The group is
+:class:`epkit.verify.pool.Workers`, the one verify runs its cases on: a worker that dies, raises
+out of step with its peers, or hangs past the timeout takes the group down with it and a fresh
+one is started for the next call, so one failing test never poisons the next.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import sys
-import tempfile
-import traceback
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from epkit.verify.pool import Workers
 
 
-def _worker(rank, world, store_path, conn, timeout):
-    sys.path.insert(0, HERE)
-    import datetime
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
-    groups = {n: dist.new_group(list(range(n))) for n in range(1, world)}
-    groups[world] = dist.group.WORLD
-    conn.send("ready")
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        mod, name, n, args = msg
-        if rank >= n:
-            conn.send(("ok", None))
-            continue
-        try:
-            fn = getattr(importlib.import_module(mod), name)
-            conn.send(("ok", fn(groups[n], rank, *args[rank])))
-        except BaseException as exc:  # noqa: BLE001 - sent to the parent
-            try:
-                pickle.dumps(exc)
-            except Exception:  # noqa: BLE001
-                exc = RuntimeError(repr(exc))
-            conn.send(("err", (exc, traceback.format_exc())))
-
-
-class GroupPool:
+class GroupPool(Workers):
     def __init__(self, world: int = 4, timeout: float = 60.0):
-        self.world, self.timeout = world, timeout
-        self.procs, self.conns = [], []
+        # Spawned, not forked from a server: a test may set EPKIT_KERNELS (or sys.path) for
+        # its own group just before starting it. No grace: a rank's peers get the whole wait
+        # to fail too, so every rank's error is reported.
+        super().__init__(world, timeout=timeout, start_method="spawn", answer_s=timeout + 30,
+                         grace=None, ready_s=120.0, name="epkit-test-group")
 
-    def start(self):
-        ctx = mp.get_context("spawn")
-        self.tmp = tempfile.mkdtemp(prefix="epkit-test-group-")
-        store = os.path.join(self.tmp, "store")
-        for r in range(self.world):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, self.world, store, b, self.timeout), daemon=True)
-            p.start()
-            self.procs.append(p)
-            self.conns.append(a)
-        for c in self.conns:
-            if not c.poll(120) or c.recv() != "ready":
-                raise RuntimeError("test group did not start")
-
-    def close(self):
-        for c in self.conns:
-            try:
-                c.send(None)
-            except Exception:  # noqa: BLE001
-                pass
-        for p in self.procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-        self.procs, self.conns = [], []
+    @property
+    def world(self) -> int:
+        return self.world_size
 
     def run(self, fn, world_size: int, *per_rank_args):
         """Per-rank results of ``fn``; re-raises the lowest rank's exception (all ranks' in
-        ``exc.rank_errors``)."""
-        if not self.procs:
-            self.start()
+        ``exc.rank_errors``); a rank that died or hung is a RuntimeError or a TimeoutError."""
         args = [tuple(a[r] for a in per_rank_args) for r in range(world_size)]
-        args += [()] * (self.world - world_size)
-        for c in self.conns:
-            c.send((fn.__module__, fn.__name__, world_size, args))
-        out = []
-        for r, c in enumerate(self.conns):
-            if not c.poll(self.timeout + 30):
-                self.close()
-                raise TimeoutError(f"rank {r} did not answer within {self.timeout + 30} s")
-            out.append(c.recv())
-        out = out[:world_size]
-        errs = [(r, v) for r, (k, v) in enumerate(out) if k == "err"]
+        replies = self.call(fn, world_size, args)
+        errs = [(r, v) for r, (k, v) in enumerate(replies) if k == "err"]
         if errs:
-            if len(errs) != world_size:  # out of step: peers may be stuck in a collective
-                self.close()
+            if len(errs) != world_size and self.started:  # peers may be stuck in a collective
+                self.restart()
             exc, tb = errs[0][1]
             exc.rank_errors = [e for _, (e, _) in errs]
             exc.add_note(f"(rank {errs[0][0]} traceback)\n{tb}")
             raise exc
-        return [v for _, v in out]
+        for r, (kind, value) in enumerate(replies):
+            if kind == "died":
+                raise RuntimeError(f"test group: rank {r} died (exit code {value})")
+            if kind == "timeout":
+                raise TimeoutError(f"test group: rank {r} did not answer within "
+                                   f"{self.answer_s:.0f} s")
+        return [v for _, v in replies]
