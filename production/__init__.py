@@ -4,6 +4,9 @@
 ``epkit.reference`` (pure NumPy, the spec) never pulls torch in.
 """
 
+import sys
+import types
+
 from ._version import __version__
 from epkit.reference.errors import InputError
 
@@ -21,7 +24,7 @@ _LAZY = {
     "dequantize_fp8_block128": "epkit.payloads.fp8_block128",
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
-    "exchange": "epkit.collectives",
+    "exchange": "epkit.exchange",
     "PeerError": "epkit.collectives",
     "topk_from_routing_map": "epkit.routing",
     "routing_map_from_topk": "epkit.routing",
@@ -30,6 +33,20 @@ _LAZY = {
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]
+
+
+class _Package(types.ModuleType):
+    """The package's module type: importing the submodule ``epkit.exchange`` (the home of the
+    function ``epkit.exchange``, beside ``epkit.reference.exchange``) makes Python set the
+    package's attribute to the submodule; the function is kept there instead."""
+
+    def __setattr__(self, name, value):
+        if name == "exchange" and isinstance(value, types.ModuleType):
+            value = value.exchange
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name):

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather, resolve_group, small_device
-from .device import mark_host, to_host
+from .hostreads import to_host
+from .memory import mark_host
 from epkit.reference.errors import Reason, error
 
 __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", "serial",

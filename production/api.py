@@ -5,147 +5,48 @@ yields the plan and, collectively, any input error (``count_exchange``), one hos
 sizes from the plan (on CPU the plan already lives in host memory), and the token exchange
 (``dispatch_tokens``). Combine and both backward passes reuse the dispatch's plan and maps: no
 further count exchange, no host read of counts.
+
+The Dispatcher holds the configuration and chooses the path: the transport's module from the
+transport table (epkit/transports.py: ``direct.py`` for pairs and dedup, ``hier.py``), which
+asks the exchange's and the payload's rows in turn. The checks are in validate.py, the result
+and its handle in result.py.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-import math
-import operator
-import os
-
-from . import lazy, ops, payloads
+from . import direct, hier, ops, transports
 from .payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-from .agree import (COMBINE, DISPATCH, WEIGHTED, agree, call_number, guarded, header,
-                         serial, tensor_error)
-from .collectives import CODES as EXCHANGE_CODES
-from .collectives import dtype_code, group_name, is_group, resolve_group
-from .device import device_path
-from epkit.reference import payloads as reference_payloads
+from .agree import COMBINE, DISPATCH, agree, call_number, guarded, header, serial
+from .collectives import dtype_code, exchange_of, is_group, resolve_group
+from .memory import device_path
+from .result import Dispatch
+from .validate import combine_words, local_error, option_words
 from .workspace import Workspace
-from epkit.reference import abi
-from epkit.reference.abi import DEDUP_MAX_LOCAL, DEDUP_MAX_TOPK
-from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError,
-                                   Reason, error, factor_bits)
+from epkit.reference import payloads as reference_payloads
+from epkit.reference.errors import Reason, error
 
-__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one", "quantize_mxfp8",
-           "dequantize_mxfp8", "quantize_fp8_block128", "dequantize_fp8_block128"]
+__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one",
+           "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
+           "dequantize_fp8_block128"]
 
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
-PAYLOAD_CODES = dict(abi.PAYLOAD_CODES)
-_DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
-
-
-
-
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-def _int_or(v, default):
-    """``v`` as an int if it is one (int, NumPy integer; not a float or a string), clamped to
-    int64 so that it fits the call header (the bounds checks then name it), else ``default``."""
-    if v is None or isinstance(v, bool):
-        return default
-    try:
-        return min(max(operator.index(v), _INT64[0]), _INT64[1])
-    except TypeError:
-        return default
-
-
-def _factor_bits(f) -> int:
-    """The capacity factor's header word: float64 bits, -1 for None or not a real number."""
-    if f is None or isinstance(f, (bool, str)):
-        return -1
-    try:
-        return factor_bits(float(f))
-    except (TypeError, ValueError, OverflowError):
-        return -1
-
-
-def _code(table: dict, name) -> int:
-    """A name's option code, or -1 for a name that is not in ``table`` (or not hashable)."""
-    try:
-        return int(table.get(name, -1))
-    except TypeError:
-        return -1
-
-
-@dataclass
-class Dispatch:
-    """The expert-major result of a dispatch on this rank (semantics: "Dispatch").
-
-    Attributes:
-        expert_x: ``[M, H]`` x's dtype. Segments of local experts ``0..L-1`` in order; rows of
-            an expert ordered by source rank, then source token; each segment zero-padded to a
-            multiple of ``align``.
-        tokens_per_expert: ``[L]`` int64, rows per local expert before padding: the routed
-            slots an expert received, *not* its segment's length when ``align > 1``. A grouped
-            GEMM that is given lengths (torchtitan's ``cumsum`` of counts, Megatron's
-            ``split``) needs ``padded_tokens_per_expert``: the unpadded counts would misplace
-            every segment after the first padded one.
-        expert_offsets: ``[L+1]`` int64, padded start of each segment; last entry ``M`` (the
-            static exchange: the canonical rows, zero rows after it).
-        padded_tokens_per_expert: ``[L]`` int64, each segment's length, padding included:
-            ``expert_offsets.diff()``, ``tokens_per_expert`` rounded up to ``align``.
-        row_src: ``[M, 3]`` int64, ``(source rank, token, k)`` per row; ``-1`` on padding.
-        row_weight: ``[M]`` float32, the routing weight of each row; ``0`` on padding.
-            Differentiable (its gradient flows to ``topk_weights``).
-        dropped_per_expert: ``[L]`` int64, slots each local expert dropped under ``capacity``.
-        bytes_sent: ``[R]`` int64, bytes this rank sent to each peer in the token exchange.
-        expert_scale: ``[M, H // block]`` under a quantized payload, in its scale dtype
-            (``"mxfp8"``: uint8 E8M0 codes, block 32; ``"fp8_block128"``: float32, block 128);
-            else None. ``expert_x`` is then float8_e4m3fn.
-        expert_x_hp: ``[M, H]`` float32 under a quantized payload: ``expert_x`` dequantized,
-            differentiable (the gradient flows back unquantized, straight-through); else None.
-    """
-
-    expert_x: torch.Tensor
-    tokens_per_expert: torch.Tensor
-    expert_offsets: torch.Tensor
-    row_src: torch.Tensor
-    row_weight: torch.Tensor
-    dropped_per_expert: torch.Tensor
-    bytes_sent: torch.Tensor
-    expert_scale: Optional[torch.Tensor] = None
-    expert_x_hp: Optional[torch.Tensor] = None
-    padded_tokens_per_expert: Optional[torch.Tensor] = None
-    # The handle combine and the backward passes reuse.
-    _topk_idx: torch.Tensor = field(default=None, repr=False)
-    _topk_weights: torch.Tensor = field(default=None, repr=False)
-    _send_map: torch.Tensor = field(default=None, repr=False)
-    _recv_map: torch.Tensor = field(default=None, repr=False)
-    _plan: torch.Tensor = field(default=None, repr=False)
-    _config: "Dispatcher" = field(default=None, repr=False)
-    _x_dtype: torch.dtype = field(default=None, repr=False)
-    # What combine checks the Dispatch against (a replaced field cannot make a kernel read
-    # past the end): the dispatch's call number, its rows and hidden size, its group.
-    _seq: int = field(default=-1, repr=False)
-    _rows: int = field(default=0, repr=False)
-    _hidden: int = field(default=0, repr=False)
-    _group_name: str = field(default="", repr=False)
-    _seal: tuple = field(default=(), repr=False)  # see _seal_of
-    _hier: object = field(default=None, repr=False)  # transport="hier": epkit.hier.HierState
-
-    @property
-    def num_rows(self) -> int:
-        """``M``, the expert-major row count (padding included)."""
-        return self.expert_x.shape[0]
+# The module that carries out each transport (the transport table's ``module``), behind
+# dispatch(cfg, seq, x, topk_idx, topk_weights, local, G) and combine(cfg, expert_y, d,
+# weighted, check).
+_MODULES = {"direct": direct, "hier": hier}
 
 
 class Dispatcher:
     """Configuration for dispatch and combine over one process group.
 
     Args:
-        group: the expert-parallel process group (default: the default group). Expert ``e``
+        group: the expert-parallel process group (``None``: the default group). Expert ``e``
             lives on rank ``e // L`` of this group, ``L = num_experts // group size``. ``None``
             means the whole default group, never "no expert parallelism": at expert-parallel
             size 1 pass a group of one (``epkit.group_of_one()``), whatever the world size.
@@ -193,7 +94,7 @@ class Dispatcher:
             functional ``epkit.dispatch``, whose Dispatcher lasts one step).
     """
 
-    def __init__(self, group=None, num_experts: int = 0, *, align: int = 1,
+    def __init__(self, group, num_experts: int, *, align: int = 1,
                  capacity: Optional[int] = None, transport: str = "dedup",
                  exchange: str = "auto", payload: Optional[str] = None,
                  max_tokens_per_rank: Optional[int] = None,
@@ -246,101 +147,20 @@ class Dispatcher:
             return 1
         return g if g >= 1 and dist.get_world_size(self.group) % g == 0 else 1
 
-    # -- validation -------------------------------------------------------------------------------
-
-    def _option_words(self) -> list[int]:
-        """``[E, align, capacity, transport, exchange, payload, max_tokens, capacity factor,
-        ranks_per_node]`` as header codes (agree.py): integers as given (-1 for None or a
-        non-integer), names as their codes, the factor as its float64 bits, ranks_per_node
-        resolved (:meth:`resolved_ranks_per_node`)."""
-        return [_int_or(self.num_experts, -1), _int_or(self.align, -1),
-                _int_or(self.capacity, -1), _code(ops.TRANSPORTS, self.transport),
-                _code(EXCHANGE_CODES, self.exchange), _code(PAYLOAD_CODES, self.payload),
-                _int_or(self.max_tokens_per_rank, -1), _factor_bits(self.capacity_factor),
-                _int_or(self.resolved_ranks_per_node(), -1)]
-
-    def _option_error(self) -> tuple[int, int, int]:
-        """The options on their own (reference/validate.py's order)."""
-        R = dist.get_world_size(self.group)
-        E, align, cap, transport, exchange, payload, max_tokens, factor, G = self._option_words()
-        if self._bad_group:
-            return Reason.BAD_GROUP, 0, 0
-        if _int_or(self.align, None) is None or not 1 <= align <= MAX_ALIGN:
-            return Reason.ALIGN, align, 0
-        if self.capacity is not None and (_int_or(self.capacity, None) is None
-                                          or not 0 <= cap <= MAX_CAPACITY):
-            return Reason.CAPACITY, cap, 0
-        if self.capacity_factor is not None:
-            if self.capacity is not None:
-                return Reason.CAPACITY_AND_FACTOR, 0, 0
-            if factor == -1 or not math.isfinite(self.capacity_factor) or self.capacity_factor <= 0:
-                return Reason.CAPACITY_FACTOR, factor, 0
-        if _int_or(self.num_experts, None) is None or not 1 <= E <= MAX_EXPERTS:
-            return Reason.NUM_EXPERTS, E, 0
-        if E % R:
-            return Reason.EXPERTS_NOT_DIVISIBLE, E, R
-        for option_id, value in ((1, transport), (2, exchange), (3, payload)):
-            if value < 0:
-                return Reason.OPTION, option_id, -1
-        if self.exchange == "static" and (self.max_tokens_per_rank is None
-                                          or not 0 <= max_tokens <= MAX_TOKENS):
-            return Reason.STATIC_MAX, max_tokens, 0
-        if not 1 <= G <= R or R % G:
-            return Reason.RANKS_PER_NODE, G, R
-        if self.transport in ("dedup", "hier") and E // R >= DEDUP_MAX_LOCAL:  # j: 24 bits
-            return Reason.TOO_MANY_LOCAL_EXPERTS, E // R, DEDUP_MAX_LOCAL - 1
-        if self.transport == "hier":
-            if E // R * G >= DEDUP_MAX_LOCAL:  # stage 1's j: the expert's id on its node
-                return Reason.TOO_MANY_LOCAL_EXPERTS, E // R * G, DEDUP_MAX_LOCAL - 1
-            what = {"lazy": 1, "static": 2}.get(self.exchange, 3 if self.payload else 0)
-            if what:
-                return Reason.HIER_UNSUPPORTED, what, 0
-        return Reason.OK, 0, 0
-
-    def _local_error(self, x, topk_idx, topk_weights) -> tuple[int, int, int]:
-        """Every check that needs no tensor values: options, types, devices, dtypes, shapes."""
-        code = self._option_error()
-        if code[0] != Reason.OK:
-            return code
-        for arg_id, t in ((1, x), (2, topk_idx), (3, topk_weights)):
-            bad = tensor_error(arg_id, t)
-            if bad:
-                return bad
-        for arg_id, t in ((2, topk_idx), (3, topk_weights)):
-            if t.device != x.device:
-                return Reason.DEVICE, arg_id, _DEVICE_CODES.get(t.device.type, 3)
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            return Reason.X_DTYPE, dtype_code(x.dtype), 0
-        if topk_idx.dtype not in _INT_DTYPES:
-            return Reason.INDEX_DTYPE, dtype_code(topk_idx.dtype), 0
-        if topk_weights.dtype != torch.float32:
-            return Reason.WEIGHTS_DTYPE, dtype_code(topk_weights.dtype), 0
-        if x.dim() != 2:
-            return Reason.X_NOT_2D, x.dim(), 0
-        if topk_idx.dim() != 2:
-            return Reason.IDX_NOT_2D, topk_idx.dim(), 0
-        if topk_idx.shape[0] != x.shape[0]:
-            return Reason.IDX_SHAPE, topk_idx.shape[0], x.shape[0]
-        if topk_weights.dim() != 2:
-            return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
-        if tuple(topk_weights.shape) != tuple(topk_idx.shape):
-            return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
-        if self.transport in ("dedup", "hier") and topk_idx.shape[1] > DEDUP_MAX_TOPK:  # k: 8 bits
-            return Reason.TOPK_TOO_LARGE, topk_idx.shape[1], DEDUP_MAX_TOPK
-        return Reason.OK, 0, 0
-
     # -- dispatch ---------------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
         """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
         topk_weights = _widened(topk_weights)
         if torch.compiler.is_compiling():
-            if self.transport == "hier":  # every rank traces the same program: all refuse
+            transport = transports.of(self.transport)
+            if transport is not None and transport.stages > 1:  # every rank traces alike
                 raise error(0, Reason.HIER_UNSUPPORTED, 4)
             # Traced: options are constants of the graph; local errors ride in the count words.
-            return self._dispatch(x, topk_idx, topk_weights, self._local_error(x, topk_idx, topk_weights))
+            return self._dispatch(x, topk_idx, topk_weights,
+                                  local_error(self, x, topk_idx, topk_weights))
         with serial(self.group):
-            code, cause = guarded(self._local_error, x, topk_idx, topk_weights)
+            code, cause = guarded(local_error, self, x, topk_idx, topk_weights)
             shape = self._static_shape(x, topk_idx)
             if shape != (0, 0, 0) and code[0] == Reason.OK:
                 # A payload's H % block rides the count words elsewhere; a static dispatch on the
@@ -349,7 +169,7 @@ class Dispatcher:
                 table = reference_payloads.TABLE
                 code = table.get(self.payload, table[None]).hidden_triple(shape[0])
             # The call header: every rank raises the same error here, before anything else.
-            agree(self.group, header(DISPATCH, self._option_words(), code, shape=shape),
+            agree(self.group, header(DISPATCH, option_words(self), code, shape=shape),
                   "epkit.dispatch (call header)", cause)
             return self._dispatch(x, topk_idx, topk_weights, code)
 
@@ -357,101 +177,25 @@ class Dispatcher:
         """``(H, x dtype code, K)`` for the call header of a static dispatch on the device path
         (epkit/agree.py: its exchange is sized from them without a host read), else zeros; -1
         for what an invalid argument does not have (its local error is reported first)."""
-        if self.exchange != "static" or not device_path(x):
+        ex = exchange_of(self.exchange)  # (a bad name: its error is reported first)
+        if ex is None or not ex.static or not device_path(x):
             return (0, 0, 0)
         def dim(t, i):
             return int(t.shape[i]) if isinstance(t, torch.Tensor) and t.dim() == 2 else -1
         return (dim(x, 1), dtype_code(getattr(x, "dtype", None)), dim(topk_idx, 1))
 
     def _dispatch(self, x, topk_idx, topk_weights, local) -> Dispatch:
-        R = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        transport = ops.TRANSPORTS[self.transport]
-        E, align = int(self.num_experts), int(self.align)
-        cap = -1 if self.capacity is None else int(self.capacity)
-        factor = -1.0 if self.capacity_factor is None else float(self.capacity_factor)
         # The number this call's header carried (traced: -1, no header at trace time; the
         # combine op agrees at run time, comparing the ranks' constants).
         seq = -1 if torch.compiler.is_compiling() else call_number(self.group) - 1
-        code, a, b = local
-        if code == Reason.OK:
+        if local[0] == Reason.OK:
             x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
-        G = int(self.resolved_ranks_per_node()) if code == Reason.OK else 1
-        if self.transport == "hier":
-            from . import hier
-            return hier.dispatch(self, seq, x, topk_idx, topk_weights, local, G)
-        static = self.exchange == "static"  # every rank takes the same path, bad input or not
-        pl = payloads.of(self.payload)  # the None entry for a bad name (its error travels)
-        pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None))]
-        if (not static and not pl.quantized and self.exchange != "lazy"
-                and not torch.compiler.is_compiling()):
-            # The eager path: one fused op, no host read here at all.
-            *outs, plan = ops.prepare_dispatch(
-                x, topk_idx, topk_weights, group_name(self.group), rank, E, align, cap, transport,
-                EXCHANGE_CODES[self.exchange], pre_error, 0, factor, G, self._ws)
-            return self._result(seq, x, topk_idx, topk_weights, plan, *outs)
-        max_tokens = int(self.max_tokens_per_rank) if static else -1
-        words = ops.C.prepare(x, topk_idx, topk_weights, E, R,
-                              pre_error + [max_tokens], pl.code)
-        # CUDA static: the shape that sizes the plan's host mirror without a host wait.
-        shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
-                 if static and device_path(x) else None)
-        plan = ops.count_exchange(words, group_name(self.group), rank, E, align, cap, transport,
-                                  EXCHANGE_CODES[self.exchange], max_tokens, shape, factor,
-                                  topk_idx if code == Reason.OK else None, G)
-        if self.exchange == "equal" and not int(ops.host_plan(plan)[ops.UNIFORM]):
-            raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
-        if static:
-            # Sizes from the configuration alone: no host read of any count (and, under
-            # torch.compile, no data-dependent shape). docs/design.md, wire format.
-            L, K, H = E // R, topk_idx.shape[1], x.shape[1]
-            P = pl.row_bytes(H, x.element_size())
-            per = min(K, L)
-            # data rows per chunk (a dedup token row needs a kept slot: 0 when K = 0)
-            rows = max_tokens * per if transport == ops.PAIRS else min(max_tokens, max_tokens * per)
-            chunk = ops.dispatch_chunk_bytes(transport, P, 1 + rows, 1 + max_tokens * per)
-            SB, N = R * chunk, R * (1 + rows)
-            M = R * max_tokens * per + L * (align - 1)
-        else:
-            # The one host read of a dispatch (on CPU the plan is host memory already).
-            hp = ops.host_plan(plan)  # (single words: views of the mirror, host memory)
-            SB, N, M = (int(hp[f]) for f in (ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS))
-        build = functools.partial(self._result, seq, x, topk_idx, topk_weights, plan)
-        if self.exchange == "lazy":
-            return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, group_name(self.group),
-                                       transport, M, build, pl)
-        if pl.quantized:
-            hp, row_weight, q, scale, row_src, send_map, recv_map = payloads.dispatch_quantized(
-                pl, x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-                EXCHANGE_CODES[self.exchange], (SB, N, M))
-            return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
-        return build(*ops.dispatch_tokens(
-            x, topk_idx, topk_weights, plan, group_name(self.group), transport,
-            EXCHANGE_CODES[self.exchange], SB, N, M, self._ws))
+        G = int(self.resolved_ranks_per_node()) if local[0] == Reason.OK else 1
+        return self._module().dispatch(self, seq, x, topk_idx, topk_weights, local, G)
 
-    def _result(self, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
-                send_map, recv_map, expert_scale=None, expert_x_hp=None, hier=None,
-                bytes_sent=None) -> Dispatch:
-        sl = ops.plan_slices(dist.get_world_size(self.group), int(self.num_experts))
-        d = Dispatch(
-            expert_x=expert_x,
-            tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
-            expert_offsets=plan[sl["offsets"]].clone(),
-            row_src=row_src,
-            row_weight=row_weight,
-            dropped_per_expert=plan[sl["dropped"]].clone(),
-            bytes_sent=plan[sl["send_bytes"]].clone() if bytes_sent is None else bytes_sent,
-            expert_scale=expert_scale,
-            expert_x_hp=expert_x_hp,
-            padded_tokens_per_expert=plan[sl["offsets"]].diff(),
-            _topk_idx=topk_idx, _topk_weights=topk_weights.detach(), _send_map=send_map,
-            _recv_map=recv_map, _plan=plan, _config=self, _x_dtype=x.dtype, _seq=seq,
-            _rows=expert_x.shape[0], _hidden=expert_x.shape[1],
-            _group_name=group_name(self.group), _hier=hier,
-        )
-        if not torch.compiler.is_compiling():
-            d._seal = _seal_of(d)
-        return d
+    def _module(self):
+        """The module that carries out this Dispatcher's transport."""
+        return _MODULES[transports.TABLE[self.transport].module]
 
     # -- combine ----------------------------------------------------------------------------------
 
@@ -472,51 +216,15 @@ class Dispatcher:
     def _combine_header(self, expert_y, d, weighted, with_cause=False):
         """This rank's combine header; with ``with_cause``, also the exception a bad argument
         raised while it was read (then reported as BAD_ARGUMENT)."""
-        words, cause = guarded(self._combine_words, expert_y, d, weighted)
+        words, cause = guarded(combine_words, self, expert_y, d, weighted)
         if cause is not None:
-            words = header(COMBINE, self._option_words(), (Reason.BAD_ARGUMENT, 0, 0))
+            words = header(COMBINE, option_words(self), (Reason.BAD_ARGUMENT, 0, 0))
         return (words, cause) if with_cause else words
 
-    def _combine_words(self, expert_y, d, weighted) -> list[int]:
-        code, ref, rows_dtype = (Reason.OK, 0, 0), -1, 0
-        options = self._option_words()
-        flags = WEIGHTED if bool(weighted) else 0
-        if self._bad_group:
-            code = Reason.BAD_GROUP, 0, 0
-        elif isinstance(d, lazy.PendingDispatch):
-            code = Reason.FOREIGN_DISPATCH, 4, 0
-        elif not isinstance(d, Dispatch) or d._config is None:
-            code = Reason.FOREIGN_DISPATCH, 2, 0
-        elif d._group_name != group_name(self.group):
-            code = Reason.FOREIGN_DISPATCH, 1, 0
-        elif not torch.compiler.is_compiling() and d._seal and d._seal != _seal_of(d):
-            code = Reason.FOREIGN_DISPATCH, 3, 0  # a private field replaced or written to
-        else:
-            options, ref = d._config._option_words(), d._seq
-            w = d.row_weight
-            if (not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or w.dim() != 1
-                    or w.shape[0] != d._rows):
-                code = Reason.FOREIGN_DISPATCH, 3, 0  # the kernels index row_weight by row
-            else:
-                code = tensor_error(4, expert_y) or _rows_error(expert_y, d._rows, d._hidden)
-                if code[0] == Reason.OK and expert_y.device != w.device:
-                    code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
-                rows_dtype = dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
-        return header(COMBINE, options, code, rows_dtype, ref, flags=flags)
-
     def _combine(self, expert_y, d, weighted, check) -> torch.Tensor:
-        cfg = d._config  # the dispatch's transport and exchange, whichever Dispatcher combines
-        if cfg.transport == "hier":
-            from . import hier
-            return hier.combine(expert_y, d, bool(weighted))
-        transport = ops.TRANSPORTS[cfg.transport]
-        if cfg.exchange == "lazy":
-            return lazy.issue_combine(expert_y, d, group_name(self.group), transport,
-                                      bool(weighted))
-        return ops.combine_tokens(
-            expert_y, d.row_weight, d._topk_idx, d._topk_weights, d._send_map, d._recv_map,
-            d._plan, group_name(self.group), transport, EXCHANGE_CODES[cfg.exchange],
-            bool(weighted), d._x_dtype, check, cfg._ws)
+        # the dispatch's transport, whichever Dispatcher combines
+        module = d.handle.config._module()
+        return module.combine(self, expert_y, d, bool(weighted), check)
 
 
 def _widened(w):
@@ -526,30 +234,6 @@ def _widened(w):
     if isinstance(w, torch.Tensor) and w.dtype in (torch.bfloat16, torch.float16):
         return w.to(torch.float32)
     return w
-
-
-def _seal_of(d: Dispatch) -> tuple:
-    """What combine and the backward passes read from a Dispatch besides row_weight: the plan,
-    the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
-    field replaced, or written in place, after dispatch no longer matches (FOREIGN_DISPATCH),
-    instead of sending one rank's kernels out of bounds or out of step."""
-    ts = (d._plan, d._recv_map, d._send_map, d._topk_idx, d._topk_weights)
-    return tuple((id(t), getattr(t, "_version", None)) for t in ts) + (d._x_dtype, d._config)
-
-
-def _rows_error(arr: torch.Tensor, rows: int, hidden: int) -> tuple[int, int, int]:
-    """expert_y against its dispatch: dtype, then rows, then H (reference/validate.py)."""
-    if not isinstance(arr, torch.Tensor):
-        return Reason.NOT_A_TENSOR, 4, 0
-    if arr.dtype not in (torch.float32, torch.bfloat16):
-        return Reason.EXPERT_Y_DTYPE, dtype_code(arr.dtype), 0
-    n = arr.shape[0] if arr.dim() >= 1 else -1
-    if n != rows:
-        return Reason.EXPERT_Y_ROWS, n, rows
-    h = arr.shape[1] if arr.dim() == 2 else -1
-    if h != hidden:
-        return Reason.EXPERT_Y_HIDDEN, h, hidden
-    return Reason.OK, 0, 0
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -600,9 +284,10 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
         ``[T, H]`` in x's dtype: ``out[t] = sum_d sum_k c_k * y(t, k)`` in the fixed order of
         docs/semantics.md, bit for bit equal to ``epkit.reference.combine``.
     """
-    config = getattr(dispatch, "_config", None)
+    handle = getattr(dispatch, "handle", None)
+    config = getattr(handle, "config", None)
     if not isinstance(config, Dispatcher):  # not a Dispatch: refused over the default group
-        config = Dispatcher(workspace=False)
+        config = Dispatcher(None, 0, workspace=False)
     return config.combine(expert_y, dispatch, weighted)
 
 

@@ -11,9 +11,8 @@ rows each source addressed to this rank.
 Each is one entry of :data:`VARIANTS` (how it stages rows and reads them back). The lazy
 schedule is ``all_to_all(..., async_op=True)``: any variant, issued now, finished later.
 
-The low-level :func:`all_to_all` moves a buffer whose counts every rank already knows (the plan
-gives them); the public :func:`exchange` also exchanges the counts and is differentiable, its
-backward being the exchange with send and receive counts swapped.
+:func:`all_to_all` moves a buffer whose counts every rank already knows (the plan gives them);
+the public ``epkit.exchange`` (exchange.py) builds on it.
 """
 
 from __future__ import annotations
@@ -67,7 +66,10 @@ def _why(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return f"a peer died, stalled past the process group timeout, or left the group: {text}"
 
+
 CODES = dict(abi.EXCHANGE_CODES)  # the requested exchange's code (reference/abi.py)
+_VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}  # the plan's VARIANT word
+_VARIANT_WORD = abi.PLAN_FIELDS.index("variant")
 
 
 def resolve_group(group):
@@ -152,16 +154,29 @@ def _warn_nccl_only(backend: str) -> None:
 
 @dataclass(frozen=True)
 class Variant:
-    """How one exchange variant (reference/exchange.py) runs on ``all_to_all_single``:
-    ``stage(buf, send_counts, recv_counts, P, alloc)`` -> ``(out, inp, out_splits, in_splits)``
-    (None splits: equal-length chunks; ``out`` from ``alloc``, epkit/workspace.py, or fresh),
-    and ``unstage(out, recv_counts, P)`` -> the received rows.
-    ``P`` is the group-wide largest count (the padded chunk, the equal count). ``static`` is
-    not here: pack writes its fixed chunks and in-band headers, so its rows move as ``equal``.
-    A new variant is one entry here and one in the reference's table."""
+    """One exchange variant (reference/exchange.py), a row that the exchange and the ops ask:
+
+    - ``stage(buf, send_counts, recv_counts, P, alloc)`` -> ``(out, inp, out_splits,
+      in_splits)`` (None splits: equal-length chunks; ``out`` from ``alloc``,
+      epkit/workspace.py, or fresh) and ``unstage(out, recv_counts, P)`` -> the received rows:
+      how it runs on ``all_to_all_single``; ``P`` is the group-wide largest count (the padded
+      chunk, the equal count).
+    - ``fixed_chunks``: every chunk has one group-wide length (padded, equal, static), so the
+      return rows and the slot values travel in chunks of a length the plan gives.
+    - ``header_rows``: rows at the front of every chunk that carry its counts in-band (static:
+      its chunks are sized by the configuration, so the counts travel with the rows).
+    - ``uniform``: every count in the group must be the same (equal).
+    - ``packed``: the variant a buffer already laid out in this variant's chunks (pack pads and
+      writes the in-band rows) moves as.
+
+    A new variant is one row here and one in the reference's table (reference/exchange.py)."""
     name: str
     stage: Callable
     unstage: Callable
+    fixed_chunks: bool = True
+    header_rows: int = 0
+    uniform: bool = False
+    packed: str = "equal"
 
 
 def _recv_buffer(buf, rows, alloc):
@@ -191,9 +206,52 @@ def _unpad(staged, recv, P):
     return torch.cat([staged[s * P : s * P + n] for s, n in enumerate(recv)])
 
 
-VARIANTS = {v.name: v for v in (Variant("ragged", _ragged_stage, _as_is),
-                                Variant("padded", _padded_stage, _unpad),
-                                Variant("equal", _equal_stage, _as_is))}
+VARIANTS = {v.name: v for v in (
+    Variant("ragged", _ragged_stage, _as_is, fixed_chunks=False, packed="ragged"),
+    Variant("padded", _padded_stage, _unpad),
+    Variant("equal", _equal_stage, _as_is, uniform=True),
+    Variant("static", _equal_stage, _as_is, header_rows=1))}
+# The variants a caller may name for epkit.exchange: static needs the plan's fixed chunks.
+EXCHANGE_VARIANTS = ("ragged", "padded", "equal")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One ``exchange=`` option of a Dispatcher, as the dispatch path asks it (the variant that
+    runs is the plan's, :func:`variant_of`):
+
+    - ``static``: fixed worst-case chunks sized by ``max_tokens_per_rank``, counts in-band: no
+      host read of a count, the plan's error deferred on the device path;
+    - ``deferred``: issued asynchronously (lazy): dispatch and combine return pending objects;
+    - ``uniform``: the plan must be uniform (equal), else EQUAL_NONUNIFORM on every rank.
+    """
+    name: str
+    static: bool = False
+    deferred: bool = False
+    uniform: bool = False
+
+    @property
+    def code(self) -> int:
+        return CODES[self.name]
+
+
+EXCHANGES = {e.name: e for e in (Exchange("auto"), Exchange("ragged"), Exchange("padded"),
+                                 Exchange("equal", uniform=True), Exchange("lazy", deferred=True),
+                                 Exchange("static", static=True))}
+assert set(EXCHANGES) == set(CODES), "an exchange option without a row (or without a code)"
+
+
+def exchange_of(name) -> Exchange | None:
+    """The row of exchange option ``name``; None for a name that is not one."""
+    try:
+        return EXCHANGES.get(name)
+    except TypeError:
+        return None
+
+
+def variant_of(plan_words) -> Variant:
+    """The row of the variant a plan runs (its VARIANT word; host memory)."""
+    return VARIANTS[_VARIANT_NAMES[int(plan_words[_VARIANT_WORD])]]
 
 
 def all_to_all(
@@ -233,97 +291,7 @@ def all_to_all(
     return finish if async_op else finish()
 
 
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group, variant, max_chunk):
-        ctx.args = (send_counts, recv_counts, group, variant, max_chunk)
-        return all_to_all(x, send_counts, recv_counts, group, variant, max_chunk,
-                          what="epkit.exchange")
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_counts, recv_counts, group, variant, max_chunk = ctx.args
-        return all_to_all(grad, recv_counts, send_counts, group, variant, max_chunk,
-                          what="epkit.exchange backward"), *([None] * 5)
-
-
-def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") -> torch.Tensor:
-    """All-to-all of rows, differentiable.
-
-    Args:
-        x: ``[sum(send_counts), ...]`` any dtype; rows for peer ``q`` start at
-            ``sum(send_counts[:q])``.
-        send_counts: ``[R]`` ints (list or int64 tensor): rows this rank sends to each peer.
-        group: process group (default: the default group).
-        variant: ``"ragged"``, ``"padded"`` or ``"equal"`` (equal needs every count in the
-            group to be the same; otherwise :class:`epkit.InputError`).
-
-    Returns:
-        ``[sum(recv_counts), ...]``: rows from source ranks in ascending order.
-    """
-    from . import agree  # agree builds on this module
-
-    bad_group = not is_group(group)  # reported over the default group, collectively
-    group = resolve_group(group)
-    R = dist.get_world_size(group)
-    dev = small_device(group)
-    with agree.serial(group):
-        found, cause = agree.guarded(_counts_error, x, send_counts, R, variant)
-        sc, code = ((torch.zeros(R, dtype=torch.int64), (Reason.BAD_ARGUMENT, 6, 0))
-                    if cause is not None else found)
-        if bad_group:
-            code = (Reason.BAD_GROUP, 0, 0)
-        ok = code[0] == Reason.OK
-        vcode = _VARIANT_CODES.get(variant, -1) if isinstance(variant, str) else -1
-        words = agree.header(agree.EXCHANGE, [-1, -1, -1, -1, vcode, -1, -1],
-                             code, dtype_code(x.dtype) if ok else 0,
-                             row_width=math.prod(x.shape[1:]) if ok else 0)
-        agree.agree(group, words, "epkit.exchange (call header)", cause)
-        gathered = torch.empty(R * R, dtype=torch.int64, device=dev)
-        all_gather(gathered, sc.to(dev), group, "epkit.exchange (count exchange)")
-    counts = gathered.view(R, R).cpu()  # counts[s, d]: rows s sends to d, known to every rank
-    me = dist.get_rank(group)
-    max_chunk = int(counts.max()) if counts.numel() else 0
-    if variant == "equal":
-        odd = (counts != counts.reshape(-1)[0]).any(dim=1).nonzero()
-        if odd.numel():  # every rank names the same (lowest) source rank
-            raise error(int(odd[0]), Reason.EQUAL_NONUNIFORM)
-    return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)
-
-
-_VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in VARIANTS}  # what epkit.exchange takes
-
-
 def dtype_code(dt) -> int:
     """A torch dtype's code in the call header and the count words (errors.DTYPE_CODES; 0 for
     one outside the table, or not a dtype)."""
     return DTYPE_CODES.get(str(dt).replace("torch.", ""), 0)
-
-
-def _counts_error(x, send_counts, R: int, variant):
-    """``(send_counts [R] int64, (code, a, b))``: this rank's local error, if any, and the counts
-    to gather (zeros when they are unusable, so the gather keeps its size)."""
-    from .agree import tensor_error  # agree builds on this module
-
-    zeros = torch.zeros(R, dtype=torch.int64)
-    bad = tensor_error(1, x)
-    if bad:
-        return zeros, bad
-    if x.dim() < 1:
-        return zeros, (Reason.SEND_COUNTS_SUM, -1, 0)
-    if not isinstance(variant, str) or variant not in _VARIANT_CODES:
-        return zeros, (Reason.OPTION, 2, -1)
-    try:
-        sc = torch.as_tensor(send_counts).reshape(-1)
-    except (TypeError, ValueError, RuntimeError):
-        return zeros, (Reason.NOT_A_TENSOR, 6, 0)
-    if sc.is_floating_point() or sc.is_complex() or sc.dtype == torch.bool:
-        return zeros, (Reason.NOT_A_TENSOR, 6, 0)
-    sc = sc.to(torch.int64).cpu()
-    if sc.numel() != R:
-        return zeros, (Reason.SEND_COUNTS, sc.numel(), R)
-    if bool((sc < 0).any()):
-        return zeros, (Reason.SEND_COUNTS_NEGATIVE, int(sc[sc < 0][0]), 0)
-    if x.shape[0] != int(sc.sum()):
-        return zeros, (Reason.SEND_COUNTS_SUM, x.shape[0], int(sc.sum()))
-    return sc, (Reason.OK, 0, 0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .plan import PAIRS, WORD_HEADER, plan_size
+from .plan import WORD_HEADER, plan_size
+from .transports import by_code
 from epkit.reference import abi
 
 @torch.library.register_fake("epkit::layout")
@@ -30,19 +31,19 @@ def _(words, rank, num_experts, align, capacity, transport, exchange, max_tokens
 @torch.library.register_fake("epkit::pack")
 def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes):
     T, K = topk_idx.shape
-    cols = K if transport == PAIRS else num_ranks
+    cols = by_code(transport).send_map_cols(K, num_ranks)
     return x.new_empty((send_bytes,), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
 
 
 @torch.library.register_fake("epkit::pack_into")
 def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send):
     T, K = topk_idx.shape  # send (the workspace's buffer) is written in place
-    return x.new_empty((T, K if transport == PAIRS else num_ranks), dtype=torch.int64)
+    return x.new_empty((T, by_code(transport).send_map_cols(K, num_ranks)), dtype=torch.int64)
 
 
 @torch.library.register_fake("epkit::unpack")
 def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
-    cols = 1 if transport == PAIRS else topk
+    cols = by_code(transport).recv_map_cols(topk)
     return (recv.new_empty((expert_rows, hidden), dtype=dtype),
             recv.new_empty((expert_rows, 3), dtype=torch.int64),
             recv.new_empty((expert_rows,), dtype=torch.float32),
@@ -51,7 +52,7 @@ def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
 
 @torch.library.register_fake("epkit::gather_rows")
 def _(expert_y, recv_map, row_weight, transport, weighted):
-    dtype = expert_y.dtype if transport == PAIRS else torch.float32
+    dtype = by_code(transport).back_dtype(expert_y.dtype)
     return expert_y.new_empty((recv_map.shape[0], expert_y.shape[1]), dtype=dtype)
 
 
@@ -64,7 +65,7 @@ def _(expert_y, recv_map, row_weight, transport, weighted, first, out):
 def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype,
       ranks_per_node=1, first=None):
     # dedup without first: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
-    compact = transport == PAIRS or first is not None
+    compact = not by_code(transport).token_rows or first is not None
     H = back.shape[1] if compact else back.shape[1] * back.element_size() // 4
     return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
 

@@ -41,10 +41,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import ops
-from .device import device_path, mark_host, to_host
+from . import ops, result
+from .hostreads import to_host
+from .memory import device_path, mark_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
-from .collectives import all_gather, all_to_all, dtype_code, group_name, small_device
+from .collectives import VARIANTS, all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
 from epkit.reference.transports import hier as spec
 from epkit.reference.errors import Reason
@@ -142,6 +143,11 @@ class Section:
     sub: Sub
     variant: str
 
+    @property
+    def fixed(self) -> bool:
+        """The variant moves chunks of one length (padded, equal: :attr:`chunk`)."""
+        return VARIANTS[self.variant].fixed_chunks
+
     def send(self, me: int) -> list:
         return [int(self.counts[me, p]) for p in self.sub.ranks]
 
@@ -156,7 +162,7 @@ class Section:
 
     def bytes_to(self, me: int, row_bytes: int) -> dict:
         """Bytes this rank sends each peer (reference exchange_bytes: padded moves full chunks)."""
-        rows = ([self.chunk] * len(self.sub.ranks) if self.variant == "padded" else self.send(me))
+        rows = [self.chunk] * len(self.sub.ranks) if self.fixed else self.send(me)
         return {p: n * row_bytes for p, n in zip(self.sub.ranks, rows)}
 
 
@@ -179,8 +185,8 @@ def _move_on_parent(rows, send, recv, sec: Section, what: str) -> torch.Tensor:
     subgroup empty; padded and equal move their full chunks, as inside a subgroup."""
     parent = sec.sub.parent
     R = dist.get_world_size(parent)
-    sizes = (send, recv) if sec.variant == "ragged" else ([sec.chunk] * len(send),) * 2
-    if sec.variant != "ragged":                     # pad every chunk to the subgroup's chunk
+    sizes = ([sec.chunk] * len(send),) * 2 if sec.fixed else (send, recv)
+    if sec.fixed:                                   # pad every chunk to the subgroup's chunk
         buf = rows.new_zeros((len(send) * sec.chunk,) + tuple(rows.shape[1:]))
         for i, part in enumerate(torch.split(rows, send)):
             buf[i * sec.chunk:i * sec.chunk + part.shape[0]] = part
@@ -189,7 +195,7 @@ def _move_on_parent(rows, send, recv, sec: Section, what: str) -> torch.Tensor:
     for i, p in enumerate(sec.sub.ranks):
         full[0][p], full[1][p] = sizes[0][i], sizes[1][i]
     got = all_to_all(rows, full[0], full[1], parent, "ragged", 0, what=what)
-    if sec.variant == "ragged":
+    if not sec.fixed:
         return got
     return torch.cat([got[i * sec.chunk:i * sec.chunk + n] for i, n in enumerate(recv)]
                      + [got[:0]])
@@ -536,8 +542,8 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     st = HierState(topo, hplan, plan, E, kept, topk_weights.detach(), gname)
     expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
     P = x.shape[1] * x.element_size()
-    return cfg._result(seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
-                       st.send1_map, recv_map, hier=st, bytes_sent=_dispatch_bytes(st, P))
+    return result.build(cfg, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
+                        st.send1_map, recv_map, hier_state=st, bytes_sent=_dispatch_bytes(st, P))
 
 
 # ---- the way back: combine, dispatch backward --------------------------------------------------
@@ -623,6 +629,7 @@ class _Combine(torch.autograd.Function):
         return gy, (gw if ctx.weighted else None), None, None, None
 
 
-def combine(expert_y: torch.Tensor, d, weighted: bool) -> torch.Tensor:
-    """``Dispatcher.combine`` for a hier Dispatch (the call header agreed already)."""
-    return _Combine.apply(expert_y, d.row_weight, d._hier, weighted, d._x_dtype)
+def combine(cfg, expert_y: torch.Tensor, d, weighted: bool, check) -> torch.Tensor:
+    """``Dispatcher.combine`` for a hier Dispatch (the call header agreed already: hier is
+    never traced, so ``check`` is empty)."""
+    return _Combine.apply(expert_y, d.row_weight, d.handle.hier_state, weighted, d.handle.x_dtype)

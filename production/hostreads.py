@@ -34,15 +34,17 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Read", "Counter", "count_host_reads", "record", "OPS"]
+from .memory import device_path, is_host, mark_host
+
+__all__ = ["Read", "Counter", "count_host_reads", "record", "quiet", "to_host", "OPS"]
 
 # (module file, qualified function name) -> the operation a read inside it belongs to; the
 # innermost match on the stack wins (the call header inside a combine is the call header's).
 OPS = {
     ("agree.py", "agree"): "call header",
     ("agree.py", "raise_pending"): "call header",
-    ("ops.py", "_count_exchange"): "count_exchange",
-    ("device.py", "count_exchange"): "count_exchange",
+    ("count_exchange.py", "count_exchange"): "count_exchange",
+    ("count_exchange.py", "_on_device"): "count_exchange",
     ("hier.py", "gather_plan"): "count_exchange",
     ("ops.py", "prepare_dispatch"): "dispatch_tokens",
     ("ops.py", "dispatch_tokens"): "dispatch_tokens",
@@ -63,11 +65,11 @@ OPS = {
     ("ops.py", "combine_tokens_backward"): "combine_tokens_backward",
     ("lazy.py", "_CombineWait.backward"): "combine_tokens_backward",
     ("hier.py", "_Combine.backward"): "combine_tokens_backward",
-    ("device.py", "check_static"): "check_static",
+    ("deferred.py", "check_static"): "check_static",
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-_READERS = ("to_host", "_pinned_copy", "host_plan")  # epkit/device.py's reading functions
+_READERS = ("to_host", "_pinned_copy", "host_plan")  # the reading functions (hostreads.py, plan.py, count_exchange.py)
 
 
 class Read(NamedTuple):
@@ -126,13 +128,28 @@ def record(kind: str, t) -> None:
     """Count a host read of ``t`` if it is would-be device memory and a counter is open."""
     if not _ACTIVE or getattr(_STATE, "inside", False):
         return
-    from .device import device_path
-
     if not device_path(t):
         return
     op, where = _where()
     for c in list(_ACTIVE):
         c.reads.append(Read(op, kind, where))
+
+
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """``t`` in host memory: ``t`` itself off the device path (CPU, the mirror), else a copy, a
+    host wait on CUDA (into pinned memory with ``pinned``; a plain CPU copy stands in on the
+    interpreted path). Every host read of device memory epkit means to make goes through here,
+    so :func:`count_host_reads` counts it."""
+    if not device_path(t):
+        return t
+    record("to_host", t)
+    with quiet():
+        if t.is_cuda:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+            host.copy_(t)  # blocking device-to-host copy: the host waits for the stream here
+        else:
+            host = t.clone()
+    return mark_host(host)
 
 
 @contextmanager
@@ -173,8 +190,6 @@ def _to_cpu(args, kwargs):
 
 
 def _host_target(t) -> bool:
-    from .device import is_host
-
     return is_host(t)
 
 

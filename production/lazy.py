@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import device, ops
+from . import ops
+from .streams import Side
 from epkit.reference.abi import EXCHANGE_CODES
 
 C = ops.C
@@ -75,7 +76,7 @@ def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, exper
                    payload):
     """Issue the token exchange; ``payload``: the call's ``epkit.payloads`` entry."""
     hp = ops.host_plan(plan)
-    with device.Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
+    with Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
         # quantized payloads: at the source, rows of E4M3 bytes then the scales' bytes
         rows = payload.to_rows(x) if payload.quantized else x
         send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
@@ -92,9 +93,9 @@ class _CombineWait(torch.autograd.Function):
     def forward(ctx, expert_y, row_weight, state):
         back, state["finish"] = state["finish"](), None  # the work is done: let it go
         d = state["dispatch"]
-        out = ops.reduce_back(back, d._send_map, d._topk_weights, d._plan, state["transport"],
-                              state["weighted"], d._x_dtype)
-        ctx.save_for_backward(expert_y, row_weight, d._send_map, d._recv_map, d._plan)
+        out = ops.reduce_back(back, d.handle.send_map, d.handle.topk_weights, d.handle.plan, state["transport"],
+                              state["weighted"], d.handle.x_dtype)
+        ctx.save_for_backward(expert_y, row_weight, d.handle.send_map, d.handle.recv_map, d.handle.plan)
         ctx.meta = (state["group_name"], state["weighted"])
         return out
 
@@ -122,9 +123,9 @@ class PendingCombine:
 
 
 def issue_combine(expert_y, d, group_name, transport, weighted):
-    with device.Side(expert_y, d._recv_map, d.row_weight) as side:  # CUDA: a side stream
-        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), d._topk_idx,
-                               d._send_map, d._recv_map, d._plan, group_name, transport,
+    with Side(expert_y, d.handle.recv_map, d.row_weight) as side:  # CUDA: a side stream
+        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), d.handle.topk_idx,
+                               d.handle.send_map, d.handle.recv_map, d.handle.plan, group_name, transport,
                                weighted, async_op=True, what="epkit.combine (lazy)")
     state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)

@@ -12,10 +12,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _build, workspace
-from .collectives import all_gather, all_to_all, group_from_name
-from .device import TEMPLATE, device_path, host_plan, mark_host
+from .collectives import all_gather, all_to_all, group_from_name, variant_of
+from .memory import device_path, mark_host
 from .plan import *  # noqa: F401,F403  (the plan's word positions)
 from .plan import _F
+from .transports import by_code
 
 _build.load()
 C = torch.ops.epkit  # the kernel bench swaps this module's C to record the calls
@@ -29,11 +30,11 @@ def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: b
     and returns the rows. ``alloc``: the receive buffer's workspace (epkit/workspace.py)."""
     plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
     R = int(plan[RANKS])
-    variant = VARIANT_NAMES[int(plan[VARIANT])]
-    cap = int(plan[STATIC_CAP])
-    if variant == "static":  # fixed chunks of 1 + cap rows, counts in-band
-        send = recv = [1 + cap] * R
-        variant = "equal"
+    v = variant_of(plan)
+    variant = v.name
+    if v.header_rows:  # fixed chunks of header + cap rows, counts in-band
+        send = recv = [v.header_rows + int(plan[STATIC_CAP])] * R
+        variant = v.packed
     else:
         sl = plan_slices(R, int(plan[EXPERTS]))
         send = plan[sl["send_counts"]].tolist()
@@ -54,8 +55,8 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
     sl = plan_slices(R, int(plan[EXPERTS]))
     send = plan[sl["send_bytes"]].tolist()
     recv = plan[sl["recv_bytes"]].tolist()
-    variant = "ragged" if int(plan[VARIANT]) == 0 else "equal"
-    return all_to_all(buf, send, recv, group_from_name(group_name), variant, send[0] if R else 0,
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant_of(plan).packed,
+                      send[0] if R else 0,
                       async_op=async_op, what="epkit.dispatch (token exchange)", alloc=alloc)
 
 
@@ -63,7 +64,7 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
 
 def may_drop(plan: torch.Tensor) -> bool:
     """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
-    ``DROPPED_ANY``; where the host mirror is a routing-free template (epkit/device.py: the
+    ``DROPPED_ANY``; where the host mirror is a routing-free template (epkit/count_exchange.py: the
     static exchange on the device path, and the token-row gather before the one host read),
     whether a capacity is set at all."""
     hp = host_plan(plan)
@@ -136,13 +137,11 @@ def _back_layout(hp, per: int):
     """dedup's way back: ``(chunk rows, header rows)`` of a fixed-chunk variant (padded and equal:
     ``min(max slots, per * max token rows)``; static: ``1 + min(slot cap, per * token cap)``),
     ``(None, 0)`` for ragged. Caps from the plan alone, never above pairs' chunk."""
-    variant = VARIANT_NAMES[int(hp[VARIANT])]
-    if variant == "ragged":
+    v = variant_of(hp)
+    if not v.fixed_chunks:
         return None, 0
-    tok, slot = int(hp[TOK_CAP]), int(hp[SLOT_CAP])
-    if variant == "static":  # the caps count the header row
-        return 1 + min(slot - 1, per * (tok - 1)), 1
-    return min(slot, per * tok), 0
+    tok, slot, h = int(hp[TOK_CAP]), int(hp[SLOT_CAP]), v.header_rows  # the caps count h
+    return h + min(slot - h, per * (tok - h)), h
 
 
 def _ragged_bounds(hp, per: int) -> list:
@@ -270,7 +269,7 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
     buffers may be in flight together)."""
     if async_op:
         ws = -1
-    if transport == PAIRS:
+    if not by_code(transport).token_rows:
         rows = workspace.empty(workspace.allocator(ws, workspace.SEND),
                                (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype, expert_y)
         C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)
@@ -322,10 +321,10 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     kept slots, ``recv_map >= 0``; the source its kept routing's ``idx``): sizes from the host
     plan ``hp``, places as device tensors, nothing read back."""
     R, E, L, S = (int(hp[f]) for f in (RANKS, EXPERTS, LOCAL_EXPERTS, SEND_ROWS))
-    dedup = transport == DEDUP
-    variant = VARIANT_NAMES[int(hp[VARIANT])]
-    chunk = None if variant == "ragged" else int(hp[SLOT_CAP if dedup else TOK_CAP])
-    front = 1 if variant == "static" else 0
+    dedup = by_code(transport).token_rows
+    v = variant_of(hp)
+    chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
+    front = v.header_rows
     u = (recv_map >= 0).sum(1)
     first, _ = _unit_positions(u, _row_chunks(hp, recv_map.shape[0], True).to(u.device), R, 1,
                                chunk, front)

@@ -6,7 +6,7 @@ Two layers of ``torch.library`` ops, all in the ``epkit`` namespace:
 - Local kernels, schema and CPU kernel in C++ (``csrc/``): ``layout``, ``prepare``, ``plan``,
   ``pack``, ``unpack``, ``gather_rows``, ``reduce_tokens``, ``scatter_rows``,
   ``combine_backward_dest``, ``gather_slot_values``, ``scatter_slot_values``. Their fake kernels
-  are here; every routing-dependent size arrives as a SymInt argument, never guessed.
+  are in fakes.py; every routing-dependent size arrives as a SymInt argument, never guessed.
 - Ops that move data over a process group (Python custom ops, opaque to ``torch.compile``):
   ``count_exchange`` (the one small all-gather that yields the plan, and the collective error),
   ``dispatch_tokens`` / ``combine_tokens`` and their backward ops ``dispatch_tokens_backward`` /
@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from . import _build
-from .device import device_path, host_plan
+from .count_exchange import count_exchange as plan_of_group
+from .memory import device_path
 from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header, serial)
 from .collectives import all_gather, dtype_code, group_from_name
 from .workspace import RECV, SEND, allocator
@@ -34,6 +35,8 @@ C = torch.ops.epkit
 
 from . import fakes  # noqa: F401  (registers the fake kernels)
 from .plan import *  # noqa: F401,F403  (ops.RANKS, ops.PAIRS, ... as before)
+from .plan import host_plan
+from .transports import by_code
 from .moves import (kept_routing, move_back, move_dispatch, move_rows,  # noqa: F401
                     move_slot_values, reduce_back, token_rows_gather)
 
@@ -54,53 +57,16 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     on every rank), one more all-gather of every rank's kept token rows (R words, from
     ``topk_idx`` [T, K], this rank's routing) and the plan again (:func:`token_rows_gather`);
     without drops, none.
-    On CUDA the plan stays on the device with its host mirror attached (``epkit/device.py``;
+    On CUDA the plan stays on the device with its host mirror attached (``epkit/count_exchange.py``;
     ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
     ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
     the used slots of the gathered words (on CUDA reading ``S`` is one host wait).
     ``ranks_per_node`` (agreed in the call header) is written into the plan
     (:func:`stamp_ranks_per_node`): combine and the dispatch backward sum in its order.
     """
-    return stamp_ranks_per_node(_count_exchange(
+    return stamp_ranks_per_node(plan_of_group(
         words, group_name, rank, num_experts, align, capacity, transport, exchange,
         max_tokens_per_rank, static_shape, capacity_factor, topk_idx), ranks_per_node)
-
-
-def _count_exchange(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-                    max_tokens_per_rank, static_shape, capacity_factor, topk_idx):
-    import torch.distributed as dist
-
-    group = group_from_name(group_name)
-    if device_path(words):  # CUDA, or the interpreted Triton kernels standing in for it
-        from . import device
-
-        return device.count_exchange(words, group, rank, num_experts, align, capacity, transport,
-                                     exchange, max_tokens_per_rank, static_shape, topk_idx,
-                                     capacity_factor)
-    R = dist.get_world_size(group)
-    gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
-    all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
-    if capacity_factor > 0:
-        capacity = _factor_capacity(gathered.view(R, -1), num_experts, capacity_factor)
-    args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
-    plan = C.plan(gathered.view(R, -1), *args)
-    code = int(plan[ERR_CODE])
-    if code:
-        raise error(int(plan[ERR_RANK]), code, int(plan[ERR_A]), int(plan[ERR_B]))
-    if transport == DEDUP and int(plan[DROPPED_ANY]):  # the token rows that really travel
-        plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
-    return plan
-
-
-def _factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) -> int:
-    """The capacity of ``factor`` from the gathered words ``[R, 8 + E + R]`` (host memory)."""
-    from epkit.reference.capacity import capacity_from_factor
-
-    from epkit.reference.errors import MAX_CAPACITY
-
-    # summed in Python from the words as read: host memory on every path, no tensor made
-    used = sum(map(sum, gathered[:, WORD_HEADER:WORD_HEADER + num_experts].tolist()))
-    return min(capacity_from_factor(used, num_experts, factor), MAX_CAPACITY)  # huge: keeps all
 
 
 @count_exchange.register_fake
@@ -139,12 +105,12 @@ def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_byt
 
     R = dist.get_world_size(group_from_name(group_name))
     T, K = topk_idx.shape
-    cols = K if transport == PAIRS else R
+    cols = by_code(transport).send_map_cols(K, R)
     return (x.new_empty((expert_rows, x.shape[1])),
             x.new_empty((expert_rows, 3), dtype=torch.int64),
             x.new_empty((expert_rows,), dtype=torch.float32),
             x.new_empty((T, cols), dtype=torch.int64),
-            x.new_empty((recv_rows, 1 if transport == PAIRS else K), dtype=torch.int64))
+            x.new_empty((recv_rows, by_code(transport).recv_map_cols(K)), dtype=torch.int64))
 
 
 # ---- the fused prepare-and-dispatch (the eager path) -----------------------------------------
@@ -192,8 +158,8 @@ def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity,
     T, K = topk_idx.shape
     return (x.new_empty((M, x.shape[1])), x.new_empty((M, 3), dtype=torch.int64),
             x.new_empty((M,), dtype=torch.float32),
-            x.new_empty((T, K if transport == PAIRS else R), dtype=torch.int64),
-            x.new_empty((N, 1 if transport == PAIRS else K), dtype=torch.int64),
+            x.new_empty((T, by_code(transport).send_map_cols(K, R)), dtype=torch.int64),
+            x.new_empty((N, by_code(transport).recv_map_cols(K)), dtype=torch.int64),
             x.new_empty((plan_size(R, num_experts),), dtype=torch.int64))
 
 

@@ -2,21 +2,27 @@
 kernels' csrc/abi.h is generated from), the transport codes, and the few plan words Python
 writes or derives. ``plan`` is the int64 tensor ``epkit::plan`` computes from the gathered
 count words (docs/design.md, "The plan"); on CUDA its host mirror (:func:`epkit.device.host_plan`)
-is what these read."""
+is what these read, with the mirror's attribute names."""
 
 from __future__ import annotations
 
 import torch
 
-from .device import host_plan
+from .hostreads import to_host
+from .memory import device_path
 from epkit.reference import abi
+from epkit.reference.errors import error
 
 __all__ = ['TRANSPORTS', 'PAIRS', 'DEDUP', 'ERR_CODE', 'ERR_A', 'ERR_B', 'ERR_RANK', 'SEND_ROWS',
            'RECV_ROWS', 'EXPERT_ROWS', 'UNIFORM', 'MAX_CHUNK', 'RANKS', 'LOCAL_EXPERTS', 'EXPERTS',
            'STATIC_CAP', 'VARIANT', 'PAYLOAD_BYTES', 'TOK_CAP', 'SLOT_CAP', 'SEND_BYTES',
            'RECV_BYTES', 'NONUNIFORM_RANK', 'DROPPED_ANY', 'RANKS_PER_NODE', 'PLAN_HEADER',
            'VARIANT_NAMES', 'WORD_HEADER', 'plan_size', 'plan_slices', 'ranks_per_node',
-           'stamp_ranks_per_node', 'dispatch_chunk_bytes']
+           'stamp_ranks_per_node', 'HOST', 'TEMPLATE', 'host_plan',
+           'raise_error']
+
+HOST = "_epkit_host"  # attribute of a device plan: its host mirror
+TEMPLATE = "_epkit_template"  # attribute of a mirror that is a routing-free template
 
 TRANSPORTS = dict(abi.TRANSPORT_CODES)
 PAIRS, DEDUP = TRANSPORTS["pairs"], TRANSPORTS["dedup"]
@@ -36,6 +42,24 @@ plan_size = abi.plan_size
 plan_slices = abi.plan_slices
 
 
+def host_plan(plan: torch.Tensor) -> torch.Tensor:
+    """The plan's words on the host: the plan itself on CPU; on the device path its mirror (a
+    copy with a host wait, should a plan have lost it: correct, and counted by
+    :func:`epkit.device.count_host_reads`)."""
+    if not device_path(plan):
+        return plan
+    mirror = getattr(plan, HOST, None)
+    return mirror if mirror is not None else to_host(plan)
+
+
+def raise_error(words: torch.Tensor) -> None:
+    """Raise the group's :class:`epkit.InputError` that a plan's error words carry (host
+    memory: the plan on CPU, a mirror), if any."""
+    code = int(words[ERR_CODE])
+    if code:
+        raise error(int(words[ERR_RANK]), code, int(words[ERR_A]), int(words[ERR_B]))
+
+
 def ranks_per_node(plan: torch.Tensor) -> int:
     """The plan's ``G``, the nodes of the combine's summation order (a plan word that
     :func:`count_exchange` writes; a plan made by ``epkit::plan`` alone reads as 1)."""
@@ -49,13 +73,3 @@ def stamp_ranks_per_node(plan: torch.Tensor, G: int) -> torch.Tensor:
     if mirror is not plan:
         mirror[RANKS_PER_NODE] = G
     return plan
-
-
-def dispatch_chunk_bytes(transport: int, P: int, rows: int, slots: int) -> int:
-    """Bytes of one dispatch chunk (docs/design.md wire format): pairs rows of ``P + 16``;
-    dedup token rows of ``P + 8`` plus slot rows of 8."""
-    if transport == PAIRS:
-        return rows * (P + abi.PAIRS_META_BYTES)
-    return rows * (P + abi.DEDUP_TOKEN_META_BYTES) + slots * abi.SLOT_ROW_BYTES
-
-

@@ -390,8 +390,13 @@ class ExpertParallelMoE(_MoEBase):
 
         self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
         self.lazy_dispatcher = None  # the issue / wait path: asked for, or the shared overlap
-        if exchange == "lazy" or (overlap and shared_expert and exchange == "auto"
-                                  and transport != "hier"):
+        from epkit import collectives, transports
+
+        # The issue / wait path: asked for, or the default schedule where the transport has one.
+        # (A bad name finds no row: the Dispatcher reports it, on every rank, at dispatch.)
+        ex, tr = collectives.exchange_of(exchange), transports.of(transport)
+        if (ex is not None and ex.deferred) or (overlap and shared_expert and exchange == "auto"
+                                                and tr is not None and tr.runs("lazy")):
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
 

@@ -37,7 +37,7 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
-from ..device import host_plan
+from ..plan import host_plan
 from . import byterows
 from .indexmaps import excl, place, rank_in_key, take
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
@@ -58,7 +58,7 @@ SLOT = abi.SLOT_ROW_BYTES
 def _readable(t: torch.Tensor) -> bool:
     """Whether the data checks of the C++ kernel may read t: a CPU tensor off the device path
     (a direct call; under EPKIT_KERNELS=triton the ops mask as on a GPU and read nothing)."""
-    from ..device import device_path
+    from ..memory import device_path
 
     return t.device.type == "cpu" and not device_path(t)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from epkit.reference import abi
+from ..memory import device_path
 
 PAIRS, DEDUP = abi.TRANSPORT_CODES["pairs"], abi.TRANSPORT_CODES["dedup"]
 MAX_RANKS = 1 << 20
@@ -222,13 +223,11 @@ def check_scatter_slot_values_args(back, send_map, topk_idx, first, E, R, transp
 # ---- data checks: CPU tensors only (a host read elsewhere) ---------------------------------
 def on_host(t: torch.Tensor) -> bool:
     """Whether t's data may be read for an error message without a host read: off the device
-    path only (``epkit.device.device_path``: a CUDA tensor, or any unmarked CPU tensor while the
+    path only (``epkit.memory.device_path``: a CUDA tensor, or any unmarked CPU tensor while the
     Triton kernels stand in for the GPU's under ``EPKIT_KERNELS=triton``). A Triton op called
     directly on CPU tensors (the tests, the group simulation) raises the C++ errors; on the
     device path it masks, as on a GPU, and reads nothing back."""
-    from epkit import device
-
-    return not device.device_path(t)
+    return not device_path(t)
 
 
 def first_bad(bad: torch.Tensor) -> int:

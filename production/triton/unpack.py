@@ -43,7 +43,7 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
-from ..device import host_plan
+from ..plan import host_plan
 from . import byterows
 from .indexmaps import excl, place, rank_in_key
 from .wirechecks import (check_dim, check_dtype, check_nonneg, check_plan_chunks,

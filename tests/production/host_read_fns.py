@@ -155,7 +155,7 @@ def planted_read(group, rank):
             in_op = reads.take()
             int(d.tokens_per_expert.sum())
             in_caller = reads.take()
-            int(host_plan(d._plan)[0])  # the mirror: host memory, never a device read
+            int(host_plan(d.handle.plan)[0])  # the mirror: host memory, never a device read
             mirror = reads.take()
     finally:
         moves.reduce_back = real
@@ -171,8 +171,8 @@ def paths(group, rank):
 
     x, idx, w = inputs(rank, group.size(), torch.float32, False)
     d = epkit.dispatch(x, idx, w, num_experts=E, group=group, transport="pairs")
-    return (device_path(d.expert_x), device_path(d._plan), device_path(host_plan(d._plan)),
-            device_path(host_plan(d._plan)[3:5]))
+    return (device_path(d.expert_x), device_path(d.handle.plan), device_path(host_plan(d.handle.plan)),
+            device_path(host_plan(d.handle.plan)[3:5]))
 
 
 def _table():

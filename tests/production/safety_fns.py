@@ -157,7 +157,7 @@ def bad_combine(group, rank, faulty, kind):
             d.row_weight = d.row_weight[:-1]
             return disp.combine(y, d)
         if kind == "foreign_group":
-            d._group_name = "another-group"
+            d.handle.group_name = "another-group"
             return disp.combine(y, d)
         if kind == "not_a_dispatch":
             return disp.combine(y, None)
@@ -166,10 +166,10 @@ def bad_combine(group, rank, faulty, kind):
         if kind == "weighted_unreadable":
             return disp.combine(y, d, weighted=torch.tensor([]))
         if kind == "replaced_plan":
-            d._plan = d._plan.clone()
+            d.handle.plan = d.handle.plan.clone()
             return disp.combine(y, d)
         if kind == "recv_map_written":
-            d._recv_map.add_(0)  # in place: the version counter moves
+            d.handle.recv_map.add_(0)  # in place: the version counter moves
             return disp.combine(y, d)
         if kind == "list_y":
             return disp.combine(y.tolist(), d)

@@ -1,0 +1,152 @@
+"""The count exchange: every rank's count words all-gathered, the plan made from them, and the
+group's error raised on every rank (the body of ``epkit::count_exchange``, ops.py).
+
+Two paths, one result. In host memory (the CPU kernels) the plan is made where the words were
+gathered. On the device path (CUDA, or the interpreted Triton kernels standing in for it) the
+plan stays on the device with its *host mirror* attached (:func:`epkit.plan.host_plan`):
+
+- eager exchanges (ragged, padded, equal, auto, lazy): the mirror is the whole plan, copied once
+  into pinned host memory: the one host wait of a dispatch; combine and both backward passes
+  reuse the mirror and wait for nothing.
+- static: no host wait at all (CUDA-graph capturable). The mirror is the plan of a routing-free
+  template (every rank with this rank's ``H``, ``K``, dtype and payload, and zero counts):
+  exactly the plan's routing-independent words, which are all the static exchange reads on the
+  host. The group's error, if any, stays on the device: under an erroneous plan the kernels move
+  no token, and :func:`epkit.device.check_static` raises it when the caller asks.
+
+``EPKIT_HOST_PLAN=1`` computes an eager plan with the CPU kernel instead (the gathered words
+copied to pinned memory: the same one host wait), a fallback should the device plan be in doubt.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _build
+from .collectives import all_gather, group_from_name
+from .hostreads import to_host
+from .memory import device_path, mark_host, pinned
+from .moves import token_rows_gather
+from .transports import by_code
+from .plan import (DROPPED_ANY, ERR_RANK, HOST, TEMPLATE, WORD_HEADER, raise_error)
+from epkit.reference import abi
+from epkit.reference.capacity import capacity_from_factor
+from epkit.reference.errors import MAX_CAPACITY
+
+_build.load()
+C = torch.ops.epkit
+
+__all__ = ["count_exchange", "factor_capacity"]
+
+
+def count_exchange(words, group_name, rank, num_experts, align, capacity, transport, exchange,
+                   max_tokens_per_rank, static_shape, capacity_factor, topk_idx):
+    """The plan of this rank from every rank's count ``words`` (see the module); raises the
+    group's :class:`epkit.InputError` on every rank."""
+    group = group_from_name(group_name)
+    if device_path(words):  # CUDA, or the interpreted Triton kernels standing in for it
+        return _on_device(words, group, rank, num_experts, align, capacity, transport, exchange,
+                          max_tokens_per_rank, static_shape, topk_idx, capacity_factor)
+    R = dist.get_world_size(group)
+    gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
+    all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
+    if capacity_factor > 0:
+        capacity = factor_capacity(gathered.view(R, -1), num_experts, capacity_factor)
+    args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
+    plan = C.plan(gathered.view(R, -1), *args)
+    raise_error(plan)
+    if by_code(transport).token_rows and int(plan[DROPPED_ANY]):  # the token rows that really travel
+        plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
+    return plan
+
+
+def factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) -> int:
+    """The capacity of ``factor`` from the gathered words ``[R, 8 + E + R]`` (host memory)."""
+    # summed in Python from the words as read: host memory on every path, no tensor made
+    used = sum(map(sum, gathered[:, WORD_HEADER:WORD_HEADER + num_experts].tolist()))
+    return min(capacity_from_factor(used, num_experts, factor), MAX_CAPACITY)  # huge: keeps all
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    return to_host(t, pinned=True)
+
+
+def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
+    """The plan (CPU kernel) of a routing-free template, as a host mirror: every rank with zero
+    counts and ``shape`` = ``[H, K, dtype code, payload]``: exactly the plan's
+    routing-independent words (ranks, experts, capacity, the static caps). Marked as a template
+    (:data:`TEMPLATE`: epkit.moves.may_drop then answers "a capacity is set")."""
+    template = mark_host(torch.zeros((R, W), dtype=torch.int64))
+    F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
+    for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
+        template[:, F[field]] = int(value)
+    mirror = mark_host(C.plan(template, *args))
+    setattr(mirror, TEMPLATE, True)
+    return mirror
+
+
+def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: int,
+               capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
+               static_shape: Optional[list] = None, topk_idx: Optional[torch.Tensor] = None,
+               capacity_factor: float = -1.0) -> torch.Tensor:
+    """``epkit::count_exchange`` for device words: the device plan with its host mirror attached;
+    raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
+
+    Host reads (docs/design.md, "Host reads"): one for an eager exchange, the mirror. dedup with
+    a capacity gathers the token rows (token_rows_gather) and plans again whether or not a
+    slot was dropped (the words equal tokens_per_rank when nothing was, so the plan is the
+    same), so the one copy carries the final plan and the first plan's error words. A
+    ``capacity_factor`` needs the gathered counts on the host: they are the one read, and the
+    plan is made there (a second read only for dedup's token rows when a slot was dropped).
+    static: no host read, unless a ``capacity_factor`` is set."""
+    R = dist.get_world_size(group)
+    gathered = words.new_empty((R * words.shape[0],))
+    all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
+    host_words = None
+    if capacity_factor > 0:  # the gathered counts decide the capacity: read them once
+        host_words = _pinned_copy(gathered).view(R, -1)
+        capacity = factor_capacity(host_words, num_experts, capacity_factor)
+    args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
+    static = max_tokens_per_rank >= 0
+    planned_rows = False  # dedup's token rows gathered and planned already
+    if static:
+        plan = C.plan(gathered.view(R, -1), *args)
+        if static_shape is None:
+            raise ValueError("epkit: the static exchange on CUDA needs the dispatch's static_shape "
+                             "[H, K, dtype code, payload] to size its chunks without a host wait")
+        mirror = _template(R, words.shape[0], args, static_shape)
+        if by_code(transport).token_rows and capacity >= 0:
+            setattr(plan, HOST, mirror)  # may_drop: a capacity is set
+            words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            plan = C.plan(words2, *args)
+    elif host_words is not None or os.environ.get("EPKIT_HOST_PLAN") == "1":
+        if host_words is None:
+            host_words = _pinned_copy(gathered).view(R, -1)  # the one host wait
+        mirror = pinned(C.plan(host_words, *args))
+        plan = (mirror.to(words.device, non_blocking=True) if words.is_cuda else mirror.clone())
+    elif by_code(transport).token_rows and capacity >= 0:
+        first = C.plan(gathered.view(R, -1), *args)
+        setattr(first, HOST, _template(R, words.shape[0], args))  # may_drop: a capacity is set
+        plan = C.plan(token_rows_gather(gathered, first, topk_idx, group, R, num_experts),
+                      *args)
+        # the one host wait: the first plan's error words (the group's error, raised before
+        # anything that the token rows' plan might say) and the final plan, in one copy
+        both = _pinned_copy(torch.cat([first[: ERR_RANK + 1], plan]))
+        raise_error(both)
+        mirror = both[ERR_RANK + 1:]
+        planned_rows = True
+    else:
+        plan = C.plan(gathered.view(R, -1), *args)
+        mirror = _pinned_copy(plan)  # the one host wait of an eager dispatch
+    setattr(plan, HOST, mirror)
+    if not static:
+        raise_error(mirror)
+        if by_code(transport).token_rows and not planned_rows and int(mirror[DROPPED_ANY]):
+            words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            plan = C.plan(words2, *args)
+            setattr(plan, HOST, _pinned_copy(plan))  # a second host wait, only with drops
+    return plan

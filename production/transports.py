@@ -1,0 +1,111 @@
+"""The transport table of production: what each transport's rows look like to the ops, one row
+per transport (the mirror of ``epkit.reference.transports``).
+
+A transport decides what rows travel; the ops and their fakes ask its row, never its name:
+
+===========  ===========  ===========================  ==============  ===================
+transport    token_rows   send_map [T, cols]           recv_map cols   rows on the way back
+===========  ===========  ===========================  ==============  ===================
+pairs        no           K (one row per kept slot)    1               expert_y's dtype
+dedup        yes          R (one row per destination)  K               float32 partials
+hier         yes          (its own module, hier.py; stage 1 and 2 are dedup exchanges)
+===========  ===========  ===========================  ==============  ===================
+
+``module`` names the module that carries the transport out behind the two-function interface
+``dispatch(dispatcher, seq, x, topk_idx, topk_weights, local, G) -> Dispatch`` and
+``combine(dispatcher, expert_y, d, weighted, check) -> out`` (``direct.py`` for the one-stage
+transports, ``hier.py`` for the node-aware one; the Dispatcher looks it up, api.py). Codes come
+from reference/abi.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from epkit.reference import abi
+from epkit.reference.errors import Reason
+
+__all__ = ["Transport", "TABLE", "of", "by_code"]
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    module: str            # the module that carries it out (see the module docstring)
+    token_rows: bool       # one row per (token, destination rank) and slot rows; else per slot
+    stages: int = 1        # exchanges per direction: hier's inter-node then intra-node stage
+    # the exchange options it runs (None: every one) and whether a quantized payload travels
+    exchanges: Optional[tuple] = None
+    quantized: bool = True
+
+    def runs(self, exchange, payload=None) -> bool:
+        """Whether this transport runs ``exchange`` with ``payload``."""
+        return ((self.exchanges is None or exchange in self.exchanges)
+                and (self.quantized or payload is None))
+
+    @property
+    def code(self) -> int:
+        return abi.TRANSPORT_CODES[self.name]
+
+    def send_map_cols(self, K: int, R: int) -> int:
+        """Columns of ``send_map``: a token's row per destination rank, or per slot."""
+        return R if self.token_rows else K
+
+    def recv_map_cols(self, K: int) -> int:
+        """Columns of ``recv_map``: a token row's slots, or the one slot of a slot row."""
+        return K if self.token_rows else 1
+
+    def back_dtype(self, y_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the rows on the way back: a token row's float32 partial, or expert_y's
+        own row."""
+        return torch.float32 if self.token_rows else y_dtype
+
+    def chunk_bytes(self, P: int, rows: int, slots: int) -> int:
+        """Bytes of one dispatch chunk (docs/design.md wire format): slot rows of ``P + 16``;
+        token rows of ``P + 8`` plus slot rows of 8."""
+        if not self.token_rows:
+            return rows * (P + abi.PAIRS_META_BYTES)
+        return rows * (P + abi.DEDUP_TOKEN_META_BYTES) + slots * abi.SLOT_ROW_BYTES
+
+    def option_error(self, L: int, G: int, exchange, payload) -> tuple:
+        """What this transport cannot encode or run, for ``L`` local experts and ``G`` ranks per
+        node (the options' own checks passed): ``(code, a, b)``."""
+        if self.token_rows and L >= abi.DEDUP_MAX_LOCAL:  # a slot row's j: 24 bits
+            return Reason.TOO_MANY_LOCAL_EXPERTS, L, abi.DEDUP_MAX_LOCAL - 1
+        if self.stages > 1:
+            if L * G >= abi.DEDUP_MAX_LOCAL:  # stage 1's j: the expert's id on its node
+                return Reason.TOO_MANY_LOCAL_EXPERTS, L * G, abi.DEDUP_MAX_LOCAL - 1
+        if not self.runs(exchange, payload):  # a = 1 lazy, 2 static, 3 a quantized payload
+            return Reason.HIER_UNSUPPORTED, {"lazy": 1, "static": 2}.get(exchange, 3), 0
+        return Reason.OK, 0, 0
+
+    def topk_error(self, K: int) -> tuple:
+        """A token row's slot ``k`` is 8 bits."""
+        if self.token_rows and K > abi.DEDUP_MAX_TOPK:
+            return Reason.TOPK_TOO_LARGE, K, abi.DEDUP_MAX_TOPK
+        return Reason.OK, 0, 0
+
+
+TABLE = {t.name: t for t in (Transport("pairs", "direct", token_rows=False),
+                             Transport("dedup", "direct", token_rows=True),
+                             Transport("hier", "hier", token_rows=True, stages=2,
+                                       exchanges=("auto", "ragged", "padded", "equal"),
+                                       quantized=False))}
+_BY_CODE = {t.code: t for t in TABLE.values()}
+assert set(TABLE) == set(abi.TRANSPORT_CODES), "a transport without a row (or a row without a code)"
+
+
+def of(name) -> Optional[Transport]:
+    """The row of transport ``name``; None for a name that is not one (its error travels)."""
+    try:
+        return TABLE.get(name)
+    except TypeError:
+        return None
+
+
+def by_code(code: int) -> Transport:
+    """The row of a transport code (the ops' integer argument)."""
+    return _BY_CODE[int(code)]
