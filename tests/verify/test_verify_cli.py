@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -79,6 +80,18 @@ def test_python_dash_m_off_a_terminal_writes_plain_progress_lines():
     assert "\r" not in out + err
     lines = [ln for ln in err.splitlines() if ln.startswith("epkit verify: mode ")]
     assert len(lines) == 2 and lines[-1].startswith("epkit verify: mode padded passed (2/2, ")
+
+
+def test_on_a_terminal_the_bar_is_drawn_instead_of_mode_lines(monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    rc = main(["--world-size", "2", "--examples", "3", "--impl", PLAIN, "--seed", "1"])
+    assert rc == 0, capsys.readouterr().out
+    assert "\r" in err.getvalue() and "epkit verify: mode " not in err.getvalue()
 
 
 def test_torchrun_drives_from_rank_0_and_the_others_serve():
