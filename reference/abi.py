@@ -170,6 +170,11 @@ MXFP8_BLOCK = PAYLOAD_BLOCKS["mxfp8"]
 FP8_BLOCK128_BLOCK = PAYLOAD_BLOCKS["fp8_block128"]
 
 
+# the payload codes as an error text names them: "0 (none), 1 (mxfp8), 2 (fp8_block128)"
+PAYLOAD_CHOICES = ", ".join(f"{c} ({p or 'none'})"
+                            for p, c in sorted(PAYLOAD_CODES.items(), key=lambda item: item[1]))
+
+
 def payload_bytes(hidden: int, itemsize: int, payload=None) -> int:
     """Bytes of one token's payload on the wire: ``H * itemsize(x)`` for ``payload=None``, else
     ``H`` E4M3 bytes followed by ``H / block`` scales (``H + scale_bytes * H / block``)."""
@@ -211,6 +216,13 @@ def render_header() -> str:
     out += [f"constexpr int64_t kPayload{_camel(str(k) if k else 'none')} = {v};"
             for k, v in PAYLOAD_CODES.items()]
     out += [f"constexpr int64_t kPayloadCount = {len(PAYLOAD_CODES)};"]
+    # the payload table by code, so that a kernel asks a row instead of naming payloads
+    payloads = sorted(PAYLOAD_CODES, key=PAYLOAD_CODES.get)
+    out += ["constexpr int64_t kPayloadBlocks[kPayloadCount] = {"
+            + ", ".join(str(PAYLOAD_BLOCKS[p]) for p in payloads) + "};",
+            "constexpr int64_t kPayloadScaleBytes[kPayloadCount] = {"
+            + ", ".join(str(PAYLOAD_SCALE_BYTES[p]) for p in payloads) + "};",
+            f'constexpr const char* kPayloadChoices = "{PAYLOAD_CHOICES}";']
     out += ["", "// count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]"]
     out += _enum("WordField", "Word", ((f, i) for i, f in enumerate(WORD_FIELDS)))
     out += [f"constexpr int64_t kWordHeader = {WORD_HEADER};", "",

@@ -103,6 +103,9 @@ constexpr int64_t kPayloadNone = 0;
 constexpr int64_t kPayloadMxfp8 = 1;
 constexpr int64_t kPayloadFp8Block128 = 2;
 constexpr int64_t kPayloadCount = 3;
+constexpr int64_t kPayloadBlocks[kPayloadCount] = {0, 32, 128};
+constexpr int64_t kPayloadScaleBytes[kPayloadCount] = {0, 1, 4};
+constexpr const char* kPayloadChoices = "0 (none), 1 (mxfp8), 2 (fp8_block128)";
 
 // count words: [header | tokens_per_expert (E) | tokens_per_rank (R)]
 enum WordField : int64_t { kWordErrorCode = 0, kWordErrorA = 1, kWordErrorB = 2, kWordTokens = 3, kWordHidden = 4, kWordTopK = 5, kWordXDtype = 6, kWordPayload = 7 };

@@ -196,7 +196,7 @@ inline void check_prepare_args(const Tensor& x, const Tensor& topk_idx, const Te
               pre_error.size(), " values");
   check_num_ranks(op, R);
   TORCH_CHECK(payload_known(payload), op,
-              ": payload must be 0 (none), 1 (mxfp8) or 2 (fp8_block128), got ", payload);
+              ": payload must be one of ", kPayloadChoices, ", got ", payload);
   if (pre_error[kPreErrorCode] != 0) {
     TORCH_CHECK(E >= -R && E <= kMaxExperts, op, ": num_experts ", E,
                 " leaves no room for the count words' header (num_ranks ", R, ")");

@@ -36,11 +36,10 @@ inline bool payload_known(int64_t payload) {
   return payload >= kPayloadNone && payload < kPayloadCount;
 }
 inline int64_t payload_block(int64_t payload) {
-  return payload == kPayloadMxfp8 ? kMxfp8Block : payload == kPayloadFp8Block128 ? kFp8Block128Block : 0;
+  return payload_known(payload) ? kPayloadBlocks[payload] : 0;
 }
 inline int64_t payload_scale_bytes(int64_t payload) {
-  return payload == kPayloadMxfp8 ? kMxfp8ScaleBytes
-                                  : payload == kPayloadFp8Block128 ? kFp8Block128ScaleBytes : 0;
+  return payload_known(payload) ? kPayloadScaleBytes[payload] : 0;
 }
 inline int64_t payload_row_bytes(int64_t payload, int64_t H, int64_t itemsize) {
   const int64_t block = payload_block(payload);

@@ -103,7 +103,7 @@ def _check_prepare(x, idx, w, E, R, pre_error, payload):
                   f"{len(pre_error)} values")
     check_num_ranks(op, R)
     if payload not in _BLOCKS:
-        _fail(op, f"payload must be 0 (none), 1 (mxfp8) or 2 (fp8_block128), got {payload}")
+        _fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
     if pre_error[_PRE["code"]] != 0:
         if not -R <= E <= MAX_EXPERTS:
             _fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
