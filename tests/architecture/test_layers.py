@@ -132,3 +132,57 @@ def test_reference_imports_no_production_module():
     ref = {m for m in g if m.startswith("epkit.reference")}
     bad = sorted((m, t) for m in ref for t in g[m] if t not in ref and t.startswith("epkit"))
     assert not bad, f"the reference imports production: {bad}"
+
+
+def documented_order(text: str) -> dict:
+    """docs/design.md "Where things live": for the reference and production lists, module name
+    -> its line's position (a folder ``x/`` stands for its modules not listed on their own)."""
+    block = text[text.index("```\nreference/"):]
+    block = block[:block.index("```", 4)]
+    pkg = {"reference": "epkit.reference", "production": "epkit"}
+    order, current, line_no = {}, None, 0
+    for line in block.splitlines():
+        head = line.split("/", 1)[0]
+        if line[:1].strip():
+            current = pkg.get(head) if line[len(head):len(head) + 1] == "/" else None
+            continue
+        if current is None or not line.startswith("  ") or line.startswith("   "):
+            continue
+        line_no += 1
+        for entry in line.strip().split("   ")[0].split():
+            name = entry[:-3] if entry.endswith(".py") else entry
+            name = name[:-len("/__init__")] if name.endswith("/__init__") else name
+            order.setdefault(current, {})[name] = (line_no, entry.endswith("/"))
+    return order
+
+
+def position(module: str, listed: dict):
+    """The documented line of ``module``: its own (``triton/__init__.py`` for the package
+    ``epkit.triton``), else its folder's (``triton/`` for ``epkit.triton.pack``); None when the
+    list does not place it."""
+    for prefix in sorted(listed, key=len, reverse=True):  # epkit.reference before epkit
+        if not module.startswith(prefix + "."):
+            continue
+        parts, entries = module[len(prefix) + 1:].split("."), listed[prefix]
+        if "/".join(parts) in entries:  # its own line: "plan.py", "triton/_runtime.py"
+            return entries["/".join(parts)][0]
+        folder = entries.get(parts[0] + "/")
+        return None if folder is None else folder[0]
+    return None
+
+
+def test_design_doc_lists_the_layers_in_import_order():
+    """A module imports only modules listed above it (or on its own line) in docs/design.md,
+    so the document's picture of the layers cannot drift from the code."""
+    listed = documented_order(open(os.path.join(ROOT, "docs", "design.md")).read())
+    assert set(listed) == {"epkit.reference", "epkit"}
+    g = graph()
+    others = ("epkit.verify", "epkit.tools", "epkit.baselines")
+    library = [m for m in g if m.startswith("epkit.") and m != "epkit.reference"
+               and not m.startswith(others)]
+    unlisted = sorted(m for m in library if position(m, listed) is None)
+    assert not unlisted, f"modules docs/design.md does not place: {unlisted}"
+    upward = [f"{m} (line {position(m, listed)}) imports {t} (line {position(t, listed)})"
+              for m in library for t in g[m]
+              if t in library and position(t, listed) > position(m, listed)]
+    assert not upward, "docs/design.md lists these the other way round:\n" + "\n".join(upward)
