@@ -58,7 +58,7 @@ def _(expert_y, recv_map, row_weight, transport, weighted):
 
 @torch.library.register_fake("epkit::gather_units")
 def _(expert_y, recv_map, row_weight, transport, weighted, first, out):
-    return None  # writes out (the way back's send buffer) in place
+    return None  # writes out (the return path's send buffer) in place
 
 
 @torch.library.register_fake("epkit::reduce_tokens")

@@ -13,7 +13,7 @@ its own rows:
 
 The destination sorts its stage-2 rows by (s, t) into dedup's receive layout and runs the
 dedup unpack on the dispatch's dedup plan: its expert-major result, ``recv_map`` and the whole
-expert side of combine and the backward passes are dedup's own kernels. The way back returns,
+expert side of combine and the backward passes are dedup's own kernels. The return path returns,
 per token row with n kept slots, its n rows when ``n <= u = 4 / itemsize`` else a float32
 partial: d -> f the rank partial ``P_d`` (``gather_rows``), f -> s the node partial ``N_n``,
 which the forwarder forms with ``reduce_tokens`` keyed by the node's ranks; the source adds the
@@ -218,7 +218,7 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
 
 def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor, sec: Section,
                me: int, what: str) -> torch.Tensor:
-    """The way back: ``rows [n, u, H]``, of which row i sends its first ``units[i]``; returns
+    """The return path: ``rows [n, u, H]``, of which row i sends its first ``units[i]``; returns
     ``[m, u, H]`` (zeros past ``recv_units``), the received rows' units in place."""
     u = rows.shape[1]
     lane = torch.arange(u, device=rows.device)
@@ -388,7 +388,7 @@ def _nonzero(mask: torch.Tensor, n: int):
 
 def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
-    arrival), and the maps of the way back (a dict of HierState fields). ``rows``: its stage-2
+    arrival), and the maps of the return path (a dict of HierState fields). ``rows``: its stage-2
     token rows, from the plan."""
     dev = tok1.device
     A = tok1.shape[0]
@@ -420,7 +420,7 @@ def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: in
 
 
 def _raw_index(sa, fan_row, arr_n, fan_n, order2):
-    """Where each arrival slot's row lies on the way back: ``(arrival, i)`` its place in the
+    """Where each arrival slot's row lies on the return path: ``(arrival, i)`` its place in the
     arrival's return (k ascending), ``(fan row, q)`` its place in the stage-2 return (the fan
     row's slots, k ascending)."""
     dev = sa.device
@@ -546,7 +546,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
                         st.send1_map, recv_map, hier_state=st, bytes_sent=_dispatch_bytes(st, P))
 
 
-# ---- the way back: combine, dispatch backward --------------------------------------------------
+# ---- the return path: combine, dispatch backward -----------------------------------------------
 
 def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out_dtype):
     """Combine (``ys`` = expert_y, weighted or not) or dispatch backward (``ys`` = gradient

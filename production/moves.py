@@ -1,7 +1,7 @@
-"""The exchanges inside the ops: the dispatch's token exchange, the way back of combine and the
+"""The exchanges inside the ops: the dispatch's token exchange, the return path of combine and the
 dispatch backward (pairs' rows; dedup's raw rows or float32 partials, moved as only the rows
 used), dedup's kept routing and the count exchange's second all-gather, and the weight
-gradients' way back (one float32 per kept slot). Collective calls go through
+gradients' return path (one float32 per kept slot). Collective calls go through
 :func:`epkit.collectives.all_to_all` (the variant table); sizes come from the plan's host
 mirror, so nothing here waits for the device."""
 
@@ -60,7 +60,7 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
                       async_op=async_op, what="epkit.dispatch (token exchange)", alloc=alloc)
 
 
-# ---- dedup: the kept routing, and the way back of raw rows or partials -----------------------
+# ---- dedup: the kept routing, and the return path of raw rows or partials -----------------------
 
 def may_drop(plan: torch.Tensor) -> bool:
     """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
@@ -134,8 +134,9 @@ def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, topk_idx, grou
 
 
 def _back_layout(hp, per: int):
-    """dedup's way back: ``(chunk rows, header rows)`` of a fixed-chunk variant (padded and equal:
-    ``min(max slots, per * max token rows)``; static: ``1 + min(slot cap, per * token cap)``),
+    """dedup's return path: ``(chunk rows, header rows)`` of a fixed-chunk variant (padded and
+    equal: ``min(max slots, per * max token rows)``; static: ``1 + min(slot cap, per * token
+    cap)``),
     ``(None, 0)`` for ragged. Caps from the plan alone, never above pairs' chunk."""
     v = variant_of(hp)
     if not v.fixed_chunks:
@@ -145,7 +146,7 @@ def _back_layout(hp, per: int):
 
 
 def _ragged_bounds(hp, per: int) -> list:
-    """dedup's ragged way back on the device path: ``[send, recv]`` rows per peer from the
+    """dedup's ragged return path on the device path: ``[send, recv]`` rows per peer from the
     plan's host words alone, ``min(slot rows, per * token rows)`` of each chunk (the expert
     side sends to s what it received from s; the source receives from d what it sent d). Exact
     for ``per = 1`` (float32: a unit per token row) and whenever no token row has more than
@@ -171,7 +172,7 @@ def _row_chunks(hp, n: int, recv: bool) -> torch.Tensor:
 
 
 def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
-    """Where the way back puts each token row's rows. ``u [n]``: rows of each token row (row
+    """Where the return path puts each token row's rows. ``u [n]``: rows of each token row (row
     space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact), the rows
     of every chunk (fixed chunks), or a list of each peer's chunk rows (bounded chunks, from
     the plan's host words). Returns ``(pos [n, per] int64``: the way-back row of its i-th row,
@@ -208,7 +209,7 @@ def _send_row_slots(kept_idx: torch.Tensor, send_map: torch.Tensor, L: int, S: i
 
 
 class Back(NamedTuple):
-    """What the way back delivers to the source (:func:`move_back`), the arguments of
+    """What the return path delivers to the source (:func:`move_back`), the arguments of
     :func:`reduce_back`. rows: pairs' ``[S, H]`` slot rows; dedup's received units ``[U, H]`` in
     y's dtype (a token row's ``min(n, per)`` units: its n rows, or its float32 partial's bytes).
     idx ``[T, K]``: dedup's kept routing, pairs' topk_idx. first ``[S] int64``: dedup, where send
@@ -222,11 +223,11 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
                      recv_map: torch.Tensor, send_map: torch.Tensor, kept_idx: torch.Tensor,
                      plan: torch.Tensor, group_name: str, async_op: bool, what: str,
                      ws: int):
-    """dedup's way back: gather_units writes the units the exchange sends (a token row with n
+    """dedup's return path: gather_units writes the units the exchange sends (a token row with n
     kept slots: its n rows of y when ``n <= per = 4 / itemsize``, else its float32 partial, as
     ``min(n, per)`` units of H elements), placed along the variant's chunks; the source reads
-    the received buffer in place. Both buffers from workspace ``ws``. Returns a :class:`Back` (or, with ``async_op``, a callable that waits and
-    returns it)."""
+    the received buffer in place. Both buffers from workspace ``ws``. Returns a :class:`Back`
+    (or, with ``async_op``, a callable that waits and returns it)."""
     hp = host_plan(plan)
     R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
     per = 4 // expert_y.dtype.itemsize
@@ -262,7 +263,7 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
               send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
               group_name: str, transport: int, weighted: bool, async_op: bool = False,
               what: str = "epkit.combine", ws: int = -1):
-    """The way back of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
+    """The return path of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
     gather_units on the expert side and the exchange. Returns a :class:`Back` for
     :func:`reduce_back`, or with ``async_op`` a callable that waits and returns it. ``ws``:
     the Dispatcher's workspace key (-1: none; the lazy schedule, ``async_op``, takes none: its
@@ -285,7 +286,7 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
 def reduce_back(back: Back, send_map: torch.Tensor, topk_weights: torch.Tensor,
                 plan: torch.Tensor, transport: int, weighted: bool,
                 out_dtype: torch.dtype) -> torch.Tensor:
-    """The source side of the way back: ``[T, H] out_dtype``, each token's sum in the spec's
+    """The source side of the return path: ``[T, H] out_dtype``, each token's sum in the spec's
     order (reduce_tokens; ``ranks_per_node`` from the plan). ``topk_weights [T, K] float32``:
     the source's weights (unread unweighted)."""
     hp = host_plan(plan)
@@ -294,10 +295,10 @@ def reduce_back(back: Back, send_map: torch.Tensor, topk_weights: torch.Tensor,
                            back.first)
 
 
-# ---- the weight gradients' way back: one float32 per kept slot -------------------------------
+# ---- the weight gradients' return path: one float32 per kept slot -------------------------------
 
 class SlotPlaces(NamedTuple):
-    """Where the weight gradients' way back puts each value (:func:`slot_places`).
+    """Where the weight gradients' return path puts each value (:func:`slot_places`).
 
     first [N] int64: the place of received row n's first value in the expert side's buffer (-1:
     none); rows: that buffer's length; first_src [S] int64: the place of send row r's first value
@@ -313,7 +314,7 @@ class SlotPlaces(NamedTuple):
 
 def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.Tensor,
                 transport: int) -> SlotPlaces:
-    """The weight gradients' way back along the dispatch's slot section (pairs' rows, dedup's
+    """The weight gradients' return path along the dispatch's slot section (pairs' rows, dedup's
     slot rows), transposed: one float32 per kept slot, in slot-row order (dedup: a token row's n
     values k ascending). Ragged: chunks of the plan's slot counts; padded and equal: the section's
     chunk (its largest count); static: its ``1 + cap`` rows, the first a zero row; so pairs' own
@@ -344,7 +345,7 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
 def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
                      idx: torch.Tensor, plan: torch.Tensor, group_name: str, transport: int,
                      what: str) -> torch.Tensor:
-    """The weight gradients' way back (the gradient of ``row_weight``): ``values [M] float32``
+    """The weight gradients' return path (the gradient of ``row_weight``): ``values [M] float32``
     on the expert side, one per expert-major row -> ``[T, K] float32`` on the source, 0 for
     unused and dropped slots. ``idx [T, K]``: the source's routing (dedup: the kept routing,
     :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels

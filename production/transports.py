@@ -4,7 +4,7 @@ per transport (the mirror of ``epkit.reference.transports``).
 A transport decides what rows travel; the ops and their fakes ask its row, never its name:
 
 ===========  ===========  ===========================  ==============  ===================
-transport    token_rows   send_map [T, cols]           recv_map cols   rows on the way back
+transport    token_rows   send_map [T, cols]           recv_map cols   rows on the return path
 ===========  ===========  ===========================  ==============  ===================
 pairs        no           K (one row per kept slot)    1               expert_y's dtype
 dedup        yes          R (one row per destination)  K               float32 partials
@@ -59,7 +59,7 @@ class Transport:
         return K if self.token_rows else 1
 
     def back_dtype(self, y_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the rows on the way back: a token row's float32 partial, or expert_y's
+        """The dtype of the rows on the return path: a token row's float32 partial, or expert_y's
         own row."""
         return torch.float32 if self.token_rows else y_dtype
 

@@ -4,12 +4,12 @@ reused by every later call, released on request.
 
 Why: on the CPU a buffer above glibc's mmap threshold (32 MiB at most) is fresh pages on every
 allocation, and touching them first costs about as much as the exchange that fills them
-(docs/benchmarks.md, "out fresh"); the default workload's way back and pairs' rows are such
+(docs/benchmarks.md, "out fresh"); the default workload's return path and pairs' rows are such
 buffers. On CUDA the caching allocator reuses memory already; the workspace there gives the
 same buffer (the same address) every call.
 
 What lives here: every staging buffer of an exchange inside an op, both sides: the dispatch's
-send buffer (``pack_into`` writes it) and receive buffer, the way back's (``gather_units``) of
+send buffer (``pack_into`` writes it) and receive buffer, the return path's (``gather_units``) of
 combine and the dispatch backward, the combine backward's (``scatter_rows_into``). What never
 does: any tensor an op returns or saves for backward (outputs alias nothing), the buffers of
 the lazy schedule (several may be in flight at once) and those of hier and the quantized

@@ -63,7 +63,7 @@ def ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weight
 
 
 def sums_back(rows, res, weighted: bool) -> List[np.ndarray]:
-    """The way back of combine (and, unweighted, of the dispatch backward): R float32 [T_s, H]
+    """The return path of combine (and, unweighted, of the dispatch backward): R float32 [T_s, H]
     sums, through the transport the dispatch came by (its bytes), else the spec's order."""
     carried = transports.of_results(res)
     if carried is not None:

@@ -326,7 +326,7 @@ inline PlanOffsets check_unpack_plan(const int64_t* p, int64_t n, int64_t transp
 inline void check_first(const char* op, const std::optional<Tensor>& first, int64_t transport,
                         int64_t rows, const char* what, c10::Device dev) {
   if (!first.has_value()) return;
-  TORCH_CHECK(transport == kDedup, op, ": first (the way back's unit places) is dedup's only");
+  TORCH_CHECK(transport == kDedup, op, ": first (the return path's unit places) is dedup's only");
   check_dim(op, "first", *first, 1);
   check_dtype(op, "first", *first, at::kLong);
   check_device(op, "first", *first, dev);

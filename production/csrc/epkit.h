@@ -93,7 +93,7 @@ inline int64_t plan_expert(int64_t* p, const PlanOffsets& o, const int64_t* word
   return (k + align - 1) / align * align;
 }
 
-// The weight gradients' way back (scatter_slot_values): the place of slot k
+// The weight gradients' return path (scatter_slot_values): the place of slot k
 // among its token's kept slots on rank d, k ascending (the slots before it there), i.e. after
 // its token row's first value. idx: the token's kept routing [K] (dropped, unused: -1).
 inline int64_t slot_rank(const int64_t* idx, int64_t k, int64_t d, int64_t E,

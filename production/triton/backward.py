@@ -1,6 +1,6 @@
 """The backward kernels in Triton (cpu/backward.cpp), bit for bit the C++ kernels' outputs:
 combine_backward_dest (the combine backward's expert side), gather_slot_values and
-scatter_slot_values (the weight gradients' way back).
+scatter_slot_values (the weight gradients' return path).
 
 The weight gradient ``<g, y>`` is summed in the C++ kernel's 16-lane order (csrc/lanes.h,
 cpu/backward.cpp ``weighted_row``): lane i sums the products g_h * y_h of h = i (mod 16) in
@@ -171,7 +171,7 @@ def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight
     return grad_y, grad_w
 
 
-# ---- the weight gradients' way back ----------------------------------------------------------
+# ---- the weight gradients' return path ----------------------------------------------------------
 TAKE_BLOCK = 4096 if INTERPRETED else 1024
 
 

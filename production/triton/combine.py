@@ -8,7 +8,7 @@ into ``total = +0.0 + P + ...`` (ranks_per_node G > 1: into a node partial ``N =
 per node, each N added into total when the next node opens). Each lane of a tile is one (token,
 column) and runs that sequence serially, so the tiling changes no bit.
 
-dedup's way back (docs/design.md): a token row with n kept slots travels as its n rows of y when
+dedup's return path (docs/design.md): a token row with n kept slots travels as its n rows of y when
 n <= per = 4 / itemsize(y), else as its float32 partial (per units of H elements of y's dtype);
 with ``first`` its units lie at unit first[n] of a [units, H] buffer, else at n * per of rows of
 4H bytes.
@@ -157,7 +157,7 @@ def _launch_units(yi, umap, recv_map, w, oi, partial, per, bf16, weighted):
 
 def gather_rows(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
                 transport: int, weighted: bool) -> torch.Tensor:
-    """The expert side's rows for the way back (cpu/combine.cpp gather_rows_cpu).
+    """The expert side's rows for the return path (cpu/combine.cpp gather_rows_cpu).
 
     expert_y [M, H] (pairs: any dtype; dedup: float32 or bfloat16), recv_map [N, C] int64
     (pairs: C = 1), row_weight [M] float32 (read when dedup and weighted). Returns pairs: [N, H]

@@ -112,7 +112,7 @@ def check_first(op, first, transport, rows, what, dev):
     if first is None:
         return
     if transport != DEDUP:
-        fail(op, "first (the way back's unit places) is dedup's only")
+        fail(op, "first (the return path's unit places) is dedup's only")
     check_map(op, "first", first, 1)
     check_device(op, "first", first, dev)
     if rows >= 0:

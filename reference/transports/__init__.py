@@ -5,7 +5,7 @@ of ``Transport`` (base.py: the operations every transport has, and the byte rows
 
     base.py     Transport (the interface); byte rows, payload encode / decode
     direct.py   the one-stage transports' shared body: Plan, count_words, Wire, Direct (the plan,
-                dispatch, the way back, combine backward, their byte accounting)
+                dispatch, the return path, combine backward, their byte accounting)
     pairs.py    Pairs: a row per kept slot
     dedup.py    Dedup: token rows and slot rows (a token once per destination rank)
     hier.py     Hier: node-aware, two stages (inter-node, then intra-node)
@@ -46,7 +46,7 @@ def of_results(res) -> Transport | None:
 
 
 def reduce_back(res, ys: List[np.ndarray], weighted: bool):
-    """The way back through the transport of ``res`` (Transport.reduce_back)."""
+    """The return path through the transport of ``res`` (Transport.reduce_back)."""
     return of_results(res).reduce_back(res, ys, weighted)
 
 

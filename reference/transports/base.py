@@ -17,7 +17,7 @@ from ..records import Group
 class Transport:
     """One transport, carried out for real on the whole group (per-rank lists), byte for byte.
 
-    Every transport has these operations; the way back of combine and of the dispatch backward
+    Every transport has these operations; the return path of combine and of the dispatch backward
     is one (``reduce_back``):
 
         wire_plan(group, idx, kept)                    the plan: every count every rank derives

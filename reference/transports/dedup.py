@@ -3,7 +3,7 @@
 Two sections per (source, destination), each its own exchange: token rows ``payload | int32 t
 | int32 n`` (P + 8 bytes), one per token t with a *kept* slot on d (n >= 1 of them), t
 ascending; slot rows ``int32 (k << 24 | j) | float32 w`` (8 bytes), one per kept slot, in token
-order then k ascending. The way back returns per token row ``min(n, per)`` rows: the n expert
+order then k ascending. The return path returns per token row ``min(n, per)`` rows: the n expert
 rows themselves when they are not wider than a float32 partial, else the partial. Encodable:
 K <= 255, L < 2**24. The rules it shares with pairs (the plan, the exchanges, the accounting)
 and the full statement are direct.py's.
@@ -49,7 +49,7 @@ def slots_on(idx: np.ndarray, kept: np.ndarray, t: int, d: int, L: int) -> List[
 
 
 def back_units(p: Plan, per: int) -> np.ndarray:
-    """The way back: rows ``s <- d`` as [R, R] int64 ``[s, d]`` (``sum over token rows of
+    """The return path: rows ``s <- d`` as [R, R] int64 ``[s, d]`` (``sum over token rows of
     min(n, per)``; exact with ``p.single``, else the bound ``min(slots, per * rows)``)."""
     if p.single is None:
         return np.minimum(p.slots, per * p.rows)
@@ -57,7 +57,7 @@ def back_units(p: Plan, per: int) -> np.ndarray:
 
 
 def back_exchange(p: Plan, per: int) -> Tuple[str, Optional[int]]:
-    """``(variant, cap)`` of the way back: ragged as it is; padded and equal (chunks of one
+    """``(variant, cap)`` of the return path: ragged as it is; padded and equal (chunks of one
     length) as padded to ``min(max slots, per * max rows)``; static with
     ``min(slot_cap, per * cap)``."""
     variant = VARIANTS[p.variant]
@@ -182,7 +182,7 @@ class Dedup(Direct):
                           recv_topk_weights=recv_topk_weights, recv_src=recv_src)
         return fields, recv_rows, rank_major
 
-    # --- the way back ----------------------------------------------------------------------
+    # --- the return path ----------------------------------------------------------------------
 
     def back_plan(self, p: Plan, per: int):
         """``min(n, per)`` rows per token row (back_units), with back_exchange's variant and
@@ -190,7 +190,7 @@ class Dedup(Direct):
         return (back_units(p, per), *back_exchange(p, per))
 
     def back_send(self, res_d, y: np.ndarray, weighted: bool, per: int):
-        """Rank d's way back, per received token row (recv order): its ``min(n, per)`` rows in
+        """Rank d's return path, per received token row (recv order): its ``min(n, per)`` rows in
         y's dtype: the n rows themselves (k ascending) when ``n <= per``, else the float32
         partial P_d(t) (arith.partial_sum) as ``per`` rows of its bits. Returns (the rows,
         their count per source)."""
@@ -252,7 +252,7 @@ class Dedup(Direct):
 
 class CountWordsDedup(Dedup):
     """dedup's plan from the count words alone (``exact=False`` where capacity dropped a slot:
-    the token rows and the way back are then upper bounds; ``epkit simulate`` derives this
+    the token rows and the return path are then upper bounds; ``epkit simulate`` derives this
     one). The byte functions give it for the hier transport (accounting.py)."""
 
     def exact_counts(self, group: Group, idx, kept) -> tuple:

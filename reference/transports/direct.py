@@ -1,7 +1,7 @@
 """The one-stage transports, pairs (pairs.py) and dedup (dedup.py): what they share.
 
 Every row goes straight from its source to its destination, one exchange per section; the
-plan, the dispatch, the way back, the combine backward and the byte accounting are one body
+plan, the dispatch, the return path, the combine backward and the byte accounting are one body
 here (``Direct``), and what differs is a method of each class (the rows' layout: a row per
 kept slot, or a token row with its slot rows). Every row is raw bytes (little-endian), as
 docs/design.md's wire format says. ``P`` is the payload,
@@ -44,7 +44,7 @@ runs one more all-gather: every rank contributes ``token_rows[s, :]`` (layout.to
 int64 words: its tokens with a kept slot on each rank), identical under every variant (the static one too).
 Without drops there is no second collective (``Plan.dropped`` says which).
 
-The way back (combine, dispatch backward) is the exchange with the counts transposed:
+The return path (combine, dispatch backward) is the exchange with the counts transposed:
 
     pairs  every kept slot's row in the order it came, in expert_y's dtype (combine) or the
            gradient's dtype (dispatch backward); the source sums two-level (arith.py)
@@ -98,16 +98,16 @@ class Plan:
 
     counts [R, E] int64 pre-capacity slots per (source, expert); kept [R, E] int64 kept ones;
     tokens_per_rank [R, R] int64 (row s: rank s's tokens_per_rank); rows [R, R] int64 the rows
-    s -> d of the first section (pairs rows; dedup token rows), the one the way back (combine,
+    s -> d of the first section (pairs rows; dedup token rows), the one the return path (combine,
     backward) moves transposed; cap: its static chunk (rows); slots [R, R] int64 / slot_cap:
     dedup's slot-row section (kept slots s -> d) and its static chunk (None for pairs);
     variant: the exchange that runs, decided over all sections.
     dropped: capacity dropped a slot somewhere in the group (dedup: the count exchange ran its
     second all-gather, of the token rows). single [R, R] int64 or None: dedup token rows s -> d
     with exactly one kept slot; not exchanged (each side counts its own), only the byte
-    accounting of the way back reads it. exact: False for a dedup plan made from the count
+    accounting of the return path reads it. exact: False for a dedup plan made from the count
     words alone (``epkit simulate``) where they do not fix the token rows or ``single``: the
-    accounting is then an upper bound (token rows ``min(tokens_per_rank, slots)``, way back
+    accounting is then an upper bound (token rows ``min(tokens_per_rank, slots)``, return path
     ``min(slots, per * rows)``), still never above pairs'.
     """
 
@@ -131,7 +131,7 @@ def count_words(idx: List[np.ndarray], num_ranks: int, num_experts: int) -> np.n
 
 
 def back_per(itemsize: int) -> int:
-    """Rows of the way back's dtype that one float32 partial occupies (``4 / itemsize``); a
+    """Rows of the return path's dtype that one float32 partial occupies (``4 / itemsize``); a
     dedup token row with n kept slots returns ``min(n, per)`` rows."""
     return 4 // itemsize
 
@@ -159,10 +159,10 @@ class Direct(Transport):
         exact_counts(...)       what its plan needs beyond the count words
         sections(group, p)      what the dispatch moves: (counts, row bytes, static cap) each
         send / receive          one rank's rows out; one rank's rows in -> its fields
-        back_send(...)          one rank's rows of the way back, and their counts per source
+        back_send(...)          one rank's rows of the return path, and their counts per source
         back_counts(p, s, ...)  rows source s gets back from each rank
         source_sums(...)        the source's sums from the rows it got back
-        back_plan(p, per)       the way back's counts [s, d], variant and cap (accounting)
+        back_plan(p, per)       the return path's counts [s, d], variant and cap (accounting)
         slot_section(p)         the kept slots' section: the weight gradients come back on it
         sent_tokens(send)       the token of each row sent (the gradient rows follow them)
         recv_slot_rows(wire, K) the expert-major row of each received row's slots
@@ -231,7 +231,7 @@ class Direct(Transport):
                                         **fields))
         return results
 
-    # --- the way back: combine and dispatch backward ---------------------------------------
+    # --- the return path: combine and dispatch backward ---------------------------------------
 
     def reduce_back(self, res, ys: List[np.ndarray], weighted: bool):
         """Combine (``ys`` = expert_y) or dispatch backward (``ys`` = gradients, unweighted)

@@ -26,7 +26,7 @@ little-endian bytes (``P``: the payload, as for pairs and dedup):
 The destination rebuilds its expert-major rows from the stage-2 rows alone (each token row's
 n claims the next n slot rows; the rows name (s, t), so the order of arrival does not matter).
 
-The way back (combine, dispatch backward) runs the two stages backwards. Rows of the way back
+The return path (combine, dispatch backward) runs the two stages backwards. Rows of the return path
 are ``H * itemsize(y)`` bytes (y: expert_y, or the gradient rows); ``u = 4 / itemsize(y)`` of
 them (1 for float32, 2 for bfloat16) hold one float32 [H] partial sum. For every stage-2 token
 row with ``n`` kept slots, d returns the n expert rows themselves, k ascending, when ``n <= u``
@@ -37,7 +37,7 @@ node's ranks. Every partial is the spec's (arith.py): ``P_d(t)`` over the slots 
 ascending; ``N_n(t) = +0.0 + P_d + ...`` over the node's ranks ascending; the source adds
 ``out(t) = +0.0 + N_0 + N_1 + ...`` over the nodes ascending (``arith.grouped_total_sum``), so
 hier gives the same bits as pairs and dedup with the same ``ranks_per_node``. Rows per token
-row on the way back: ``min(n, u)``, never more than pairs' n rows.
+row on the return path: ``min(n, u)``, never more than pairs' n rows.
 
 Combine backward sends the gradient row of each token forward like a dispatch (stage 1: one
 per stage-1 token row, stage 2: one per stage-2 token row; no meta: the layout is the
@@ -49,10 +49,10 @@ per node need each source's kept mask, known after capacity). Each rank contribu
 row of ``NodeCounts`` (tokens with at least one / two kept slots per rank and per node, kept
 slots per rank); with every rank's rows (in production: a second all-gather of ``2 (R + N)``
 words a rank) every rank derives every stage's counts and the exchange variant, decided once
-over every section of both stages and of the way back (equal only when all are uniform).
+over every section of both stages and of the return path (equal only when all are uniform).
 Static chunks (rows): stage 1 token rows ``max_tokens_per_rank``, slot rows
 ``max_tokens_per_rank * min(K, G L)``; stage 2 token rows ``N * max_tokens_per_rank``, slot
-rows ``N * max_tokens_per_rank * min(K, L)``; the way back ``min(K, G L, u)`` resp.
+rows ``N * max_tokens_per_rank * min(K, L)``; the return path ``min(K, G L, u)`` resp.
 ``N * min(K, L, u)`` times ``max_tokens_per_rank``; the weight gradients the slot rows' chunks.
 """
 
@@ -167,7 +167,7 @@ class HierPlan:
     variant: str
 
     def back_rows(self, stage: int, u: int) -> np.ndarray:
-        """The way back's rows of a stage, transposed (entry [b, a]: rows b returns to a):
+        """The return path's rows of a stage, transposed (entry [b, a]: rows b returns to a):
         ``min(n, u)`` per token row."""
         tok, multi = (self.s1_tok, self.s1_multi) if stage == 1 else (self.s2_tok, self.s2_multi)
         return (tok + (multi if u >= 2 else 0)).T
@@ -409,7 +409,7 @@ def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
     return results
 
 
-# --- the way back: combine and dispatch backward -----------------------------------------------
+# --- the return path: combine and dispatch backward -----------------------------------------------
 
 def _units(rows: List[np.ndarray], partial, u: int, row_dtype) -> List[np.ndarray]:
     """A token row's return: its n rows when ``n <= u``, else the float32 partial (``partial()``,

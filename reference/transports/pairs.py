@@ -1,7 +1,7 @@
 """The pairs transport: one row per kept slot, the simplest wire format.
 
 One section: a row per kept slot (t, k) of source s on rank d, ordered by local expert j, then
-t: ``payload | int32 t | int32 k | int32 j | float32 w`` (P + 16 bytes). The way back returns
+t: ``payload | int32 t | int32 k | int32 j | float32 w`` (P + 16 bytes). The return path returns
 every kept slot's row in the order it came; the combine backward sends a gradient row per kept
 slot and takes a weight gradient back per row. The plan, the exchanges and the byte
 accounting are direct.py's (the rules pairs shares with dedup).
@@ -75,7 +75,7 @@ class Pairs(Direct):
             recv_rows[which[j]] = positions[j]
         return fields, recv_rows, None
 
-    # --- the way back ----------------------------------------------------------------------
+    # --- the return path ----------------------------------------------------------------------
 
     def back_plan(self, p: Plan, per: int):
         """Every kept slot's row comes back: the dispatch's counts, variant and cap."""

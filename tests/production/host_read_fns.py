@@ -99,7 +99,7 @@ def matrix(group, rank, transport: str, dtype_name: str):
 
 def transports_agree(group, rank):
     """The bits of pairs, dedup and hier (auto exchange, no payload, one rank a node): the
-    semantics makes them equal, so hier's device-path way back (sizes from its plan, no boolean
+    semantics makes them equal, so hier's device-path return path (sizes from its plan, no boolean
     index) is checked against code it does not share."""
     return [phases(group, rank, dict(transport=t), torch.bfloat16)[1]
             for t in ("pairs", "dedup", "hier")]
@@ -131,7 +131,7 @@ def capacity_cases(group, rank, transport: str):
 
 def planted_read(group, rank):
     """A read the counter must catch: ``.item()`` on a device-path tensor inside an epkit
-    operation (combine_tokens' way back, patched for the call), and ``int()`` of a dispatch
+    operation (combine_tokens' return path, patched for the call), and ``int()`` of a dispatch
     output in the caller; the plan's mirror read is not one."""
     import epkit
     from epkit import moves

@@ -126,7 +126,7 @@ def opcheck_all(group, rank):
                  torch.where(u > 0, torch.cumsum(u, 0) - u, -1))
         slots = N if transport == ops.PAIRS else int(u.sum())
         vals = C.gather_slot_values(rw, recv_map, first, slots)
-        # the way back's units (dedup: min(n, per) per token row, compact; pairs: a row each)
+        # the return path's units (dedup: min(n, per) per token row, compact; pairs: a row each)
         un = u.clamp(max=4 // y.element_size())
         ufirst = None if transport == ops.PAIRS else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
         units = torch.empty((N if transport == ops.PAIRS else int(un.sum()), H))

@@ -83,7 +83,7 @@ class Ctx:
         slots = N if tr == 0 else int(u.sum())
         vals = C.gather_slot_values(rw, recv_map, first, slots)
         grad_rows = C.scatter_rows(x, send_map, S)
-        # the way back's units (epkit.moves): dedup, min(n, per) a token row, compact; pairs a
+        # the return path's units (epkit.moves): dedup, min(n, per) a token row, compact; pairs a
         # row per row, no places
         un = u.clamp(max=4 // y.element_size())
         ufirst = None if tr == 0 else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)

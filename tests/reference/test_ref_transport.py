@@ -373,7 +373,7 @@ def test_exchange_variants(R, seed, tail, dtype):
 @given(cases(), st.sampled_from(("ragged", "padded", "static")))
 def test_plan_from_count_words_alone_bounds_the_bytes(case, ex):
     """``epkit simulate`` plans from the count words alone: where they do not fix dedup's token
-    rows (capacity dropped something) or its way back (which needs every token row's n), the
+    rows (capacity dropped something) or its return path (which needs every token row's n), the
     plan says ``exact=False`` and its bytes bound the exact ones from above, never above pairs'."""
     max_t = max(x.shape[0] for x in case.xs)
     for ydt in (F32, ref.dtypes.BFLOAT16):

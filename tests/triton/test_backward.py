@@ -81,7 +81,7 @@ def test_combine_backward_dest_past_2_31_bytes(cpp):
     assert same(got[0], want[0]) and same(got[1], want[1])
 
 
-# ---- the weight gradients' way back -------------------------------------------------------------
+# ---- the weight gradients' return path -----------------------------------------------------------
 def slot_layout(rng, counts, gaps):
     """first [len(counts)] (-1 where nothing is placed) and the buffer's length."""
     first = np.full(len(counts), -1, np.int64)

@@ -1,7 +1,7 @@
 """epkit.triton.combine (gather_rows, gather_units, reduce_tokens) against the C++ kernels, bit
 for bit (integer views: NaN payloads and -0 count), in Triton's interpreter.
 
-Inputs are built by hand the way the pipeline makes them (tests/production/test_way_back.py):
+Inputs are built by hand the way the pipeline makes them (tests/production/test_return_path.py):
 recv_map rows with 0 .. K kept slots, send_map naming a token row per (token, rank) or a row
 per slot, first with gaps, rows of random float32 bit patterns of every class with the edge
 values planted (NaN payloads, infinities, subnormals, -0, bfloat16 rounding ties)."""

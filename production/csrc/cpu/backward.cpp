@@ -95,7 +95,7 @@ std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv_in,
   return {grad_y, grad_w};
 }
 
-// The weight gradients' way back, expert side: values [M] float32 (one per expert-major row)
+// The weight gradients' return path, expert side: values [M] float32 (one per expert-major row)
 // -> out [out_rows], one float32 per kept slot in the dispatch's slot-row order. Received row
 // n's entries that name a row (recv_map[n, c] >= 0, c ascending: k ascending for dedup, one
 // for pairs) go to first[n], first[n] + 1, ... (epkit.ops.move_slot_values places the rows:

@@ -6,10 +6,10 @@
 // c_k * y(t, k) for the kept slots living on d; every product and every sum is a single
 // float32 operation, every sum starts from +0.0.
 //
-// dedup's way back (docs/design.md): a token row with n kept slots returns its n rows of y
+// dedup's return path (docs/design.md): a token row with n kept slots returns its n rows of y
 // themselves when n * itemsize(y) <= 4 (n <= per = 4 / itemsize), else its float32 partial
 // P_d(t): u = min(n, per) units of H elements of y's dtype (a float32 partial is per units).
-// With `first` (the way back as it travels): token row n's units start at unit first[n] of a
+// With `first` (the return path as it travels): token row n's units start at unit first[n] of a
 // [units, H] buffer in y's dtype, so gather_rows writes the exchange's send buffer itself and
 // reduce_tokens reads the received buffer in place (no repacking pass on either side). Without
 // it, a token row holds 4H bytes (one float32 row, the unused bytes zero): gather_rows' output

@@ -1,4 +1,4 @@
-"""dedup's way back as it travels (gather_units / reduce_tokens with ``first``), bit for bit.
+"""dedup's return path as it travels (gather_units / reduce_tokens with ``first``), bit for bit.
 
 The expert side writes each token row's ``u = min(n, per)`` units (its n rows of y, or its
 float32 partial's bytes) straight into the exchange's send buffer at ``first[n]``; the source
