@@ -272,17 +272,30 @@ def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str
 class HierState:
     """What a hier dispatch keeps for combine and the backward passes (this rank's part).
 
-    Source: ``kept [T, K]`` int64 the kept routing, ``weights [T, K]`` float32 the routing
-    weights (detached); ``send1_map [T, N]`` int64 the stage-1 token row of (t, node) (-1:
-    none); ``rows1_t``, ``n1 [S1]`` int64 the token and kept slots (on the node) of each
-    stage-1 token row; ``slots1 [S1s]`` int64 ``t * K + k`` of each stage-1 slot row.
-    Forwarder: ``fan_map [A, G]`` int64 the stage-2 token row of (arrival, rank of the node),
-    ``fan_a [F]`` the arrival of each; ``fidx [A, K]`` int64 the arrival's slots as expert ids
-    on the node (-1: none), ``fw [A, K]`` float32 their weights; ``arr_n [A]`` its kept slots
-    on the node; ``fan_n [F]`` each stage-2 row's; ``order2 [As]`` int64 the arrival slot row of
-    each stage-2 slot row; ``raw_at``: where an arrival's raw rows lie (:func:`_raw_index`).
-    Destination: ``perm [N2]`` int64 the stage-2 row of each dedup-order row, ``to_dedup`` its
-    inverse, ``n2 [N2]`` kept slots of each stage-2 row, ``recv_map [N2, K]`` (dedup order).
+    On the source:
+
+    - ``kept [T, K]`` int64: the kept routing; ``weights [T, K]`` float32: the routing weights
+      (detached);
+    - ``send1_map [T, N]`` int64: the stage-1 token row of (token, node) (-1: none);
+    - ``stage1_token``, ``stage1_slots [S1]`` int64: the token, and its kept slots on the node,
+      of each stage-1 token row; ``stage1_slot_index [S1s]`` int64: ``t * K + k`` of each
+      stage-1 slot row.
+
+    On the forwarder (a *received row* is a stage-1 token row as it arrives there, ``A`` of
+    them; a *forwarded row* a stage-2 token row it sends on, ``F`` of them):
+
+    - ``forward_map [A, G]`` int64: the forwarded row of (received row, rank of the node);
+      ``forward_source [F]``: the received row of each forwarded row;
+    - ``received_experts [A, K]`` int64: a received row's slots as expert ids on the node (-1:
+      none); ``received_weights [A, K]`` float32: their weights; ``received_slots [A]``: its
+      kept slots on the node; ``forward_slots [F]``: each forwarded row's;
+    - ``forward_slot_order [As]`` int64: the received slot row of each stage-2 slot row;
+      ``received_raw_at``: where a received row's raw rows lie on the return path
+      (:func:`_raw_index`).
+
+    On the destination: ``stage2_of_dedup [N2]`` int64: the stage-2 row of each dedup-order row,
+    ``dedup_of_stage2``: its inverse; ``stage2_slots [N2]``: kept slots of each stage-2 row;
+    ``recv_map [N2, K]`` (dedup order).
     """
 
     topo: Topology
@@ -293,25 +306,26 @@ class HierState:
     weights: torch.Tensor
     group_name: str
     send1_map: Optional[torch.Tensor] = None
-    rows1_t: Optional[torch.Tensor] = None
-    n1: Optional[torch.Tensor] = None
-    slots1: Optional[torch.Tensor] = None
-    fan_map: Optional[torch.Tensor] = None
-    fan_a: Optional[torch.Tensor] = None
-    fidx: Optional[torch.Tensor] = None
-    fw: Optional[torch.Tensor] = None
-    arr_n: Optional[torch.Tensor] = None
-    fan_n: Optional[torch.Tensor] = None
-    order2: Optional[torch.Tensor] = None
-    raw_at: tuple = ()
-    perm: Optional[torch.Tensor] = None
-    to_dedup: Optional[torch.Tensor] = None
-    n2: Optional[torch.Tensor] = None
+    stage1_token: Optional[torch.Tensor] = None
+    stage1_slots: Optional[torch.Tensor] = None
+    stage1_slot_index: Optional[torch.Tensor] = None
+    forward_map: Optional[torch.Tensor] = None
+    forward_source: Optional[torch.Tensor] = None
+    received_experts: Optional[torch.Tensor] = None
+    received_weights: Optional[torch.Tensor] = None
+    received_slots: Optional[torch.Tensor] = None
+    forward_slots: Optional[torch.Tensor] = None
+    forward_slot_order: Optional[torch.Tensor] = None
+    received_raw_at: tuple = ()
+    stage2_of_dedup: Optional[torch.Tensor] = None
+    dedup_of_stage2: Optional[torch.Tensor] = None
+    stage2_slots: Optional[torch.Tensor] = None
     recv_map: Optional[torch.Tensor] = None
 
     def section(self, name: str, u: int = 0) -> Section:
-        """A section of the plan by name: ``s1_tok`` ... ``s2_slot``, ``back1``/``back2`` (the way
-        back's rows for ``u``), ``w1``/``w2`` (one weight gradient per kept slot, back)."""
+        """A section of the plan by name: ``s1_tok`` ... ``s2_slot``, ``back1``/``back2`` (the
+        return path's rows for ``u``), ``w1``/``w2`` (one weight gradient per kept slot,
+        back)."""
         p, t = self.plan, self.topo
         counts = {"back1": lambda: p.back_rows(1, u), "back2": lambda: p.back_rows(2, u),
                   "w1": lambda: p.s1_slot.T, "w2": lambda: p.s2_slot.T}.get(
@@ -375,7 +389,8 @@ def _stage1_send(payload, kept, w, N: int, GL: int, rows: int, slots: int):
     slots1 = torch.argsort(key)[:slots]                                # (node, t, k) order
     e, n = kept.reshape(-1)[slots1], flat[slots1]
     slot = _slot_rows(slots1 % K, e - n * GL, w.reshape(-1)[slots1])
-    return tok, slot, dict(send1_map=send1_map, rows1_t=tt, n1=cnt[tt, nn_], slots1=slots1)
+    return tok, slot, dict(send1_map=send1_map, stage1_token=tt, stage1_slots=cnt[tt, nn_],
+                           stage1_slot_index=slots1)
 
 
 def _nonzero(mask: torch.Tensor, n: int):
@@ -388,8 +403,8 @@ def _nonzero(mask: torch.Tensor, n: int):
 
 def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
-    arrival), and the maps of the return path (a dict of HierState fields). ``rows``: its stage-2
-    token rows, from the plan."""
+    received row), and the maps of the return path (a dict of HierState fields). ``rows``: its
+    stage-2 token rows, from the plan."""
     dev = tok1.device
     A = tok1.shape[0]
     src = torch.repeat_interleave(torch.tensor(inter_ranks, device=dev),
@@ -407,22 +422,23 @@ def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: in
     fw[sa, k] = w
     n_ad = torch.zeros((A, G), dtype=torch.int64, device=dev).index_put_(
         (sa, dl), torch.ones_like(sa), accumulate=True)
-    fd, fa = _nonzero(n_ad > 0, rows)                                  # (rank, arrival) order
+    fd, fa = _nonzero(n_ad > 0, rows)                                  # (rank, received row) order
     fan_map = torch.full((A, G), -1, dtype=torch.int64, device=dev)
     fan_map[fa, fd] = torch.arange(fa.numel(), device=dev)
     fan_n = n_ad[fa, fd]
     tok2 = torch.cat([tok1[fa, :P], _int32_rows(src[fa], arr_t[fa], fan_n)], 1)
     order2 = torch.argsort(dl * max(slot1.shape[0], 1) + torch.arange(slot1.shape[0], device=dev))
     slot2 = _slot_rows(k[order2], jn[order2] % L, w[order2])
-    st = dict(fan_map=fan_map, fan_a=fa, fidx=fidx, fw=fw, arr_n=arr_n, fan_n=fan_n, order2=order2,
-              raw_at=_raw_index(sa, fan_map[sa, dl], arr_n, fan_n, order2))
+    st = dict(forward_map=fan_map, forward_source=fa, received_experts=fidx, received_weights=fw,
+              received_slots=arr_n, forward_slots=fan_n, forward_slot_order=order2,
+              received_raw_at=_raw_index(sa, fan_map[sa, dl], arr_n, fan_n, order2))
     return tok2, slot2, st
 
 
 def _raw_index(sa, fan_row, arr_n, fan_n, order2):
-    """Where each arrival slot's row lies on the return path: ``(arrival, i)`` its place in the
-    arrival's return (k ascending), ``(fan row, q)`` its place in the stage-2 return (the fan
-    row's slots, k ascending)."""
+    """Where each received slot's row lies on the return path: ``(received row, i)`` its place
+    in the received row's return (k ascending), ``(forwarded row, q)`` its place in the stage-2
+    return (the forwarded row's slots, k ascending)."""
     dev = sa.device
     i = torch.arange(sa.numel(), device=dev) - (torch.cumsum(arr_n, 0) - arr_n)[sa]
     q = torch.empty_like(i)
@@ -493,7 +509,7 @@ def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
     tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
     slot2 = move(slot2, st.section("s2_slot"), me, "stage 2 slot rows")
     hp = ops.host_plan(st.dedup_plan)
-    buf, st.perm, st.to_dedup, st.n2 = _receive(tok2, slot2, t.R, P, hp)
+    buf, st.stage2_of_dedup, st.dedup_of_stage2, st.stage2_slots = _receive(tok2, slot2, t.R, P, hp)
     N, M = int(hp[ops.RECV_ROWS]), int(hp[ops.EXPERT_ROWS])
     out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M)
     st.recv_map = out[3]
@@ -555,23 +571,24 @@ def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out
     u = 4 // ys.element_size()
     w = row_weight if row_weight is not None else ys.new_zeros((0,), dtype=torch.float32)
     rows = C.gather_rows(ys, st.recv_map, w, DEDUP, weighted)        # [N2, H] f32, dedup order
-    r2 = _reinterpret(rows[st.to_dedup], ys.dtype, (rows.shape[0], u, H))
-    got2 = move_units(r2, st.n2.clamp(max=u), st.fan_n.clamp(max=u), st.section("back2", u), me,
-                      "stage 2 back")
+    r2 = _reinterpret(rows[st.dedup_of_stage2], ys.dtype, (rows.shape[0], u, H))
+    got2 = move_units(r2, st.stage2_slots.clamp(max=u), st.forward_slots.clamp(max=u),
+                      st.section("back2", u), me, "stage 2 back")
     back2 = got2.reshape(-1, u * H)
-    node = C.reduce_tokens(back2, st.fan_map, st.fidx, st.fw, t.G * (st.E // t.R), t.G, DEDUP,
-                           weighted, torch.float32, 1)               # N_n per arrival
+    node = C.reduce_tokens(back2, st.forward_map, st.received_experts, st.received_weights,
+                           t.G * (st.E // t.R), t.G, DEDUP, weighted, torch.float32,
+                           1)                                        # N_n per received row
     r1 = _reinterpret(node, ys.dtype, (node.shape[0], u, H)).clone()
-    sa, i, fr, q = st.raw_at
-    raw = st.arr_n[sa] <= u                                          # the node's rows themselves
+    sa, i, fr, q = st.received_raw_at
+    raw = st.received_slots[sa] <= u                                # the node's rows themselves
     if not device_path(raw):
         r1[sa[raw], i[raw]] = got2[fr[raw], q[raw]]
     else:  # without a boolean index (a host wait): every slot writes, the others what is there
-        # (an arrival's slots are all raw or none, so two writes to one place write one value)
+        # (a received row's slots are all raw or none, so two writes to one place write one value)
         ic, qc = i.clamp(max=u - 1), q.clamp(max=u - 1)
         r1[sa, ic] = torch.where(raw.unsqueeze(1), got2[fr, qc], r1[sa, ic])
-    got1 = move_units(r1, st.arr_n.clamp(max=u), st.n1.clamp(max=u), st.section("back1", u), me,
-                      "stage 1 back")
+    got1 = move_units(r1, st.received_slots.clamp(max=u), st.stage1_slots.clamp(max=u),
+                      st.section("back1", u), me, "stage 1 back")
     return C.reduce_tokens(got1.reshape(-1, u * H), st.send1_map, st.kept,
                            _weights(st, weighted), st.E, t.N, DEDUP, weighted, out_dtype, 1)
 
@@ -590,14 +607,14 @@ def weight_grads_back(st: HierState, grad_row_weight) -> torch.Tensor:
     me = st.topo.me
     rm = st.recv_map  # [N, K] values in received-row order, 0 where a slot names no row
     g = grad_row_weight.contiguous()
-    vals = torch.where(rm >= 0, g[rm.clamp(min=0)], g.new_zeros(()))[st.to_dedup]
-    got2 = move(_masked(vals, st.recv_map[st.to_dedup] >= 0, sum(st.section("w2").send(me))),
+    vals = torch.where(rm >= 0, g[rm.clamp(min=0)], g.new_zeros(()))[st.dedup_of_stage2]
+    got2 = move(_masked(vals, st.recv_map[st.dedup_of_stage2] >= 0, sum(st.section("w2").send(me))),
                 st.section("w2"), me, "weight gradients 2")
-    arrival = torch.empty_like(got2)
-    arrival[st.order2] = got2
-    got1 = move(arrival, st.section("w1"), me, "weight gradients 1")
+    received = torch.empty_like(got2)  # in the received rows' slot order
+    received[st.forward_slot_order] = got2
+    got1 = move(received, st.section("w1"), me, "weight gradients 1")
     gw = torch.zeros(T * K, dtype=torch.float32, device=got1.device)
-    gw[st.slots1] = got1
+    gw[st.stage1_slot_index] = got1
     return gw.view(T, K)
 
 
@@ -605,9 +622,9 @@ def combine_backward(st: HierState, grad_out, expert_y, row_weight, weighted: bo
     """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``: grad_out rows travel
     the dispatch's way (one per token row of each stage), the expert side is dedup's."""
     me = st.topo.me
-    got1 = move(grad_out[st.rows1_t], st.section("s1_tok"), me, "combine backward 1")
-    got2 = move(got1[st.fan_a], st.section("s2_tok"), me, "combine backward 2")
-    return C.combine_backward_dest(got2[st.perm].contiguous(), st.recv_map, row_weight,
+    got1 = move(grad_out[st.stage1_token], st.section("s1_tok"), me, "combine backward 1")
+    got2 = move(got1[st.forward_source], st.section("s2_tok"), me, "combine backward 2")
+    return C.combine_backward_dest(got2[st.stage2_of_dedup].contiguous(), st.recv_map, row_weight,
                                    expert_y.contiguous(), weighted)
 
 
