@@ -89,8 +89,9 @@ class Transport:
         return Reason.OK, 0, 0
 
 
-TABLE = {t.name: t for t in (Transport("pairs", "direct", token_rows=False),
-                             Transport("dedup", "direct", token_rows=True),
+# The default transport first: the order epkit verify lists its modes in.
+TABLE = {t.name: t for t in (Transport("dedup", "direct", token_rows=True),
+                             Transport("pairs", "direct", token_rows=False),
                              Transport("hier", "hier", token_rows=True, stages=2,
                                        exchanges=("auto", "ragged", "padded", "equal"),
                                        quantized=False))}

@@ -33,29 +33,28 @@ from epkit.reference import payloads
 from .cases import ModeSpec
 
 __all__ = ["EpkitAdapter", "ImplNotFound", "epkit_factory", "epkit_modes", "plain_torch",
-           "load_factory",
-           "TRANSPORTS", "EXCHANGES", "PAYLOADS"]
-
-TRANSPORTS = ("dedup", "pairs", "hier")
-EXCHANGES = ("auto", "ragged", "padded", "equal", "lazy", "static")
-PAYLOADS = (None, *payloads.NAMES)  # the payload table's: None, mxfp8, fp8_block128
-# What production's hier runs (the rest is refused: HIER_UNSUPPORTED)
-HIER_EXCHANGES = ("auto", "ragged", "padded", "equal")
+           "load_factory"]
 
 
 def epkit_modes() -> list[ModeSpec]:
-    """Every transport x exchange x payload of epkit, named ``transport/exchange[/payload]``
-    (hier: its exchanges, no payload). Every mode draws ``ranks_per_node`` (``nodes``), which
-    fixes the combine's summation order of every transport and hier's nodes."""
+    """Every transport x exchange x payload of epkit that its tables say runs, named
+    ``transport/exchange[/payload]`` (the transport table, epkit/transports.py, says what each
+    transport runs: hier its exchanges without a payload; the exchange table,
+    epkit.collectives.EXCHANGES, which option is uniform or static; the payload table
+    reference/payloads.py). Every mode draws ``ranks_per_node`` (``nodes``), which fixes the
+    combine's summation order of every transport and hier's nodes."""
+    from epkit import collectives, transports
+
     modes = []
-    for payload, transport, exchange in itertools.product(PAYLOADS, TRANSPORTS, EXCHANGES):
-        if transport == "hier" and (payload or exchange not in HIER_EXCHANGES):
+    for payload, transport, exchange in itertools.product(
+            (None, *payloads.NAMES), transports.TABLE.values(), collectives.EXCHANGES.values()):
+        if not transport.runs(exchange.name, payload):
             continue
-        name = f"{transport}/{exchange}" + (f"/{payload}" if payload else "")
-        kwargs = (("transport", transport), ("exchange", exchange), ("payload", payload))
-        modes.append(ModeSpec(name=name, kwargs=kwargs, payload=payload,
-                              uniform=exchange == "equal", static=exchange == "static",
-                              nodes=True))
+        name = f"{transport.name}/{exchange.name}" + (f"/{payload}" if payload else "")
+        kwargs = (("transport", transport.name), ("exchange", exchange.name),
+                  ("payload", payload))
+        modes.append(ModeSpec(name=name, kwargs=kwargs, payload=payload, uniform=exchange.uniform,
+                              static=exchange.static, nodes=True))
     return modes
 
 
