@@ -43,6 +43,7 @@ import queue as queue_mod
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 
 TARGETS = {"speedup_vs_naive": (">=", 3.0), "overhead_vs_exchange": ("<=", 1.5),
@@ -446,7 +447,7 @@ def figure(results: dict, args=None):
     if args is None:
         args = types.SimpleNamespace(**results["config"])
     rows = results["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 5.2), layout="constrained")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 6.2), layout="constrained")
     va = _panel(a, rows, "tokens", "world_size", args.world_size, "log")
     vb = _panel(b, rows, "world_size", "tokens", args.tokens, "linear")
     a.set(xlabel="tokens per rank",
@@ -462,7 +463,8 @@ def figure(results: dict, args=None):
     handles, labels = a.get_legend_handles_labels()
     band = matplotlib.patches.Patch(color="0.5", alpha=0.3)
     fig.legend(handles + [band], labels + ["band: p10 to p90 of the timed iterations"],
-               loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+               loc="lower center", bbox_to_anchor=(0.5, 0.075), ncol=4, fontsize=8,
+               frameon=False)   # below the panels (the layout keeps the bottom 17 % free)
     machine = results.get("machine", {})
     load = ""
     if "loadavg_start" in machine and "loadavg_end" in machine:
@@ -471,14 +473,14 @@ def figure(results: dict, args=None):
     fig.suptitle(f"epkit bench: dispatch -> identity expert -> combine, gloo on "
                  f"{machine.get('cores', os.cpu_count())} CPU cores{load}, {args.dtype}",
                  fontsize=11)
-    fig.text(0.01, 0.005,
-             f"{_points_note(rows, args)} Numbers beside the points: ×r = that row's time ÷ epkit dedup's at the same x "
-             "(the fastest baseline's r is speedup_vs_naive); ÷r on the floor = epkit dedup's time ÷ "
-             "the floor's (overhead_vs_exchange, target ≤ 1.5).\nThe floor replays exactly the "
-             "all_to_all_single calls of one epkit dedup step (same split sizes and bytes, "
-             "buffers made once): the exchange alone, no packing, no plan, no autograd.",
-             fontsize=8, ha="left", va="bottom")
-    fig.get_layout_engine().set(rect=(0, 0.06, 1, 0.94))
+    caption = (f"{_points_note(rows, args)} Numbers beside the points: ×r = that row's time ÷ "
+               "epkit dedup's at the same x (the fastest baseline's r is speedup_vs_naive); ÷r on "
+               "the floor = epkit dedup's time ÷ the floor's (overhead_vs_exchange, target ≤ 1.5). "
+               "The floor replays exactly the all_to_all_single calls of one epkit dedup step "
+               "(same split sizes and bytes, buffers made once): the exchange alone, no packing, "
+               "no plan, no autograd.")
+    fig.text(0.01, 0.005, textwrap.fill(caption, 190), fontsize=8, ha="left", va="bottom")
+    fig.get_layout_engine().set(rect=(0, 0.17, 1, 0.83))
     return fig
 
 
