@@ -7,7 +7,7 @@ sizes from the plan (on CPU the plan already lives in host memory), and the toke
 further count exchange, no host read of counts.
 
 The Dispatcher holds the configuration and chooses the path: the transport's module from the
-transport table (epkit/transports.py: ``direct.py`` for pairs and dedup, ``hier.py``), which
+transport table (production/transports.py: ``direct.py`` for pairs and dedup, ``hier.py``), which
 asks the exchange's and the payload's rows in turn. The checks are in validate.py, the result
 and its handle in result.py.
 """
@@ -62,7 +62,7 @@ class Dispatcher:
             default), ``"pairs"`` (one row per slot) or ``"hier"`` (node-aware: a token row
             crosses to each destination node once, to the rank with its local index there,
             which forwards it inside the node; the combine returns over the same two stages;
-            epkit/hier.py). Same result, bit for bit, for the same ``ranks_per_node``. hier
+            production/hier.py). Same result, bit for bit, for the same ``ranks_per_node``. hier
             runs the exchanges ``auto``, ``ragged``, ``padded`` and ``equal``, without a payload
             and not under torch.compile (an InputError, HIER_UNSUPPORTED, otherwise).
         exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
@@ -88,7 +88,7 @@ class Dispatcher:
             mismatch is an InputError on every rank).
         workspace: keep the buffers that never leave an op (every exchange's send and
             receive staging: dispatch, combine, both backward passes) from call to call
-            (epkit/workspace.py; DeepEP's ``Buffer``): allocated on first use, grown when a
+            (production/workspace.py; DeepEP's ``Buffer``): allocated on first use, grown when a
             call needs more, reported by :attr:`workspace_bytes`, freed by :meth:`release`.
             Outputs and saved tensors never live there. ``False``: every buffer fresh (the
             functional ``epkit.dispatch``, whose Dispatcher lasts one step).
@@ -102,7 +102,7 @@ class Dispatcher:
                  ranks_per_node: Optional[int] = None, workspace: bool = True):
         # Nothing here raises for a bad option: a rank that raised alone would leave its peers
         # waiting in their first collective. Options are checked, and agreed between ranks,
-        # in the call header of every dispatch (epkit/agree.py).
+        # in the call header of every dispatch (production/agree.py).
         # No process group at all: a clear RuntimeError. Something that is not a group: the
         # default group, over which the call header reports BAD_GROUP on every rank.
         self._bad_group = not is_group(group)
@@ -175,7 +175,7 @@ class Dispatcher:
 
     def _static_shape(self, x, topk_idx) -> tuple[int, int, int]:
         """``(H, x dtype code, K)`` for the call header of a static dispatch on the device path
-        (epkit/agree.py: its exchange is sized from them without a host read), else zeros; -1
+        (production/agree.py: its exchange is sized from them without a host read), else zeros; -1
         for what an invalid argument does not have (its local error is reported first)."""
         ex = exchange_of(self.exchange)  # (a bad name: its error is reported first)
         if ex is None or not ex.static or not device_path(x):

@@ -158,7 +158,7 @@ class Variant:
 
     - ``stage(buf, send_counts, recv_counts, P, alloc)`` -> ``(out, inp, out_splits,
       in_splits)`` (None splits: equal-length chunks; ``out`` from ``alloc``,
-      epkit/workspace.py, or fresh) and ``unstage(out, recv_counts, P)`` -> the received rows:
+      production/workspace.py, or fresh) and ``unstage(out, recv_counts, P)`` -> the received rows:
       how it runs on ``all_to_all_single``; ``P`` is the group-wide largest count (the padded
       chunk, the equal count).
     - ``fixed_chunks``: every chunk has one group-wide length (padded, equal, static), so the
@@ -269,7 +269,7 @@ def all_to_all(
 
     ``max_chunk`` is the group-wide largest count (the padded chunk, the equal count).
     ``async_op`` is the lazy schedule: returns ``finish``, which waits and returns the rows.
-    ``alloc`` (epkit/workspace.py): where the receive buffer comes from (None: fresh); the
+    ``alloc`` (production/workspace.py): where the receive buffer comes from (None: fresh); the
     rows returned may then be a view of it, to be read before the op returns.
     """
     if variant not in VARIANTS:

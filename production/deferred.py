@@ -72,7 +72,7 @@ def check_static(dispatch_or_plan) -> None:
     (its plan carries it on the device), else :class:`UnpackMismatch` if a CUDA unpack on the
     plan's device found chunks that disagree with their plan since the last check (the word is
     then cleared). One host wait for both (it waits for the stream). A no-op on CPU. First,
-    the call headers agreed on the device during CUDA-graph capture (epkit/agree.py) raise
+    the call headers agreed on the device during CUDA-graph capture (production/agree.py) raise
     their error, if one has."""
     handle = getattr(dispatch_or_plan, "handle", None)
     plan = dispatch_or_plan if handle is None else handle.plan

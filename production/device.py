@@ -8,13 +8,13 @@ it, every host read of device memory goes through :func:`to_host`, which
 
 This module gathers the public names; each is defined where its job is:
 
-- ``epkit/memory.py``: :func:`device_path`, :func:`mark_host`, :func:`is_host`;
-- ``epkit/hostreads.py``: :func:`to_host`, :func:`count_host_reads`;
-- ``epkit/plan.py``: :func:`host_plan` (the plan's host mirror, :data:`HOST`);
-- ``epkit/count_exchange.py``: how the plan and its mirror are made on the device (the one host
+- ``production/memory.py``: :func:`device_path`, :func:`mark_host`, :func:`is_host`;
+- ``production/hostreads.py``: :func:`to_host`, :func:`count_host_reads`;
+- ``production/plan.py``: :func:`host_plan` (the plan's host mirror, :data:`HOST`);
+- ``production/count_exchange.py``: how the plan and its mirror are made on the device (the one host
   wait of an eager dispatch; none for the static exchange);
-- ``epkit/deferred.py``: :func:`check_static`, :func:`unpack_status`, :class:`UnpackMismatch`;
-- ``epkit/streams.py``: :class:`Side`, the lazy form's side stream.
+- ``production/deferred.py``: :func:`check_static`, :func:`unpack_status`, :class:`UnpackMismatch`;
+- ``production/streams.py``: :class:`Side`, the lazy form's side stream.
 
 Nothing inside epkit imports this module: it sits above the layers it gathers.
 """

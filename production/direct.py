@@ -1,6 +1,6 @@
 """The one-stage transports (pairs, dedup): every rank exchanges its rows with every other rank
 directly, in one all-to-all per direction (DeepEP's intranode path; the node-aware transport is
-hier.py). The Dispatcher reaches this module through the transport table (epkit/transports.py):
+hier.py). The Dispatcher reaches this module through the transport table (production/transports.py):
 
     dispatch(cfg, seq, x, topk_idx, topk_weights, local, G) -> Dispatch
     combine(cfg, expert_y, d, weighted, check) -> [T, H] x's dtype

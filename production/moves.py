@@ -27,7 +27,7 @@ def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: b
               async_op: bool = False, what: str = "epkit", alloc=None):
     """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
     ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
-    and returns the rows. ``alloc``: the receive buffer's workspace (epkit/workspace.py)."""
+    and returns the rows. ``alloc``: the receive buffer's workspace (production/workspace.py)."""
     plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
     R = int(plan[RANKS])
     v = variant_of(plan)
@@ -64,9 +64,9 @@ def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_
 
 def may_drop(plan: torch.Tensor) -> bool:
     """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
-    ``DROPPED_ANY``; where the host mirror is a routing-free template (epkit/count_exchange.py: the
-    static exchange on the device path, and the token-row gather before the one host read),
-    whether a capacity is set at all."""
+    ``DROPPED_ANY``; where the host mirror is a routing-free template
+    (production/count_exchange.py: the static exchange on the device path, and the token-row
+    gather before the one host read), whether a capacity is set at all."""
     hp = host_plan(plan)
     if getattr(hp, TEMPLATE, False):
         return int(hp[_F["capacity"]]) >= 0

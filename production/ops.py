@@ -57,8 +57,9 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     on every rank), one more all-gather of every rank's kept token rows (R words, from
     ``topk_idx`` [T, K], this rank's routing) and the plan again (:func:`token_rows_gather`);
     without drops, none.
-    On CUDA the plan stays on the device with its host mirror attached (``epkit/count_exchange.py``;
-    ``static_shape`` = ``[H, K, x dtype code, payload]`` sizes the static exchange's mirror).
+    On CUDA the plan stays on the device with its host mirror attached
+    (``production/count_exchange.py``; ``static_shape`` = ``[H, K, x dtype code, payload]``
+    sizes the static exchange's mirror).
     ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
     the used slots of the gathered words (on CUDA reading ``S`` is one host wait).
     ``ranks_per_node`` (agreed in the call header) is written into the plan
@@ -87,7 +88,8 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     send_bytes: int, recv_rows: int, expert_rows: int, workspace: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
-    ``workspace``: the Dispatcher's (epkit/workspace.py; -1: none), the receive buffer's home."""
+    ``workspace``: the Dispatcher's (production/workspace.py; -1: none), the receive buffer's
+    home."""
     send = ws_empty(allocator(workspace, SEND), (send_bytes,), torch.uint8, x)
     send_map = C.pack_into(x, topk_idx, topk_weights, plan, transport,
                            int(host_plan(plan)[RANKS]), send)
@@ -177,7 +179,7 @@ def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
 
 
 def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> None:
-    """A backward pass's call header (epkit/agree.py): every rank is in the same pass, and the
+    """A backward pass's call header (production/agree.py): every rank is in the same pass, and the
     gradient rows that share its exchange have one dtype. (Its weight-gradient exchange runs on
     every rank: autograd hands a zero gradient for an unused row_weight, never None.)"""
     agree(group_from_name(group_name), header(op, NO_OPTIONS, (0, 0, 0), dtype_code(grad.dtype)),
@@ -196,7 +198,7 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     and those over nodes ascending, ``ranks_per_node`` from the plan) of its slots' gradient
     rows, unweighted; the weight gradient of each slot travels back as one float32.
     """
-    with serial(group_from_name(group_name)):  # the call lock (epkit/workspace.py)
+    with serial(group_from_name(group_name)):  # the call lock (production/workspace.py)
         _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
         empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
         back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
@@ -255,7 +257,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     bit-identical to ``row_weight``) and adds them over d ascending, into node partials first
     when the plan's ``ranks_per_node`` is above 1 (arith.grouped_total_sum).
 
-    ``check`` is this rank's call header (epkit/agree.py) when the ranks agree inside the op
+    ``check`` is this rank's call header (production/agree.py) when the ranks agree inside the op
     (under torch.compile, so no data-dependent branch is traced); empty when the caller
     agreed already (the eager path).
     """
@@ -283,7 +285,7 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     grad_out rows travel the dispatch way (per slot for pairs, per token and rank for dedup);
     the expert side forms ``cast(c * g)`` and ``<g, y>`` for every row; padding rows get 0.
     """
-    with serial(group_from_name(group_name)):  # the call lock (epkit/workspace.py)
+    with serial(group_from_name(group_name)):  # the call lock (production/workspace.py)
         _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
         recv_rows = ws_empty(allocator(workspace, SEND),
                              (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,

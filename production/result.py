@@ -24,9 +24,9 @@ class Handle:
         topk_idx: ``[T, K]`` this rank's routing as dispatched.
         topk_weights: ``[T, K]`` float32, the routing weights (detached).
         send_map: ``[T, cols]`` int64, where each of this rank's token (or slot) rows went
-            (``cols`` from the transport's row, epkit/transports.py).
+            (``cols`` from the transport's row, production/transports.py).
         recv_map: ``[N, cols]`` int64, the expert-major row of each received row's slots.
-        plan: int64, the plan (epkit/plan.py) with its host mirror on the device path.
+        plan: int64, the plan (production/plan.py) with its host mirror on the device path.
         config: the :class:`epkit.Dispatcher` that dispatched (its transport and exchange).
         x_dtype: x's dtype, the dtype combine returns.
         call_number: the call header's number of this dispatch (-1 when traced).

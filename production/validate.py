@@ -1,7 +1,7 @@
 """The checks production makes before anything moves, in the reference's order
 (reference/validate.py): the options, the arguments' types, devices, dtypes and shapes, and
 combine's arguments against their dispatch. Each yields a reason triple ``(code, a, b)`` that
-the call header agrees between ranks (epkit/agree.py), so every rank raises the same error.
+the call header agrees between ranks (production/agree.py), so every rank raises the same error.
 
 Nothing here raises for a bad option: a rank that raised alone would leave its peers waiting in
 their first collective. ``cfg`` is the :class:`epkit.Dispatcher` whose options are checked.

@@ -19,7 +19,7 @@ Two buffers serve every op, :data:`SEND` and :data:`RECV`, each as large as the 
 of an exchange so far (DeepEP's one buffer, in two because an exchange reads one while it
 writes the other). That is safe because a buffer is read only inside the op that filled it,
 before that op returns, and the ops of one group never run at once in a process: dispatch,
-combine and both backward passes hold the group's call lock (epkit/agree.py, ``serial``). So
+combine and both backward passes hold the group's call lock (production/agree.py, ``serial``). So
 the next step's forward may run before the last step's backward.
 
 Ops find a Dispatcher's workspace by its key (an int, a constant under torch.compile); key -1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The raw ops (torch.ops.epkit.*) on malformed arguments under AddressSanitizer (issue 13 item 3).
+# The raw ops (torch.ops.epkit.*) on malformed arguments under AddressSanitizer.
 #
 # Builds the CPU kernels with -fsanitize=address into their own directory (the normal build is
 # untouched), then runs every case of tests/production/test_raw_ops.py against that library, each

@@ -2,7 +2,7 @@
 """Scale benchmark of the vectorized reference simulator (epkit.reference.fast).
 
 Simulates one dispatch + combine of a whole expert-parallel group in one process and prints the
-wall time. The default case is issue 2's scale target: 64 ranks, 256 experts, top-8, 4096
+wall time. The default case is the reference's scale target: 64 ranks, 256 experts, top-8, 4096
 tokens per rank, hidden 64, float32 (target: at most 5 s on a 2-core machine).
 
     .venv/bin/python scripts/bench_reference.py [--ranks 64 --experts 256 --topk 8

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--check-tokens", type=int, default=1024,
                    help="tokens per rank of the CPU check before timing (0: --tokens)")
-    p.add_argument("--target", type=float, default=0.70, help="pack/combine vs copy (issue 9)")
+    p.add_argument("--target", type=float, default=0.70, help="pack/combine vs copy")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     import torch

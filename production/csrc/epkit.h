@@ -74,7 +74,7 @@ struct PlanOffsets {
   }
 };
 
-// Step 4 of the plan for one local expert j of `rank` (the Triton plan, epkit/triton/plan.py,
+// Step 4 of the plan for one local expert j of `rank` (the Triton plan, production/triton/plan.py,
 // follows the same steps):
 // kept rows per source (recv_kept), kept and dropped totals. Returns the padded segment size.
 // `words` is the gathered [R, W] count words, `kept` the [R, E] kept counts.

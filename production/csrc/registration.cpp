@@ -1,5 +1,6 @@
 // Op schemas (TORCH_LIBRARY) and CPU kernels (TORCH_LIBRARY_IMPL). Fake kernels and autograd
-// are registered in Python (epkit/ops.py) with torch.library.register_fake / register_autograd.
+// are registered in Python (production/fakes.py, production/ops.py) with
+// torch.library.register_fake / register_autograd.
 //
 // Sizes that depend on routing (rows sent, rows in the expert-major output) are SymInt
 // arguments read from the plan on the host, never computed inside a kernel, so every fake

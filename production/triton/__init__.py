@@ -4,7 +4,7 @@ Each module defines, for the ops of its C++ counterpart, a function with the op'
 schema (``reduce_tokens(back, send_map, ...)``) that launches Triton kernels, plus the
 device-generic torch ops that do the integer bookkeeping without a host read. They are
 registered for the ``CUDA`` dispatch key of the same ``epkit::`` ops, behind the same fakes
-(``epkit/fakes.py``), so autograd, ``torch.compile``, the static exchange and CUDA graphs see
+(``production/fakes.py``), so autograd, ``torch.compile``, the static exchange and CUDA graphs see
 no difference. No CUDA toolkit and no compiler are needed: torch's CUDA wheels bring Triton.
 
 ``EPKIT_KERNELS=triton`` (read when epkit loads its kernels) registers the same functions for

@@ -24,7 +24,7 @@ def test_transports_have_a_row_in_every_tier():
     from epkit import transports
 
     assert not _missing(abi.TRANSPORT_CODES, reference_transports.TABLE), "reference/transports"
-    assert not _missing(abi.TRANSPORT_CODES, transports.TABLE), "epkit/transports.py"
+    assert not _missing(abi.TRANSPORT_CODES, transports.TABLE), "production/transports.py"
     for row in transports.TABLE.values():
         assert row.code == abi.TRANSPORT_CODES[row.name]
         importlib.import_module(f"epkit.{row.module}")  # the module that carries it out

@@ -1,4 +1,4 @@
-"""The static mode on an NCCL-only group (issue 12, item 2), the usual torchrun set-up: during
+"""The static mode on an NCCL-only group, the usual torchrun set-up: during
 CUDA-graph capture no host read anywhere in dispatch, combine or backward (the call headers
 are checked on the device), so the step is captured and replayed bit-exact with eager; header
 errors stay pending for epkit.device.check_static. test_group.py does the same on ``cpu:gloo,cuda:nccl``, where the

@@ -1,4 +1,4 @@
-"""Per-rank functions for test_reliability.py (issue 6 items 3-5), run on the test group
+"""Per-rank functions for test_reliability.py, run on the test group
 (group.py). NumPy in, NumPy out; a broken guarantee raises AssertionError on the rank that saw it.
 
 - Inputs never modified: every input tensor's whole storage is snapshotted byte for byte and
@@ -276,7 +276,7 @@ def variants(group, rank, x, idx, w, gout, opts, combos):
     return out
 
 
-# ---- the Dispatcher's workspace (issue 17): reused buffers never reach a caller ----------------
+# ---- the Dispatcher's workspace: reused buffers never reach a caller ------------------------
 
 def _dispatcher(group, opts, **kw):
     return epkit.Dispatcher(group, opts["E"], align=opts["align"], capacity=opts["capacity"],

@@ -1,4 +1,4 @@
-"""Production equals the reference, bit for bit, over real gloo groups (issue 3).
+"""Production equals the reference, bit for bit, over real gloo groups.
 
 Every output of dispatch, combine and both backward passes is compared bitwise with
 ``epkit.reference``; only ``grad_topk_weights`` is compared within the stated tolerance
@@ -130,7 +130,7 @@ def test_equal_exchange_on_a_uniform_plan(group_pool, transport):
 
 @pytest.mark.parametrize("exchange", ["ragged", "padded", "static"])
 def test_weight_gradients_move_pairs_bytes(group_pool, exchange):
-    """The weight gradients come back one float32 per kept slot, dedup as pairs (issue 16): per
+    """The weight gradients come back one float32 per kept slot, dedup as pairs: per
     peer exactly the reference's bytes (combine_backward_bytes_of), capacity dropping slots
     and tokens with two kept slots on one rank included; static chunks carry one zero front
     row where the reference counts a two-row in-band header (docs/design.md)."""

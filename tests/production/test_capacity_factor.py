@@ -1,5 +1,5 @@
 """``capacity_factor=f`` equals ``capacity=ceil(f * S / E)`` bit for bit, ``S`` the group's used
-slots (issue 18 item 5; reference/capacity.py's capacity_from_factor)."""
+slots (reference/capacity.py's capacity_from_factor)."""
 
 import numpy as np
 import pytest

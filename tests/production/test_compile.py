@@ -1,4 +1,4 @@
-"""torch.compile(fullgraph=True) of dispatch -> expert -> combine -> backward (issue 4 item 6).
+"""torch.compile(fullgraph=True) of dispatch -> expert -> combine -> backward.
 
 - exchange="static" compiles with no configuration at all: every size is static.
 - exchange="auto" needs ``torch._dynamo.config.capture_scalar_outputs = True`` (the one host

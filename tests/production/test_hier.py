@@ -1,4 +1,4 @@
-"""transport="hier" and ranks_per_node in production, bit for bit against the reference (issue 16).
+"""transport="hier" and ranks_per_node in production, bit for bit against the reference.
 
 Four gloo ranks as two "nodes" of two (and as one node of four, four of one): dispatch, combine
 (weighted and not, float32 and bfloat16 expert_y), both backward passes, with and without a

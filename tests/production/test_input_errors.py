@@ -1,5 +1,5 @@
 """Bad input on one rank: every rank raises the same InputError naming that rank, before any
-token moves, and the group stays usable (issue 3 item 5, issue 6 item 1)."""
+token moves, and the group stays usable."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Quantized payloads (issue 4 item 5, issue 15 item 2): ``mxfp8`` and ``fp8_block128``,
+"""Quantized payloads: ``mxfp8`` and ``fp8_block128``,
 quantized at the source bit for bit like the reference, moved as bytes, backward unquantized
 (straight-through). One test per property, parametrised over the payloads of the table."""
 

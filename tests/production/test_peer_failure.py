@@ -1,5 +1,5 @@
 """A dead or stalled peer is an error on the others within the process group's timeout plus a
-small margin, never a hang (issue 6 item 2); the error names the epkit operation."""
+small margin, never a hang; the error names the epkit operation."""
 
 import multiprocessing as mp
 import os

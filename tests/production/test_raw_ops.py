@@ -1,5 +1,4 @@
-"""The raw ops (``torch.ops.epkit.*``) on malformed arguments: a clear error, never a crash
-(issue 13 item 3).
+"""The raw ops (``torch.ops.epkit.*``) on malformed arguments: a clear error, never a crash.
 
 Every case calls one op twice: with valid arguments (it must succeed, so a check that rejects
 everything fails here) and with one argument malformed (it must raise RuntimeError, ValueError

@@ -1,4 +1,4 @@
-"""Reliability of the production API over real gloo groups (issue 6 items 3, 4, 5).
+"""Reliability of the production API over real gloo groups.
 
 - Nothing lost or corrupted (item 3): inputs byte-identical after every call, failed calls
   included; outputs share no storage with each other, with the inputs, or with the next call's
@@ -319,8 +319,8 @@ def test_non_contiguous_mxfp8(group_pool):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_workspace_reuse_is_invisible(group_pool, transport, exchange):
-    """A Dispatcher's workspace (epkit/workspace.py): forward A, forward B, backward A, backward
-    B through one Dispatcher equal a workspace-free Dispatcher's steps bit for bit (and the
+    """A Dispatcher's workspace (production/workspace.py): forward A, forward B, backward A,
+    backward B through one Dispatcher equal a workspace-free Dispatcher's steps bit for bit (and the
     reference); no output, gradient or saved tensor shares a byte with a workspace buffer;
     release() empties it and the next step agrees."""
     R, E, H = 3, 6, 8

@@ -1,4 +1,4 @@
-"""The CPU row kernels against plain NumPy statements of their arithmetic, bit for bit (issue 17).
+"""The CPU row kernels against plain NumPy statements of their arithmetic, bit for bit.
 
 The kernels walk their large outputs front to back through an inverse of the row map, convert
 bfloat16 without a branch and are built for AVX2 and the baseline: none of that may change a

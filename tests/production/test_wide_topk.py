@@ -1,4 +1,4 @@
-"""Top-k at the documented limit (issue 12): K = 128, 129, 200 and 255 with E = 256, under
+"""Top-k at the documented limit: K = 128, 129, 200 and 255 with E = 256, under
 both transports, world sizes 1 to 4 (E = 258 at 3 ranks), align > 1 and capacity, forward and backward bit for bit
 against the reference (K >= 128 sets the sign bit of dedup's slot word; an arithmetic shift
 once decoded it as k - 256 and wrote out of bounds)."""

@@ -1,4 +1,4 @@
-"""The ABI is defined once (issue 15): reference/abi.py. The kernels' header csrc/abi.h is
+"""The ABI is defined once: reference/abi.py. The kernels' header csrc/abi.h is
 generated from it and must not drift; no kernel source may type one of its numbers by hand."""
 
 import glob

@@ -1,5 +1,5 @@
 """Triton kernel tests: each kernel against the C++ CPU kernel and the reference, run on this
-machine in Triton's interpreter (``epkit/triton/_runtime.py`` sets ``TRITON_INTERPRET=1`` where
+machine in Triton's interpreter (``production/triton/_runtime.py`` sets ``TRITON_INTERPRET=1`` where
 there is no GPU). The Triton implementations are called directly (``epkit.triton.<module>``),
 the C++ kernels through ``torch.ops.epkit`` (this process keeps ``EPKIT_KERNELS=cpp``)."""
 

@@ -1,4 +1,4 @@
-"""A wheel carries its kernels (issue 15 item 6): ``pip wheel . --no-build-isolation`` compiles
+"""A wheel carries its kernels: ``pip wheel . --no-build-isolation`` compiles
 the CPU extension ahead of time; installed into a fresh virtual environment, the package runs
 a dispatch with no compiler and no JIT build (setup.py, production/_build.py)."""
 

@@ -151,7 +151,7 @@ int64_t release_cache() { return cache().release(); }
 // The op: the bytes of the kept blocks now (the bench reports them beside the workspace).
 int64_t cached_bytes() { return cache().bytes(); }
 
-// The op: a fresh buffer on `like`'s device (epkit/workspace.py's fresh path, so buffers made
+// The op: a fresh buffer on `like`'s device (production/workspace.py's fresh path, so buffers made
 // in Python for the kernels to fill get the same huge pages).
 Tensor empty_large_cpu(const Tensor& like, c10::SymIntArrayRef size, at::ScalarType dtype) {
   (void)like;
