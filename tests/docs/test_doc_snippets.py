@@ -6,8 +6,10 @@ on two ranks, ``torchrun --nproc-per-node 2 --standalone block.py``, as the firs
 document tell the reader to; any other block runs in one process, ``python block.py``. Each runs
 in a fresh temporary folder, with nothing defined beforehand. A block that is not meant to run
 (a signature, a fragment that needs a framework's built layer) is fenced as ```text instead.
-Blocks use tiny sizes: the whole file takes about a minute on two idle cores, a torchrun launch
-(three processes importing torch) being most of it.
+Blocks use tiny sizes; a torchrun launch (three processes importing torch) is most of a block's
+cost. Measured with tests/docs on the 2-core machine under load (10 to 16): 171 s wall, 150 s of
+CPU time, so about 80 to 90 s on two idle cores; under ``make test -n 2`` the blocks spread over
+the workers.
 """
 
 from __future__ import annotations
