@@ -14,13 +14,14 @@ and its handle in result.py.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from . import direct, hier, ops, transports
+from . import ops, payloads, transports
 from .payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .agree import COMBINE, DISPATCH, agree, call_number, guarded, header, serial
@@ -29,17 +30,12 @@ from .memory import device_path
 from .result import Dispatch
 from .validate import combine_words, local_error, option_words
 from .workspace import Workspace
-from epkit.reference import payloads as reference_payloads
 from epkit.reference.errors import Reason, error
 
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one",
            "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
            "dequantize_fp8_block128"]
 
-# The module that carries out each transport (the transport table's ``module``), behind
-# dispatch(cfg, seq, x, topk_idx, topk_weights, local, G) and combine(cfg, expert_y, d,
-# weighted, check).
-_MODULES = {"direct": direct, "hier": hier}
 
 
 class Dispatcher:
@@ -166,8 +162,7 @@ class Dispatcher:
                 # A payload's H % block rides the count words elsewhere; a static dispatch on the
                 # device path checks its shape in the header, so this rank's own H % block error
                 # goes there too, first, as the count exchange would report it.
-                table = reference_payloads.TABLE
-                code = table.get(self.payload, table[None]).hidden_triple(shape[0])
+                code = payloads.of(self.payload).hidden_triple(shape[0])
             # The call header: every rank raises the same error here, before anything else.
             agree(self.group, header(DISPATCH, option_words(self), code, shape=shape),
                   "epkit.dispatch (call header)", cause)
@@ -194,8 +189,12 @@ class Dispatcher:
         return self._module().dispatch(self, seq, x, topk_idx, topk_weights, local, G)
 
     def _module(self):
-        """The module that carries out this Dispatcher's transport."""
-        return _MODULES[transports.TABLE[self.transport].module]
+        """The module that carries out this Dispatcher's transport (the transport table's
+        ``module``: direct.py or hier.py), behind ``dispatch(cfg, seq, x, topk_idx,
+        topk_weights, local, G)`` and ``combine(cfg, expert_y, d, weighted, check)``. Imported
+        on first use: hier's plan is the reference's (NumPy), which the other transports never
+        load."""
+        return importlib.import_module(f"{__package__}.{transports.TABLE[self.transport].module}")
 
     # -- combine ----------------------------------------------------------------------------------
 

@@ -33,17 +33,43 @@ nothing of epkit), at the top of the module; no import cycle.
 Pure NumPy and ml_dtypes; never imports torch.
 """
 
-from . import fast
-from .accounting import combine_bytes, dispatch_bytes
-from .backward import combine_backward, dispatch_backward
-from .combine import combine
-from .dispatch import dispatch
-from .errors import InputError, Reason
-from .exchange import exchange
-from .fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
-from .layout import layout
-from .mxfp8 import dequantize_mxfp8, quantize_mxfp8
-from .records import DispatchResult, Layout
+import importlib
+import sys
+import types
+
+# name -> the module that defines it, imported on first access (PEP 562): ``import epkit`` needs
+# only InputError (errors.py, abi.py), not NumPy, ml_dtypes and every operation.
+_LAZY = {
+    "InputError": "errors", "Reason": "errors", "Layout": "records", "DispatchResult": "records",
+    "layout": "layout", "dispatch": "dispatch", "combine": "combine",
+    "dispatch_backward": "backward", "combine_backward": "backward", "exchange": "exchange",
+    "quantize_mxfp8": "mxfp8", "dequantize_mxfp8": "mxfp8",
+    "quantize_fp8_block128": "fp8_block128", "dequantize_fp8_block128": "fp8_block128",
+    "dispatch_bytes": "accounting", "combine_bytes": "accounting", "fast": None,
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name] or name}")
+        value = module if _LAZY[name] is None else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """The package's module type. An operation and its module share a name (``dispatch`` in
+    dispatch.py): importing the module makes Python set the package's attribute to it, so the
+    operation is kept there instead, as ``epkit.reference.dispatch(...)`` promises."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "InputError", "Reason", "Layout", "DispatchResult", "layout", "dispatch", "combine",

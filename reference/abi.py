@@ -175,6 +175,35 @@ PAYLOAD_CHOICES = ", ".join(f"{c} ({p or 'none'})"
                             for p, c in sorted(PAYLOAD_CODES.items(), key=lambda item: item[1]))
 
 
+class PayloadCodes:
+    """What every tier's payload table row derives from its ``name`` alone (the reference's rows,
+    reference/payloads.py, and epkit.payloads' share it): its code, its block, and the check of
+    ``H`` that needs nothing but the block."""
+
+    name: object  # the payload= value: None or a name of PAYLOAD_CODES
+
+    @property
+    def code(self) -> int:
+        """The ABI code (PAYLOAD_CODES): the count words' and the call header's."""
+        return PAYLOAD_CODES[self.name]
+
+    @property
+    def block(self) -> int:
+        """Elements per scale along H (0: rows of x itself)."""
+        return PAYLOAD_BLOCKS[self.name]
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 0
+
+    def hidden_triple(self, hidden: int) -> tuple:
+        """``H % block == 0`` (reference/validate.py, check 7): else HIDDEN_NOT_MULT32 (a: H, b:
+        the payload's code)."""
+        if self.quantized and hidden % self.block:
+            return (Reason.HIDDEN_NOT_MULT32, int(hidden), self.code)
+        return (Reason.OK, 0, 0)
+
+
 def payload_bytes(hidden: int, itemsize: int, payload=None) -> int:
     """Bytes of one token's payload on the wire: ``H * itemsize(x)`` for ``payload=None``, else
     ``H`` E4M3 bytes followed by ``H / block`` scales (``H + scale_bytes * H / block``)."""

@@ -27,32 +27,11 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import fp8_block128, mxfp8
-from .abi import PAYLOAD_BLOCKS, PAYLOAD_CODES, PAYLOAD_SCALE_BYTES, payload_bytes
+from .abi import PAYLOAD_CODES, PAYLOAD_SCALE_BYTES, PayloadCodes as Codes, payload_bytes
 from .dtypes import E4M3, FLOAT32
 from .errors import Reason
 
 Triple = Tuple[int, int, int]
-
-
-class Codes:
-    """What every tier's table row derives from its ``name`` alone, through abi.py (the
-    reference's rows and epkit.payloads' share it)."""
-
-    name: Optional[str]
-
-    @property
-    def code(self) -> int:
-        """The ABI code (abi.PAYLOAD_CODES): the count words' and the call header's."""
-        return PAYLOAD_CODES[self.name]
-
-    @property
-    def block(self) -> int:
-        """Elements per scale along H (0: rows of x itself)."""
-        return PAYLOAD_BLOCKS[self.name]
-
-    @property
-    def quantized(self) -> bool:
-        return self.block > 0
 
 
 @dataclass(frozen=True)
@@ -86,12 +65,6 @@ class Payload(Codes):
         return np.zeros(self.scale_shape(rows, hidden), self.scale_dtype) if self.quantized else None
 
     # -- validation (reference/validate.py, check 7) -----------------------------------------
-    def hidden_triple(self, hidden: int) -> Triple:
-        """``H % block == 0``: else HIDDEN_NOT_MULT32 (a: H, b: the payload's code)."""
-        if self.quantized and hidden % self.block:
-            return (Reason.HIDDEN_NOT_MULT32, int(hidden), self.code)
-        return (Reason.OK, 0, 0)
-
     def check(self, x: np.ndarray) -> Triple:
         """One rank's x [T, H] (2-D, float): ``H % block``, then the first non-finite row
         (NONFINITE_PAYLOAD, a: row, b: the payload's code)."""

@@ -23,7 +23,7 @@ import torch
 from .. import ops
 from . import fp8_block128, mxfp8
 from epkit.reference.abi import PAYLOAD_CODES, payload_bytes
-from epkit.reference.payloads import Codes
+from epkit.reference.abi import PayloadCodes as Codes
 
 __all__ = ["Payload", "TABLE", "NAMES", "of", "dispatch_quantized", "round_trip"]
 
