@@ -118,8 +118,8 @@ def _announce(build_dir: str, stale: list[str]) -> float:
         with open(os.path.join(build_dir, _LAST_BUILD)) as f:
             per_source = float(f.read())
         estimate = f"about {max(1, round(per_source * n))} s (as fast as the last build)"
-    except (OSError, ValueError):  # measured: 8 sources in about 40 s on 2 idle cores
-        estimate = f"about {max(5, round(10 * n / min(cores, n)))} s"
+    except (OSError, ValueError):  # measured: 10 sources in about 100 s on 2 idle cores
+        estimate = f"about {max(5, round(20 * n / min(cores, n)))} s"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if load > cores:
         estimate += f", longer at this load ({load:.1f} on {cores} cores)"
