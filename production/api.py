@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import ops, payloads, transports
+from . import direct, ops, payloads, transports
 from .payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .agree import COMBINE, DISPATCH, agree, call_number, guarded, header, serial
@@ -32,10 +32,12 @@ from .validate import combine_words, local_error, option_words
 from .workspace import Workspace
 from epkit.reference.errors import Reason, error
 
+# The modules that carry out the transports (the transport table's ``module``), by name.
+_MODULES = {"direct": direct}
+
 __all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one",
            "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
            "dequantize_fp8_block128"]
-
 
 
 class Dispatcher:
@@ -194,7 +196,10 @@ class Dispatcher:
         topk_weights, local, G)`` and ``combine(cfg, expert_y, d, weighted, check)``. Imported
         on first use: hier's plan is the reference's (NumPy), which the other transports never
         load."""
-        return importlib.import_module(f"{__package__}.{transports.TABLE[self.transport].module}")
+        name = transports.TABLE[self.transport].module
+        if name not in _MODULES:  # (never under torch.compile: hier refuses to be traced)
+            _MODULES[name] = importlib.import_module(f"{__package__}.{name}")
+        return _MODULES[name]
 
     # -- combine ----------------------------------------------------------------------------------
 

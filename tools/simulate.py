@@ -78,6 +78,7 @@ import numpy as np
 from epkit.reference.accounting import combine_bytes_of, dispatch_bytes_of, plan
 from epkit.reference.capacity import kept_counts, sorted_slots
 from epkit.reference.dtypes import FLOAT_DTYPES
+from epkit.reference.exchange import VARIANTS
 from epkit.reference.fast import count_words, count_words_block
 from epkit.reference.records import Group
 from epkit.reference.transports import hier
@@ -375,8 +376,8 @@ def stage_messages(stage: Stage, p, ranks_per_node: int) -> np.ndarray:
     empty or not); the diagonal (a local copy) is none."""
     sections = stage.sections(p)
     mask = peer_mask(sections[0].shape[0], ranks_per_node, stage.peers)
-    variant = getattr(p, "variant", "ragged")
-    return sum(((c > 0) if variant == "ragged" else np.ones_like(mask)) & mask
+    fixed = VARIANTS[getattr(p, "variant", "ragged")].fixed  # a fixed chunk travels even empty
+    return sum((np.ones_like(mask) if fixed else (c > 0)) & mask
                for c in sections).astype(np.int64)
 
 
