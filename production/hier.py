@@ -1,7 +1,7 @@
 """``transport="hier"`` over torch.distributed: node-aware dispatch and combine, two stages.
 
-The wire format and the plan are the reference's (``epkit.reference.hier``, docs/design.md):
-``G = ranks_per_node`` consecutive ranks make a node, ``N = R / G`` nodes. Stage 1 moves a
+The wire format and the plan are the reference's (``epkit.reference.transports.hier``,
+docs/design.md): ``G = ranks_per_node`` consecutive ranks make a node, ``N = R / G`` nodes. Stage 1 moves a
 token row once per destination node with a kept slot, to the *forwarder* ``f(s, n) = n G +
 s % G`` (an exchange inside the *inter-node subgroup* of the ranks sharing s's local index);
 stage 2 fans it out inside the node (an exchange inside the *intra-node subgroup*). Each stage
@@ -25,8 +25,8 @@ Plan: after the dispatch's count exchange (the dedup plan, which raises every in
 every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
 kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
 node), and every rank derives every stage's counts and the exchange variant with
-``reference.hier.plan`` (the same arithmetic as the spec, so the same variant and the same
-EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
+``reference.transports.hier.plan`` (the same arithmetic as the spec, so the same variant and
+the same EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
 cached (:func:`topology`). Not supported (refused in the call header, HIER_UNSUPPORTED): the
 lazy and static exchanges, a payload, torch.compile.
 """
@@ -238,7 +238,7 @@ def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor
 def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
     """This rank's ``3 R + 2 N`` words from its kept routing ``[T, K]`` int64 (-1: none):
     tokens with >= 1 / >= 2 kept slots and kept slots, per rank; tokens with >= 1 / >= 2 per
-    node (``reference.hier.NodeCounts``, one row)."""
+    node (``reference.transports.hier.NodeCounts``, one row)."""
     T = kept.shape[0]
     at = torch.where(kept >= 0, kept // L, R)
     n_td = torch.zeros((T, R + 1), dtype=torch.int64, device=kept.device).scatter_add_(
@@ -249,8 +249,8 @@ def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
 
 
 def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str):
-    """The count exchange's hier all-gather, and ``reference.hier.plan`` on its result (raises
-    EQUAL_NONUNIFORM on every rank alike)."""
+    """The count exchange's hier all-gather, and ``reference.transports.hier.plan`` on its result
+    (raises EQUAL_NONUNIFORM on every rank alike)."""
     L, N = E // R, R // G
     mine, dev = _counts_of(kept, R, L, G), small_device(group)
     if dev.type == "cpu":  # a CPU backend carries them: from the device, one host read
@@ -262,7 +262,7 @@ def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str
     w = to_host(got).view(R, -1).numpy().astype(np.int64)
     c = spec.NodeCounts(tokens=w[:, :R], multi=w[:, R:2 * R], slots=w[:, 2 * R:3 * R],
                         node_tokens=w[:, 3 * R:3 * R + N], node_multi=w[:, 3 * R + N:])
-    # reference.hier.plan reads the group's ranks_per_node and exchange only
+    # reference.transports.hier.plan reads the group's ranks_per_node and exchange only
     return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c)
 
 
@@ -299,7 +299,7 @@ class HierState:
     """
 
     topo: Topology
-    plan: object          # reference.hier.HierPlan
+    plan: object          # reference.transports.hier.HierPlan
     dedup_plan: torch.Tensor
     E: int
     kept: torch.Tensor
