@@ -53,8 +53,8 @@ def test_traffic_equals_reference_bytes(seed):
 @pytest.mark.parametrize("seed", range(8))
 def test_hier_counts_and_bytes_equal_the_reference(seed):
     """The vectorized kept mask and NodeCounts equal reference.capacity's and
-    reference.transports.hier's clear ones (unused slots, zero-token ranks, capacity), and the simulator's hier stages are
-    what reference.transports.hier's dispatch and combine move."""
+    reference.transports.hier's clear ones (unused slots, zero-token ranks, capacity), and the
+    simulator's hier stages are what reference.transports.hier's dispatch and combine move."""
     from epkit.reference.transports import hier
     from epkit.reference.capacity import kept_mask
 
