@@ -3,10 +3,10 @@
 The wire format and the plan are the reference's (``epkit.reference.transports.hier``,
 docs/design.md): ``G = ranks_per_node`` consecutive ranks make a node, ``N = R / G`` nodes.
 Stage 1 moves a token row once per destination node with a kept slot, to the *forwarder*
-``f(s, n) = n G + s % G`` (an exchange inside the *inter-node subgroup* of the ranks sharing
-s's local index); stage 2 fans it out inside the node (an exchange inside the *intra-node subgroup*). Each stage
-moves two sections, token rows then slot rows, each one ``epkit.collectives.all_to_all`` of
-its own rows:
+``f(s, n) = n G + s % G`` (an exchange inside the *inter-node subgroup* of the ranks sharing s's
+local index); stage 2 fans it out inside the node (an exchange inside the *intra-node
+subgroup*). Each stage moves two sections, token rows then slot rows, each one
+``epkit.collectives.all_to_all`` of its own rows:
 
     stage 1, s -> f:  payload | int32 t | int32 n      and n slot rows (k << 24 | j_node, w)
     stage 2, f -> d:  payload | int32 s | int32 t | int32 n   and n slot rows (k << 24 | j, w)
