@@ -134,7 +134,7 @@ class Dedup(Direct):
 
     def receive(self, group: Group, d: int, got_sections, p: Plan):
         """Received token rows and slot rows (each s ascending, then t) -> expert-major fields,
-        recv_rows and the rank-major buffer. Everything but the source rank of a token row (the
+        recv_map and the rank-major buffer. Everything but the source rank of a token row (the
         plan's counts, as for every exchange) comes from the rows: each token row's n claims
         the next n slot rows."""
         got, got_slots = got_sections
@@ -174,13 +174,13 @@ class Dedup(Direct):
                                             int(s), int(t), k, recv_topk_weights[n, k]))
                         which[j].append((n, k))
         fields, positions = assemble(group, segments)
-        recv_rows = np.full((N, K), -1, np.int64)
+        recv_map = np.full((N, K), -1, np.int64)
         for j in range(L):
             for (n, k), m in zip(which[j], positions[j]):
-                recv_rows[n, k] = m
+                recv_map[n, k] = m
         rank_major = dict(recv_x=recv_x, recv_scale=recv_scale, recv_topk_idx=recv_topk_idx,
                           recv_topk_weights=recv_topk_weights, recv_src=recv_src)
-        return fields, recv_rows, rank_major
+        return fields, recv_map, rank_major
 
     # --- the return path ----------------------------------------------------------------------
 
@@ -197,7 +197,7 @@ class Dedup(Direct):
         H = y.shape[1]
         c = res_d.row_weight if weighted else np.ones_like(res_d.row_weight)
         out = []
-        for slot_rows in res_d.wire.recv_rows:
+        for slot_rows in res_d.wire.recv_map:
             ms = [m for m in slot_rows if m >= 0]           # k ascending
             if len(ms) <= per:
                 out.append(y[ms].reshape(len(ms), H))
@@ -240,7 +240,7 @@ class Dedup(Direct):
 
     def recv_slot_rows(self, wire, K: int) -> np.ndarray:
         """K slots a token row (-1: none), k ascending."""
-        return wire.recv_rows.reshape(len(wire.recv_rows), K)
+        return wire.recv_map.reshape(len(wire.recv_map), K)
 
     def kept_slots(self, res_s, d: int) -> List[Tuple[int, int]]:
         """Its slot rows' order: its token rows' order, each token's kept slots on d k

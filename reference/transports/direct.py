@@ -142,13 +142,13 @@ class Wire:
 
     send: per peer d, what this rank sent in order: pairs ``(t, k)`` slots; dedup tokens ``t``
     (its token rows).
-    recv_rows: pairs [N] int64, the expert-major row each received row went to; dedup [N, K]
+    recv_map: pairs [N] int64, the expert-major row each received row went to; dedup [N, K]
     int64, the expert-major row of each received token's slot k (-1: none).
     """
 
     plan: Plan
     send: List[list]
-    recv_rows: np.ndarray
+    recv_map: np.ndarray
 
 
 class Direct(Transport):
@@ -220,14 +220,14 @@ class Direct(Transport):
             moved += bytes_moved
         results = []
         for d in range(R):
-            fields, recv_rows, rm = self.receive(group, d, [got[d] for got in received], p)
+            fields, recv_map, rm = self.receive(group, d, [got[d] for got in received], p)
             if rank_major:      # the rows' own rank-major buffer, else computed (rankmajor.py)
                 fields.update(rm if rm is not None else
                               rank_major_fields(group, d, rows, scales, idx, ws, kept))
             fields["dropped_per_expert"] = (p.counts[:, d * L:(d + 1) * L].sum(axis=0)
                                             - fields["tokens_per_expert"])
             results.append(group.result(d, topk_idx=idx[d], topk_weights=ws[d], kept=kept[d],
-                                        bytes_sent=moved[d], wire=Wire(p, sends[d], recv_rows),
+                                        bytes_sent=moved[d], wire=Wire(p, sends[d], recv_map),
                                         **fields))
         return results
 

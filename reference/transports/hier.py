@@ -287,7 +287,7 @@ class HierWire:
     sent: as source, per node n, the tokens t it sent there (stage 1 order); arrivals: as
     forwarder, every stage-1 token row received, in order: ``(s, t, slots)`` with slots
     ``[(k, d, j, w)]`` k ascending; fan: per rank d of its node (d - nG), the arrivals it
-    forwarded to d, in order; recv_rows [N2, K] int64: as destination, the expert-major row of
+    forwarded to d, in order; recv_map [N2, K] int64: as destination, the expert-major row of
     each received stage-2 token row's slot k (-1: none); moved: the dispatch's byte matrices.
     """
 
@@ -295,7 +295,7 @@ class HierWire:
     sent: List[List[int]]
     arrivals: list
     fan: List[List[int]]
-    recv_rows: np.ndarray
+    recv_map: np.ndarray
     moved: list
 
 
@@ -354,7 +354,7 @@ def _forward(group: Group, f: int, got_tok, got_slot, p: HierPlan):
 
 
 def _receive(group: Group, got_tok, got_slot):
-    """Destination: its stage-2 rows -> (expert-major fields, recv_rows [N2, K])."""
+    """Destination: its stage-2 rows -> (expert-major fields, recv_map [N2, K])."""
     L, K, P = group.num_local_experts, group.topk, group.payload_bytes
     entries, cursor = [], 0
     for i in range(got_tok.shape[0]):
@@ -370,11 +370,11 @@ def _receive(group: Group, got_tok, got_slot):
             segments[j].append((x, scale, s, t, k, w))
             which[j].append((i, k))
     fields, positions = assemble(group, segments)
-    recv_rows = np.full((len(entries), K), -1, np.int64)
+    recv_map = np.full((len(entries), K), -1, np.int64)
     for j in range(L):
         for (i, k), m in zip(which[j], positions[j]):
-            recv_rows[i, k] = m
-    return fields, recv_rows
+            recv_map[i, k] = m
+    return fields, recv_map
 
 
 def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
@@ -399,11 +399,11 @@ def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
     used = count_words(idx, R, E)[:, :E]
     results = []
     for d in range(R):
-        fields, recv_rows = _receive(group, tok2[d], slot2[d])
+        fields, recv_map = _receive(group, tok2[d], slot2[d])
         if rank_major:
             fields.update(rank_major_fields(group, d, rows, scales, idx, ws, kept))
         fields["dropped_per_expert"] = used[:, d * L:(d + 1) * L].sum(axis=0) - fields["tokens_per_expert"]
-        wire = HierWire(p, out1[d][0], out2[d][0], out2[d][1], recv_rows, moved)
+        wire = HierWire(p, out1[d][0], out2[d][0], out2[d][1], recv_map, moved)
         results.append(group.result(d, topk_idx=idx[d], topk_weights=ws[d], kept=kept[d],
                                     bytes_sent=sum(moved)[d], wire=wire, **fields))
     return results
@@ -435,7 +435,7 @@ def _back_at_rank(group, res_d, y, weighted, u):
     """Rank d's stage-2 returns: per received token row, min(n, u) rows (forwarder order)."""
     c = res_d.row_weight
     out = []
-    for slot_rows in res_d.wire.recv_rows:
+    for slot_rows in res_d.wire.recv_map:
         ms = [m for m in slot_rows if m >= 0]
         out += _units([y[m] for m in ms],
                       lambda: partial_sum([(c[m] if weighted else 1, y[m]) for m in ms], group.hidden),
@@ -595,7 +595,7 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
         y, c = ys[d], res[d].row_weight
         gy = np.zeros(y.shape, y.dtype)
         rows = []
-        for g, slot_rows in zip(grads[d], res[d].wire.recv_rows):
+        for g, slot_rows in zip(grads[d], res[d].wire.recv_map):
             ms = [m for m in slot_rows if m >= 0]       # k ascending: slot-row order
             for m in ms:
                 gy[m] = scaled(c[m] if weighted else 1, g, y.dtype)

@@ -70,10 +70,10 @@ class Pairs(Direct):
                     segments[j].append((x, scale, s, t, k, np.float32(w)))
                     which[j].append(i)
         fields, positions = assemble(group, segments)
-        recv_rows = np.full(got.shape[0], -1, np.int64)
+        recv_map = np.full(got.shape[0], -1, np.int64)
         for j in range(L):
-            recv_rows[which[j]] = positions[j]
-        return fields, recv_rows, None
+            recv_map[which[j]] = positions[j]
+        return fields, recv_map, None
 
     # --- the return path ----------------------------------------------------------------------
 
@@ -83,7 +83,7 @@ class Pairs(Direct):
 
     def back_send(self, res_d, y: np.ndarray, weighted: bool, per: int):
         """Rank d returns each kept slot's row in the order it came."""
-        return y[res_d.wire.recv_rows], res_d.wire.plan.rows[:, res_d.rank]
+        return y[res_d.wire.recv_map], res_d.wire.plan.rows[:, res_d.rank]
 
     def back_counts(self, res_s, s: int, p: Plan, per: int):
         return p.rows.T[:, s]
@@ -108,7 +108,7 @@ class Pairs(Direct):
 
     def recv_slot_rows(self, wire, K: int) -> np.ndarray:
         """One slot a row."""
-        return wire.recv_rows.reshape(len(wire.recv_rows), 1)
+        return wire.recv_map.reshape(len(wire.recv_map), 1)
 
     def kept_slots(self, res_s, d: int) -> List[Tuple[int, int]]:
         """The rows themselves, in the order sent."""
