@@ -14,11 +14,11 @@ subgroup*). Each stage moves two sections, token rows then slot rows, each one
 The destination sorts its stage-2 rows by (s, t) into dedup's receive layout and runs the
 dedup unpack on the dispatch's dedup plan: its expert-major result, ``recv_map`` and the whole
 expert side of combine and the backward passes are dedup's own kernels. The return path returns,
-per token row with n kept slots, its n rows when ``n <= u = 4 / itemsize`` else a float32
+per token row with n kept slots, its n rows when ``n <= per = 4 / itemsize`` else a float32
 partial: d -> f the rank partial ``P_d`` (``gather_rows``), f -> s the node partial ``N_n``,
 which the forwarder forms with ``reduce_tokens`` keyed by the node's ranks; the source adds the
 node partials with ``reduce_tokens`` keyed by nodes. Raw rows returned to the source (at most
-``u <= 2`` of them) are summed there in k order, which equals the grouped order: a sum of two
+``per <= 2`` of them) are summed there in k order, which equals the grouped order: a sum of two
 terms from +0.0 does not depend on their order.
 
 Plan: after the dispatch's count exchange (the dedup plan, which raises every input error on
@@ -218,12 +218,12 @@ def _masked(t: torch.Tensor, mask: torch.Tensor, n: int) -> torch.Tensor:
 
 def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor, sec: Section,
                me: int, what: str) -> torch.Tensor:
-    """The return path: ``rows [n, u, H]``, of which row i sends its first ``units[i]``; returns
-    ``[m, u, H]`` (zeros past ``recv_units``), the received rows' units in place."""
-    u = rows.shape[1]
-    lane = torch.arange(u, device=rows.device)
+    """The return path: ``rows [n, per, H]``, of which row i sends its first ``units[i]``; returns
+    ``[m, per, H]`` (zeros past ``recv_units``), the received rows' units in place."""
+    per = rows.shape[1]
+    lane = torch.arange(per, device=rows.device)
     got = move(_masked(rows, lane < units.unsqueeze(1), sum(sec.send(me))), sec, me, what)
-    out = rows.new_zeros((recv_units.shape[0], u, rows.shape[2]))
+    out = rows.new_zeros((recv_units.shape[0], per, rows.shape[2]))
     into = lane < recv_units.unsqueeze(1)
     at = _true_at(into, sum(sec.recv(me)))
     if at is None:
@@ -322,12 +322,12 @@ class HierState:
     stage2_slots: Optional[torch.Tensor] = None
     recv_map: Optional[torch.Tensor] = None
 
-    def section(self, name: str, u: int = 0) -> Section:
+    def section(self, name: str, per: int = 0) -> Section:
         """A section of the plan by name: ``s1_tok`` ... ``s2_slot``, ``back1``/``back2`` (the
-        return path's rows for ``u``), ``w1``/``w2`` (one weight gradient per kept slot,
+        return path's rows for ``per``), ``w1``/``w2`` (one weight gradient per kept slot,
         back)."""
         p, t = self.plan, self.topo
-        counts = {"back1": lambda: p.back_rows(1, u), "back2": lambda: p.back_rows(2, u),
+        counts = {"back1": lambda: p.back_rows(1, per), "back2": lambda: p.back_rows(2, per),
                   "w1": lambda: p.s1_slot.T, "w2": lambda: p.s2_slot.T}.get(
             name, lambda: getattr(p, name))()
         return Section(counts, t.inter if name in ("s1_tok", "s1_slot", "back1", "w1")
@@ -568,28 +568,28 @@ def reduce_back(st: HierState, ys: torch.Tensor, row_weight, weighted: bool, out
     """Combine (``ys`` = expert_y, weighted or not) or dispatch backward (``ys`` = gradient
     rows, unweighted) back over both stages: ``[T, H]`` in ``out_dtype``."""
     t, me, H = st.topo, st.topo.me, ys.shape[1]
-    u = 4 // ys.element_size()
+    per = 4 // ys.element_size()
     w = row_weight if row_weight is not None else ys.new_zeros((0,), dtype=torch.float32)
     rows = C.gather_rows(ys, st.recv_map, w, DEDUP, weighted)        # [N2, H] f32, dedup order
-    r2 = _reinterpret(rows[st.dedup_of_stage2], ys.dtype, (rows.shape[0], u, H))
-    got2 = move_units(r2, st.stage2_slots.clamp(max=u), st.forward_slots.clamp(max=u),
-                      st.section("back2", u), me, "stage 2 back")
-    back2 = got2.reshape(-1, u * H)
+    r2 = _reinterpret(rows[st.dedup_of_stage2], ys.dtype, (rows.shape[0], per, H))
+    got2 = move_units(r2, st.stage2_slots.clamp(max=per), st.forward_slots.clamp(max=per),
+                      st.section("back2", per), me, "stage 2 back")
+    back2 = got2.reshape(-1, per * H)
     node = C.reduce_tokens(back2, st.forward_map, st.received_experts, st.received_weights,
                            t.G * (st.E // t.R), t.G, DEDUP, weighted, torch.float32,
                            1)                                        # N_n per received row
-    r1 = _reinterpret(node, ys.dtype, (node.shape[0], u, H)).clone()
+    r1 = _reinterpret(node, ys.dtype, (node.shape[0], per, H)).clone()
     sa, i, fr, q = st.received_raw_at
-    raw = st.received_slots[sa] <= u                                # the node's rows themselves
+    raw = st.received_slots[sa] <= per                                # the node's rows themselves
     if not device_path(raw):
         r1[sa[raw], i[raw]] = got2[fr[raw], q[raw]]
     else:  # without a boolean index (a host wait): every slot writes, the others what is there
         # (a received row's slots are all raw or none, so two writes to one place write one value)
-        ic, qc = i.clamp(max=u - 1), q.clamp(max=u - 1)
+        ic, qc = i.clamp(max=per - 1), q.clamp(max=per - 1)
         r1[sa, ic] = torch.where(raw.unsqueeze(1), got2[fr, qc], r1[sa, ic])
-    got1 = move_units(r1, st.received_slots.clamp(max=u), st.stage1_slots.clamp(max=u),
-                      st.section("back1", u), me, "stage 1 back")
-    return C.reduce_tokens(got1.reshape(-1, u * H), st.send1_map, st.kept,
+    got1 = move_units(r1, st.received_slots.clamp(max=per), st.stage1_slots.clamp(max=per),
+                      st.section("back1", per), me, "stage 1 back")
+    return C.reduce_tokens(got1.reshape(-1, per * H), st.send1_map, st.kept,
                            _weights(st, weighted), st.E, t.N, DEDUP, weighted, out_dtype, 1)
 
 

@@ -27,17 +27,17 @@ The destination rebuilds its expert-major rows from the stage-2 rows alone (each
 n claims the next n slot rows; the rows name (s, t), so the order of arrival does not matter).
 
 The return path (combine, dispatch backward) runs the two stages backwards. Rows of the return path
-are ``H * itemsize(y)`` bytes (y: expert_y, or the gradient rows); ``u = 4 / itemsize(y)`` of
+are ``H * itemsize(y)`` bytes (y: expert_y, or the gradient rows); ``per = 4 / itemsize(y)`` of
 them (1 for float32, 2 for bfloat16) hold one float32 [H] partial sum. For every stage-2 token
-row with ``n`` kept slots, d returns the n expert rows themselves, k ascending, when ``n <= u``
-(not wider than a float32 partial), else the float32 partial ``P_d(t)`` (u rows); likewise f
+row with ``n`` kept slots, d returns the n expert rows themselves, k ascending, when ``n <= per``
+(not wider than a float32 partial), else the float32 partial ``P_d(t)`` (``per`` rows); likewise f
 returns per stage-1 token row with ``n`` kept slots on its node the n rows, k ascending, when
-``n <= u``, else the float32 *node partial* ``N_n(t)``, which f forms from the returns of its
+``n <= per``, else the float32 *node partial* ``N_n(t)``, which f forms from the returns of its
 node's ranks. Every partial is the spec's (arith.py): ``P_d(t)`` over the slots on d, k
 ascending; ``N_n(t) = +0.0 + P_d + ...`` over the node's ranks ascending; the source adds
 ``out(t) = +0.0 + N_0 + N_1 + ...`` over the nodes ascending (``arith.grouped_total_sum``), so
 hier gives the same bits as pairs and dedup with the same ``ranks_per_node``. Rows per token
-row on the return path: ``min(n, u)``, never more than pairs' n rows.
+row on the return path: ``min(n, per)``, never more than pairs' n rows.
 
 Combine backward sends the gradient row of each token forward like a dispatch (stage 1: one
 per stage-1 token row, stage 2: one per stage-2 token row; no meta: the layout is the
@@ -52,8 +52,8 @@ words a rank) every rank derives every stage's counts and the exchange variant, 
 over every section of both stages and of the return path (equal only when all are uniform).
 Static chunks (rows): stage 1 token rows ``max_tokens_per_rank``, slot rows
 ``max_tokens_per_rank * min(K, G L)``; stage 2 token rows ``N * max_tokens_per_rank``, slot
-rows ``N * max_tokens_per_rank * min(K, L)``; the return path ``min(K, G L, u)`` resp.
-``N * min(K, L, u)`` times ``max_tokens_per_rank``; the weight gradients the slot rows' chunks.
+rows ``N * max_tokens_per_rank * min(K, L)``; the return path ``min(K, G L, per)`` resp.
+``N * min(K, L, per)`` times ``max_tokens_per_rank``; the weight gradients the slot rows' chunks.
 """
 
 from __future__ import annotations
@@ -166,11 +166,11 @@ class HierPlan:
     s2_multi: np.ndarray
     variant: str
 
-    def back_rows(self, stage: int, u: int) -> np.ndarray:
+    def back_rows(self, stage: int, per: int) -> np.ndarray:
         """The return path's rows of a stage, transposed (entry [b, a]: rows b returns to a):
-        ``min(n, u)`` per token row."""
+        ``min(n, per)`` per token row."""
         tok, multi = (self.s1_tok, self.s1_multi) if stage == 1 else (self.s2_tok, self.s2_multi)
-        return (tok + (multi if u >= 2 else 0)).T
+        return (tok + (multi if per >= 2 else 0)).T
 
 
 def _sections(p: HierPlan, G: int):
@@ -205,19 +205,19 @@ def _node_sum(rank_matrix: np.ndarray, G: int) -> np.ndarray:
     return rank_matrix.reshape(R, R // G, G).sum(axis=2)
 
 
-def caps(group: Group, u: int = 2) -> Optional[dict]:
+def caps(group: Group, per: int = 2) -> Optional[dict]:
     """The static chunks (rows) of every section (module docstring); None unless static."""
     if not is_static(group.exchange):
         return None
     T, K, L, G = group.max_tokens_per_rank, group.topk, group.num_local_experts, group.ranks_per_node
     N = group.num_ranks // G
     return {"s1_tok": T, "s1_slot": T * min(K, G * L), "s2_tok": N * T,
-            "s2_slot": N * T * min(K, L), "s1_back": T * min(K, G * L, u),
-            "s2_back": N * T * min(K, L, u)}
+            "s2_slot": N * T * min(K, L), "s1_back": T * min(K, G * L, per),
+            "s2_back": N * T * min(K, L, per)}
 
 
-def _cap(group: Group, name: str, u: int = 2) -> Optional[int]:
-    c = caps(group, u)
+def _cap(group: Group, name: str, per: int = 2) -> Optional[int]:
+    c = caps(group, per)
     return None if c is None else c[name]
 
 
@@ -271,11 +271,11 @@ def combine_bytes_of(group: Group, p: HierPlan, y_dtype=None) -> List[np.ndarray
     expert_y's (default x's)."""
     R, G, H = group.num_ranks, group.ranks_per_node, group.hidden
     isz = np.dtype(y_dtype or group.x_dtype).itemsize
-    u = 4 // isz
-    return [stage_bytes(p.back_rows(2, u), H * isz, intra_subgroups(R, G), p.variant,
-                        _cap(group, "s2_back", u)),
-            stage_bytes(p.back_rows(1, u), H * isz, inter_subgroups(R, G), p.variant,
-                        _cap(group, "s1_back", u))]
+    per = 4 // isz
+    return [stage_bytes(p.back_rows(2, per), H * isz, intra_subgroups(R, G), p.variant,
+                        _cap(group, "s2_back", per)),
+            stage_bytes(p.back_rows(1, per), H * isz, inter_subgroups(R, G), p.variant,
+                        _cap(group, "s1_back", per))]
 
 
 # --- dispatch ----------------------------------------------------------------------------------
@@ -411,16 +411,16 @@ def dispatch(group: Group, xs, idx, ws, kept, rank_major: bool):
 
 # --- the return path: combine and dispatch backward -----------------------------------------------
 
-def _units(rows: List[np.ndarray], partial, u: int, row_dtype) -> List[np.ndarray]:
-    """A token row's return: its n rows when ``n <= u``, else the float32 partial (``partial()``,
-    [H] float32) as u rows of ``row_dtype``."""
-    if len(rows) <= u:
+def _units(rows: List[np.ndarray], partial, per: int, row_dtype) -> List[np.ndarray]:
+    """A token row's return: its n rows when ``n <= per``, else the float32 partial (``partial()``,
+    [H] float32) as ``per`` rows of ``row_dtype``."""
+    if len(rows) <= per:
         return [np.asarray(r, row_dtype) for r in rows]
-    return list(np.asarray(partial(), FLOAT32).view(row_dtype).reshape(u, -1))
+    return list(np.asarray(partial(), FLOAT32).view(row_dtype).reshape(per, -1))
 
 
 def _as_partial(units: List[np.ndarray]) -> np.ndarray:
-    """The u received rows that hold a float32 partial -> [H] float32."""
+    """The ``per`` received rows that hold a float32 partial -> [H] float32."""
     return np.concatenate([np.asarray(r) for r in units]).copy().view(FLOAT32)
 
 
@@ -431,19 +431,19 @@ def _split(got: np.ndarray, counts: Sequence[int], row_dtype):
     return [list(rows[start[i]:start[i + 1]]) for i in range(len(counts))]
 
 
-def _back_at_rank(group, res_d, y, weighted, u):
-    """Rank d's stage-2 returns: per received token row, min(n, u) rows (forwarder order)."""
+def _back_at_rank(group, res_d, y, weighted, per):
+    """Rank d's stage-2 returns: per received token row, min(n, per) rows (forwarder order)."""
     c = res_d.row_weight
     out = []
     for slot_rows in res_d.wire.recv_map:
         ms = [m for m in slot_rows if m >= 0]
         out += _units([y[m] for m in ms],
                       lambda: partial_sum([(c[m] if weighted else 1, y[m]) for m in ms], group.hidden),
-                      u, y.dtype)
+                      per, y.dtype)
     return out
 
 
-def _back_at_forwarder(group, wire: HierWire, f, got_rows, weighted, u, row_dtype):
+def _back_at_forwarder(group, wire: HierWire, f, got_rows, weighted, per, row_dtype):
     """Forwarder f: its node's returns (``got_rows``: per rank of the node, ascending) -> the
     stage-1 returns, arrival by arrival: the node's rows k ascending, or N_n(t)."""
     G, H = group.ranks_per_node, group.hidden
@@ -453,8 +453,8 @@ def _back_at_forwarder(group, wire: HierWire, f, got_rows, weighted, u, row_dtyp
         d = f // G * G + i
         for a in arrivals:
             n = sum(1 for sl in wire.arrivals[a][2] if sl[1] == d)
-            got = [next(per_d[i]) for _ in range(min(n, u))]
-            returns[a, d] = got if n <= u else _as_partial(got)
+            got = [next(per_d[i]) for _ in range(min(n, per))]
+            returns[a, d] = got if n <= per else _as_partial(got)
     out = []
     for a, (s, t, slots) in enumerate(wire.arrivals):
         ranks = sorted({sl[1] for sl in slots})
@@ -469,11 +469,11 @@ def _back_at_forwarder(group, wire: HierWire, f, got_rows, weighted, u, row_dtyp
         raw = {sl[0]: r for d in ranks if isinstance(returns[a, d], list)
                for sl, r in zip(mine[d], returns[a, d])}
         out += _units([raw.get(sl[0]) for sl in slots],
-                      lambda: total_sum([p_d(d) for d in ranks], H), u, row_dtype)
+                      lambda: total_sum([p_d(d) for d in ranks], H), per, row_dtype)
     return out
 
 
-def _total_at_source(group, res_s, got_rows, weighted, u, row_dtype) -> np.ndarray:
+def _total_at_source(group, res_s, got_rows, weighted, per, row_dtype) -> np.ndarray:
     """Source s: the stage-1 returns per node -> out [T, H] float32 (grouped order)."""
     G, L, H = group.ranks_per_node, group.num_local_experts, group.hidden
     idx, kept, w = res_s.topk_idx, res_s.kept, res_s.topk_weights
@@ -482,8 +482,8 @@ def _total_at_source(group, res_s, got_rows, weighted, u, row_dtype) -> np.ndarr
         rows = iter(got_rows[n])
         for t in tokens:
             mine = [k for k in range(idx.shape[1]) if kept[t, k] and idx[t, k] // (G * L) == n]
-            got = [next(rows) for _ in range(min(len(mine), u))]
-            if len(mine) > u:
+            got = [next(rows) for _ in range(min(len(mine), per))]
+            if len(mine) > per:
                 nodes.setdefault(t, []).append(_as_partial(got))
                 continue
             by_rank: dict = {}
@@ -504,25 +504,25 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
     group = group_of(res)
     R, G = group.num_ranks, group.ranks_per_node
     p, row_dtype = res[0].wire.plan, ys[0].dtype
-    u = 4 // row_dtype.itemsize
+    per = 4 // row_dtype.itemsize
     inter, intra = inter_subgroups(R, G), intra_subgroups(R, G)
-    back2 = p.back_rows(2, u)
-    bufs = [rows_of(np.array(_back_at_rank(group, res[d], ys[d], weighted, u), row_dtype)
+    back2 = p.back_rows(2, per)
+    bufs = [rows_of(np.array(_back_at_rank(group, res[d], ys[d], weighted, per), row_dtype)
                      .reshape(-1, group.hidden)) for d in range(R)]
-    got2, moved2 = stage_exchange(bufs, back2, intra, p.variant, _cap(group, "s2_back", u))
+    got2, moved2 = stage_exchange(bufs, back2, intra, p.variant, _cap(group, "s2_back", per))
     bufs = []
     for f in range(R):
         node = intra[f // G]
         rows = _split(got2[f], back2[node, f], row_dtype)
-        out = _back_at_forwarder(group, res[f].wire, f, rows, weighted, u, row_dtype)
+        out = _back_at_forwarder(group, res[f].wire, f, rows, weighted, per, row_dtype)
         bufs.append(rows_of(np.array(out, row_dtype).reshape(-1, group.hidden)))
-    back1 = p.back_rows(1, u)
-    got1, moved1 = stage_exchange(bufs, back1, inter, p.variant, _cap(group, "s1_back", u))
+    back1 = p.back_rows(1, per)
+    got1, moved1 = stage_exchange(bufs, back1, inter, p.variant, _cap(group, "s1_back", per))
     outs = []
     for s in range(R):
         peers = inter[s % G]
         rows = _split(got1[s], back1[peers, s], row_dtype)
-        outs.append(_total_at_source(group, res[s], rows, weighted, u, row_dtype))
+        outs.append(_total_at_source(group, res[s], rows, weighted, per, row_dtype))
     return outs, [moved2, moved1]
 
 
