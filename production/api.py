@@ -147,7 +147,8 @@ class Dispatcher:
 
     # -- dispatch ---------------------------------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> Dispatch:
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Dispatch:
         """Send every token to the ranks of its top-k experts; see :func:`epkit.dispatch`."""
         topk_weights = _widened(topk_weights)
         if torch.compiler.is_compiling():
@@ -186,7 +187,8 @@ class Dispatcher:
         # combine op agrees at run time, comparing the ranks' constants).
         seq = -1 if torch.compiler.is_compiling() else call_number(self.group) - 1
         if local[0] == Reason.OK:
-            x, topk_idx, topk_weights = x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous()
+            x, topk_idx = x.contiguous(), topk_idx.contiguous()
+            topk_weights = topk_weights.contiguous()
         G = int(self.resolved_ranks_per_node()) if local[0] == Reason.OK else 1
         return self._module().dispatch(self, seq, x, topk_idx, topk_weights, local, G)
 

@@ -34,7 +34,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     transport = TRANSPORTS[cfg.transport]
     ex = EXCHANGES[cfg.exchange]
     E, align = int(cfg.num_experts), int(cfg.align)
-    cap = -1 if cfg.capacity is None else int(cfg.capacity)
+    capacity = -1 if cfg.capacity is None else int(cfg.capacity)
     factor = -1.0 if cfg.capacity_factor is None else float(cfg.capacity_factor)
     code, a, b = local
     gname = group_name(cfg.group)
@@ -44,7 +44,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
             and not torch.compiler.is_compiling()):
         # The eager path: one fused op, no host read here at all.
         *outs, plan = ops.prepare_dispatch(
-            x, topk_idx, topk_weights, gname, rank, E, align, cap, transport.code, ex.code,
+            x, topk_idx, topk_weights, gname, rank, E, align, capacity, transport.code, ex.code,
             pre_error, 0, factor, G, cfg._ws)
         return result.build(cfg, seq, x, topk_idx, topk_weights, plan, *outs)
     max_tokens = int(cfg.max_tokens_per_rank) if ex.static else -1
@@ -52,7 +52,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     # Static on the device path: the shape that sizes the plan's host mirror without a host wait.
     shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
              if ex.static and device_path(x) else None)
-    plan = ops.count_exchange(words, gname, rank, E, align, cap, transport.code, ex.code,
+    plan = ops.count_exchange(words, gname, rank, E, align, capacity, transport.code, ex.code,
                               max_tokens, shape, factor, topk_idx if code == Reason.OK else None, G)
     if ex.uniform and not int(ops.host_plan(plan)[ops.UNIFORM]):
         raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)

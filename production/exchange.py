@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from . import agree
 from .agree import tensor_error
-from .collectives import (EXCHANGE_VARIANTS, VARIANTS, all_gather, all_to_all, dtype_code, is_group, resolve_group,
-                          small_device)
+from .collectives import (EXCHANGE_VARIANTS, VARIANTS, all_gather, all_to_all, dtype_code,
+                          is_group, resolve_group, small_device)
 from epkit.reference import abi
 from epkit.reference.errors import Reason, error
 
@@ -76,7 +76,8 @@ def exchange(x: torch.Tensor, send_counts, group=None, variant: str = "ragged") 
         odd = (counts != counts.reshape(-1)[0]).any(dim=1).nonzero()
         if odd.numel():  # every rank names the same (lowest) source rank
             raise error(int(odd[0]), Reason.EQUAL_NONUNIFORM)
-    return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant, max_chunk)
+    return _Exchange.apply(x, counts[me].tolist(), counts[:, me].tolist(), group, variant,
+                           max_chunk)
 
 
 _VARIANT_CODES = {k: abi.VARIANT_CODES[k] for k in EXCHANGE_VARIANTS}  # what epkit.exchange takes

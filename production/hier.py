@@ -542,14 +542,14 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     group = cfg.group
     R, rank = dist.get_world_size(group), dist.get_rank(group)
     E, align = int(cfg.num_experts), int(cfg.align)
-    cap = -1 if cfg.capacity is None else int(cfg.capacity)
+    capacity = -1 if cfg.capacity is None else int(cfg.capacity)
     factor = -1.0 if cfg.capacity_factor is None else float(cfg.capacity_factor)
     code, a, b = local
     ok = code == Reason.OK
     pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None)), -1]
     words = C.prepare(x, topk_idx, topk_weights, E, R, pre_error, 0)
     gname = group_name(group)
-    plan = ops.count_exchange(words, gname, rank, E, align, cap, DEDUP,
+    plan = ops.count_exchange(words, gname, rank, E, align, capacity, DEDUP,
                               abi.EXCHANGE_CODES["ragged"], -1, None, factor,
                               topk_idx if ok else None, G)
     kept = ops.kept_routing(topk_idx, plan)

@@ -69,7 +69,8 @@ OPS = {
 }
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-_READERS = ("to_host", "_pinned_copy", "host_plan")  # the reading functions (hostreads.py, plan.py, count_exchange.py)
+# the reading functions (hostreads.py, plan.py, count_exchange.py)
+_READERS = ("to_host", "_pinned_copy", "host_plan")
 
 
 class Read(NamedTuple):

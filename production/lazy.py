@@ -92,10 +92,10 @@ class _CombineWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_y, row_weight, state):
         back, state["finish"] = state["finish"](), None  # the work is done: let it go
-        d = state["dispatch"]
-        out = ops.reduce_back(back, d.handle.send_map, d.handle.topk_weights, d.handle.plan, state["transport"],
-                              state["weighted"], d.handle.x_dtype)
-        ctx.save_for_backward(expert_y, row_weight, d.handle.send_map, d.handle.recv_map, d.handle.plan)
+        h = state["dispatch"].handle
+        out = ops.reduce_back(back, h.send_map, h.topk_weights, h.plan, state["transport"],
+                              state["weighted"], h.x_dtype)
+        ctx.save_for_backward(expert_y, row_weight, h.send_map, h.recv_map, h.plan)
         ctx.meta = (state["group_name"], state["weighted"])
         return out
 
@@ -104,7 +104,8 @@ class _CombineWait(torch.autograd.Function):
         expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
         group_name, weighted = ctx.meta
         grad_y, grad_w = ops.combine_tokens_backward(grad_out, expert_y, row_weight, send_map,
-                                                     recv_map, plan, group_name, EXCHANGE_CODES["lazy"], weighted)
+                                                     recv_map, plan, group_name,
+                                                     EXCHANGE_CODES["lazy"], weighted)
         return grad_y, (grad_w if weighted else None), None
 
 
@@ -123,10 +124,11 @@ class PendingCombine:
 
 
 def issue_combine(expert_y, d, group_name, transport, weighted):
-    with Side(expert_y, d.handle.recv_map, d.row_weight) as side:  # CUDA: a side stream
-        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), d.handle.topk_idx,
-                               d.handle.send_map, d.handle.recv_map, d.handle.plan, group_name, transport,
-                               weighted, async_op=True, what="epkit.combine (lazy)")
+    h = d.handle
+    with Side(expert_y, h.recv_map, d.row_weight) as side:  # CUDA: a side stream
+        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), h.topk_idx,
+                               h.send_map, h.recv_map, h.plan, group_name, transport, weighted,
+                               async_op=True, what="epkit.combine (lazy)")
     state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

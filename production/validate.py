@@ -75,14 +75,14 @@ def option_words(cfg) -> list[int]:
 def option_error(cfg) -> tuple[int, int, int]:
     """The options on their own (reference/validate.py's order)."""
     R = dist.get_world_size(cfg.group)
-    E, align, cap, transport, exchange, payload, max_tokens, factor, G = option_words(cfg)
+    E, align, capacity, transport, exchange, payload, max_tokens, factor, G = option_words(cfg)
     if cfg._bad_group:
         return Reason.BAD_GROUP, 0, 0
     if _int_or(cfg.align, None) is None or not 1 <= align <= MAX_ALIGN:
         return Reason.ALIGN, align, 0
     if cfg.capacity is not None and (_int_or(cfg.capacity, None) is None
-                                      or not 0 <= cap <= MAX_CAPACITY):
-        return Reason.CAPACITY, cap, 0
+                                      or not 0 <= capacity <= MAX_CAPACITY):
+        return Reason.CAPACITY, capacity, 0
     if cfg.capacity_factor is not None:
         if cfg.capacity is not None:
             return Reason.CAPACITY_AND_FACTOR, 0, 0
@@ -154,7 +154,8 @@ def combine_words(cfg, expert_y, d, weighted) -> list[int]:
                 or w.shape[0] != d.handle.rows):
             code = Reason.FOREIGN_DISPATCH, 3, 0  # the kernels index row_weight by row
         else:
-            code = tensor_error(4, expert_y) or _rows_error(expert_y, d.handle.rows, d.handle.hidden)
+            code = (tensor_error(4, expert_y)
+                    or _rows_error(expert_y, d.handle.rows, d.handle.hidden))
             if code[0] == Reason.OK and expert_y.device != w.device:
                 code = Reason.DEVICE, 4, _DEVICE_CODES.get(expert_y.device.type, 3)
             rows_dtype = dtype_code(expert_y.dtype) if code[0] == Reason.OK else 0
