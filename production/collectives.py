@@ -156,11 +156,11 @@ def _warn_nccl_only(backend: str) -> None:
 class Variant:
     """One exchange variant (reference/exchange.py), a row that the exchange and the ops ask:
 
-    - ``stage(buf, send_counts, recv_counts, P, alloc)`` -> ``(out, inp, out_splits,
+    - ``stage(buf, send_counts, recv_counts, max_chunk, alloc)`` -> ``(out, inp, out_splits,
       in_splits)`` (None splits: equal-length chunks; ``out`` from ``alloc``,
-      production/workspace.py, or fresh) and ``unstage(out, recv_counts, P)`` -> the received rows:
-      how it runs on ``all_to_all_single``; ``P`` is the group-wide largest count (the padded
-      chunk, the equal count).
+      production/workspace.py, or fresh) and ``unstage(out, recv_counts, max_chunk)`` -> the
+      received rows: how it runs on ``all_to_all_single``; ``max_chunk`` is the group-wide
+      largest count (the padded chunk, the equal count).
     - ``fixed_chunks``: every chunk has one group-wide length (padded, equal, static), so the
       return rows and the slot values travel in chunks of a length the plan gives.
     - ``header_rows``: rows at the front of every chunk that carry its counts in-band (static:
@@ -183,27 +183,27 @@ def _recv_buffer(buf, rows, alloc):
     return workspace.empty(alloc, (rows,) + tuple(buf.shape[1:]), buf.dtype, buf)
 
 
-def _ragged_stage(buf, send, recv, P, alloc=None):
+def _ragged_stage(buf, send, recv, max_chunk, alloc=None):
     return _recv_buffer(buf, sum(recv), alloc), buf, list(recv), list(send)
 
 
-def _equal_stage(buf, send, recv, P, alloc=None):
-    return _recv_buffer(buf, len(send) * P, alloc), buf, None, None
+def _equal_stage(buf, send, recv, max_chunk, alloc=None):
+    return _recv_buffer(buf, len(send) * max_chunk, alloc), buf, None, None
 
 
-def _padded_stage(buf, send, recv, P, alloc=None):
-    src = buf.new_zeros((len(send) * P,) + tuple(buf.shape[1:]))
-    for d, chunk in enumerate(torch.split(buf, list(send))):
-        src[d * P : d * P + chunk.shape[0]] = chunk
-    return _equal_stage(buf, send, recv, P, alloc)[0], src, None, None
+def _padded_stage(buf, send, recv, max_chunk, alloc=None):
+    src = buf.new_zeros((len(send) * max_chunk,) + tuple(buf.shape[1:]))
+    for d, rows in enumerate(torch.split(buf, list(send))):
+        src[d * max_chunk : d * max_chunk + rows.shape[0]] = rows
+    return _equal_stage(buf, send, recv, max_chunk, alloc)[0], src, None, None
 
 
-def _as_is(staged, recv, P):
+def _as_is(staged, recv, max_chunk):
     return staged
 
 
-def _unpad(staged, recv, P):
-    return torch.cat([staged[s * P : s * P + n] for s, n in enumerate(recv)])
+def _unpad(staged, recv, max_chunk):
+    return torch.cat([staged[s * max_chunk : s * max_chunk + n] for s, n in enumerate(recv)])
 
 
 VARIANTS = {v.name: v for v in (
@@ -275,9 +275,9 @@ def all_to_all(
     if variant not in VARIANTS:
         raise ValueError(f"epkit: unknown exchange variant {variant!r} (choose from "
                          f"{tuple(VARIANTS)})")
-    v, P = VARIANTS[variant], int(max_chunk)
-    staged, src, out_splits, in_splits = v.stage(buf.contiguous(), send_counts, recv_counts, P,
-                                                 alloc)
+    v, max_chunk = VARIANTS[variant], int(max_chunk)
+    staged, src, out_splits, in_splits = v.stage(buf.contiguous(), send_counts, recv_counts,
+                                                 max_chunk, alloc)
     splits = {} if out_splits is None else {"output_split_sizes": out_splits,
                                             "input_split_sizes": in_splits}
     work = _collective(what, dist.all_to_all_single, staged, src, group=group,
@@ -286,7 +286,7 @@ def all_to_all(
     def finish() -> torch.Tensor:
         if async_op:
             work.wait()
-        return v.unstage(staged, recv_counts, P)
+        return v.unstage(staged, recv_counts, max_chunk)
 
     return finish if async_op else finish()
 
