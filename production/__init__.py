@@ -36,13 +36,15 @@ __all__ = ["__version__", "InputError", *_LAZY]
 
 
 class _Package(types.ModuleType):
-    """The package's module type: importing the submodule ``epkit.exchange`` (the home of the
-    function ``epkit.exchange``, beside ``epkit.reference.exchange``) makes Python set the
-    package's attribute to the submodule; the function is kept there instead."""
+    """The package's module type, as epkit.reference's: a function and the submodule that
+    defines it may share a name (``epkit.exchange`` in exchange.py, beside
+    ``epkit.reference.exchange``); importing the submodule makes Python set the package's
+    attribute to it, so the function is kept there instead."""
 
     def __setattr__(self, name, value):
-        if name == "exchange" and isinstance(value, types.ModuleType):
-            value = value.exchange
+        if (isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__
+                and hasattr(value, name)):  # (nn, payloads: the module is the name)
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 

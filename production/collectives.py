@@ -211,8 +211,9 @@ VARIANTS = {v.name: v for v in (
     Variant("padded", _padded_stage, _unpad),
     Variant("equal", _equal_stage, _as_is, uniform=True),
     Variant("static", _equal_stage, _as_is, header_rows=1))}
-# The variants a caller may name for epkit.exchange: static needs the plan's fixed chunks.
-EXCHANGE_VARIANTS = ("ragged", "padded", "equal")
+# The variants a caller may name for epkit.exchange: not those whose counts travel in-band
+# (static), which need the plan's fixed chunks.
+EXCHANGE_VARIANTS = tuple(name for name, v in VARIANTS.items() if not v.header_rows)
 
 
 @dataclass(frozen=True)

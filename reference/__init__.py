@@ -71,8 +71,4 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-__all__ = [
-    "InputError", "Reason", "Layout", "DispatchResult", "layout", "dispatch", "combine",
-    "dispatch_backward", "combine_backward", "exchange", "quantize_mxfp8", "dequantize_mxfp8",
-    "quantize_fp8_block128", "dequantize_fp8_block128", "dispatch_bytes", "combine_bytes", "fast",
-]
+__all__ = list(_LAZY)

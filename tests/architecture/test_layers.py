@@ -109,8 +109,8 @@ def test_the_detector_finds_a_cycle_closed_inside_a_function(tmp_path):
 
 
 def test_no_import_cycle():
-    found = cycles(graph())
     g = graph()
+    found = cycles(g)
     detail = "\n".join(" <-> ".join(c) + "\n" + "\n".join(
         f"    {m} imports {sorted(g[m] & set(c))}" for m in c) for c in found)
     assert not found, f"import cycles:\n{detail}"
