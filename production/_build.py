@@ -62,7 +62,8 @@ def _clear_stale_lock(build_dir: str) -> None:
 
 
 def headers() -> list[str]:
-    return sorted(glob.glob(os.path.join(CSRC, "*.h")))
+    found = glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "cpu", "*.h"))
+    return sorted(found)
 
 
 def _object(build_dir: str, src: str) -> str:

@@ -10,7 +10,7 @@
 //   test into the loops that already read the maps and call these only to report a failure.
 #pragma once
 
-#include "epkit.h"
+#include "transports.h"
 
 #include <c10/util/ArrayRef.h>
 
@@ -23,8 +23,7 @@ constexpr int64_t kMaxRanks = int64_t(1) << 20;
 constexpr int64_t kMaxExperts = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxAlign = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // tokens travel as int32
-// kDedupMaxTopK (255: the spec's limit, k in the slot word's 8 bits) and kDedupMaxLocal (j in
-// its low 24 bits) come from abi.h.
+// What a transport's rows can encode (k, j) is its path's (pairs.h, dedup.h).
 
 // ---- tensors ------------------------------------------------------------------------------
 inline void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim) {
@@ -76,11 +75,6 @@ inline void check_nonneg(const char* op, const char* name, int64_t v) {
 }
 
 // ---- options --------------------------------------------------------------------------------
-inline void check_transport(const char* op, int64_t transport) {
-  TORCH_CHECK(transport == kPairs || transport == kDedup, op,
-              ": transport must be 0 (pairs) or 1 (dedup), got ", transport);
-}
-
 inline void check_num_ranks(const char* op, int64_t R) {
   TORCH_CHECK(R >= 1 && R <= kMaxRanks, op, ": num_ranks must be in [1, ", kMaxRanks, "], got ",
               R);
@@ -115,8 +109,8 @@ inline PlanOffsets check_plan_header(const char* op, const int64_t* p, int64_t n
   TORCH_CHECK(E >= 1 && E <= kMaxExperts && E % R == 0, op, ": plan header: experts ", E,
               " is not a positive multiple of ranks ", R);
   TORCH_CHECK(L == E / R, op, ": plan header: local experts ", L, " != experts / ranks ", E / R);
-  TORCH_CHECK(p[kTransport] == kPairs || p[kTransport] == kDedup, op,
-              ": plan header: transport ", p[kTransport], " is not 0 or 1");
+  TORCH_CHECK(transport_known(p[kTransport]), op, ": plan header: transport ", p[kTransport],
+              " is not ", Pairs::kCode, " or ", Dedup::kCode);
   TORCH_CHECK(p[kAlign] >= 1, op, ": plan header: align ", p[kAlign], " < 1");
   TORCH_CHECK(p[kErrCode] == 0, op, ": the plan carries error code ", p[kErrCode],
               " (raise it instead of using the plan)");
@@ -128,12 +122,16 @@ inline PlanOffsets check_plan_header(const char* op, const int64_t* p, int64_t n
 
 // The chunks of one direction of the dispatch exchange (send: pack's buffer, recv: unpack's):
 // their byte sizes add up to `total`, and chunk d holds its token section (`counts[d]` data rows
-// of B bytes, after a header row under the static exchange) and, for dedup, its slot section
-// (`slots[d]` rows of 8 bytes, after a header row under the static exchange).
+// of B bytes, after a header row under the static exchange) and, where the path has one
+// (dedup), its slot section (`slots[d]` rows of 8 bytes, after a header row under the static
+// exchange). The plan's transport is known (check_plan_header).
 inline void check_plan_chunks(const char* op, const int64_t* p, const PlanOffsets& o, bool recv,
                               int64_t B, int64_t total) {
   const int64_t R = p[kRanks];
-  const bool dedup = p[kTransport] == kDedup, stat = p[kStaticCap] >= 0;
+  const int64_t sec = with_transport(op, p[kTransport], [](auto path) {
+    return int64_t(decltype(path)::kSlotSection);  // 1: the chunk has a slot section
+  });
+  const bool stat = p[kStaticCap] >= 0;
   const int64_t tokcap = p[kTokCap], slotcap = p[kSlotCap], hdr = stat ? 1 : 0;
   const int64_t* counts = p + (recv ? o.recv_counts : o.send_counts);
   const int64_t* slots = p + (recv ? o.recv_slots : o.send_slots);
@@ -141,20 +139,20 @@ inline void check_plan_chunks(const char* op, const int64_t* p, const PlanOffset
   const char* dir = recv ? "recv" : "send";
   TORCH_CHECK(!stat || tokcap == 1 + p[kStaticCap], op, ": plan header: static exchange with ",
               tokcap, " token rows per chunk and capacity ", p[kStaticCap]);
-  TORCH_CHECK(!stat || !dedup || slotcap >= 1, op,
+  TORCH_CHECK(!stat || !sec || slotcap >= 1, op,
               ": plan header: static exchange with slot rows ", slotcap);
   int64_t sum = 0;
   for (int64_t d = 0; d < R; ++d) {
-    const int64_t nb = bytes[d], c = counts[d], s = dedup ? slots[d] : 0;
+    const int64_t nb = bytes[d], c = counts[d], s = sec * slots[d];
     TORCH_CHECK(nb >= 0 && nb <= total - sum, op, ": plan: ", dir, "_bytes[", d, "] = ", nb,
                 " overruns the ", total, "-byte buffer");
     sum += nb;
     const int64_t tok_rows = tokcap >= 0 ? tokcap : c;
-    const int64_t slot_rows = dedup ? (slotcap >= 0 ? slotcap : s) : 0;
+    const int64_t slot_rows = sec * (slotcap >= 0 ? slotcap : s);
     TORCH_CHECK(c >= 0 && c <= tok_rows - hdr && tok_rows <= nb / B, op, ": plan: ", dir,
                 "_counts[", d, "] = ", c, " rows do not fit chunk ", d, " (", nb, " bytes)");
     const int64_t left = nb - tok_rows * B;
-    TORCH_CHECK(s >= 0 && s <= slot_rows - hdr * dedup && slot_rows <= left / kSlotRowBytes, op,
+    TORCH_CHECK(s >= 0 && s <= slot_rows - hdr * sec && slot_rows <= left / kSlotRowBytes, op,
                 ": plan: ", dir, "_slots[", d, "] = ", s, " slot rows do not fit chunk ", d, " (",
                 nb, " bytes)");
   }
@@ -252,8 +250,18 @@ inline void check_pack_args(const Tensor& x, const Tensor& topk_idx, const Tenso
   check_plan_tensor(op, plan, x.device());
   check_transport(op, transport);
   check_nonneg(op, "send_bytes", send_bytes);
-  TORCH_CHECK(transport == kPairs || topk_idx.size(1) <= kDedupMaxTopK, op,
-              ": dedup carries k in 8 bits: topk ", topk_idx.size(1), " > ", kDedupMaxTopK);
+  with_transport(op, transport, [&](auto path) {
+    using Path = decltype(path);
+    TORCH_CHECK(topk_idx.size(1) <= Path::kMaxTopK, op, ": ", Path::kName, " carries k in ",
+                Path::kTopKBits, " bits: topk ", topk_idx.size(1), " > ", Path::kMaxTopK);
+  });
+}
+
+// A row's bytes on the wire: the payload, then the path's metadata.
+inline int64_t row_bytes(const char* op, int64_t transport, int64_t payload_bytes) {
+  return payload_bytes + with_transport(op, transport, [](auto path) {
+    return decltype(path)::kMetaBytes;
+  });
 }
 
 // The plan's host words p[0, n) against pack's other arguments; returns its offsets.
@@ -265,14 +273,17 @@ inline PlanOffsets check_pack_plan(const int64_t* p, int64_t n, int64_t transpor
               p[kRanks]);
   TORCH_CHECK(transport == p[kTransport], op, ": transport ", transport,
               " disagrees with the plan's ", p[kTransport]);
-  TORCH_CHECK(transport == kPairs || p[kLocalExperts] <= kDedupMaxLocal, op,
-              ": dedup carries the local expert in 24 bits: ", p[kLocalExperts], " local experts");
+  with_transport(op, transport, [&](auto path) {
+    using Path = decltype(path);
+    TORCH_CHECK(p[kLocalExperts] <= Path::kMaxLocal, op, ": ", Path::kName,
+                " carries the local expert in ", Path::kLocalBits, " bits: ", p[kLocalExperts],
+                " local experts");
+  });
   TORCH_CHECK(payload_bytes == p[kPayloadBytes], op, ": payload of ", payload_bytes,
               " bytes, the plan says ", p[kPayloadBytes]);
   TORCH_CHECK(send_bytes == p[kSendBytes], op, ": send_bytes ", send_bytes,
               " disagrees with the plan's ", p[kSendBytes]);
-  const int64_t B = payload_bytes + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
-  check_plan_chunks(op, p, o, /*recv=*/false, B, send_bytes);
+  check_plan_chunks(op, p, o, /*recv=*/false, row_bytes(op, transport, payload_bytes), send_bytes);
   return o;
 }
 
@@ -286,9 +297,11 @@ inline void check_unpack_args(const Tensor& recv, const Tensor& plan, int64_t tr
   check_transport(op, transport);
   TORCH_CHECK(hidden >= 0 && hidden <= std::numeric_limits<int32_t>::max(), op, ": hidden ",
               hidden, " outside [0, 2^31)");
-  TORCH_CHECK(topk >= 0 && topk <= (transport == kPairs ? std::numeric_limits<int32_t>::max()
-                                                         : kDedupMaxTopK),
-              op, ": topk ", topk, " out of range for transport ", transport);
+  const int64_t max_topk = with_transport(op, transport, [](auto path) {
+    return decltype(path)::kMaxTopK;
+  });
+  TORCH_CHECK(topk >= 0 && topk <= max_topk, op, ": topk ", topk, " out of range for transport ",
+              transport);
   TORCH_CHECK(dtype != at::ScalarType::Undefined && c10::elementSize(dtype) >= 1, op,
               ": dtype ", dtype, " has no element size");
   check_nonneg(op, "recv_rows", recv_rows);
@@ -317,8 +330,7 @@ inline PlanOffsets check_unpack_plan(const int64_t* p, int64_t n, int64_t transp
     TORCH_CHECK(off[j + 1] >= off[j], op, ": plan: offsets decrease at local expert ", j);
   TORCH_CHECK(off[L] <= expert_rows, op, ": plan: offsets end at ", off[L], " > expert_rows ",
               expert_rows);
-  const int64_t B = payload_bytes + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
-  check_plan_chunks(op, p, o, /*recv=*/true, B, recv_numel);
+  check_plan_chunks(op, p, o, /*recv=*/true, row_bytes(op, transport, payload_bytes), recv_numel);
   return o;
 }
 
@@ -326,11 +338,47 @@ inline PlanOffsets check_unpack_plan(const int64_t* p, int64_t n, int64_t transp
 inline void check_first(const char* op, const std::optional<Tensor>& first, int64_t transport,
                         int64_t rows, const char* what, c10::Device dev) {
   if (!first.has_value()) return;
-  TORCH_CHECK(transport == kDedup, op, ": first (the return path's unit places) is dedup's only");
+  const bool places = with_transport(op, transport, [](auto path) {
+    return decltype(path)::kUnitPlaces;
+  });
+  TORCH_CHECK(places, op, ": first (the return path's unit places) is dedup's only");
   check_dim(op, "first", *first, 1);
   check_dtype(op, "first", *first, at::kLong);
   check_device(op, "first", *first, dev);
   if (rows >= 0) check_size(op, "first", *first, 0, rows, what);  // (reduce_tokens: any rows)
+}
+
+// The expert side of the return path, per path. pairs copies a slot's row of y as is (any
+// dtype; recv_map [N, 1]); dedup reads each token row's K slots, forms float32 partials and
+// (weighted) multiplies by row_weight [M].
+inline void check_gather_path(Pairs, const char* op, const Tensor&, const Tensor& recv_map,
+                              const Tensor&, bool) {
+  check_size(op, "recv_map", recv_map, 1, 1, "pairs: one slot per row");
+}
+
+inline void check_gather_path(Dedup, const char* op, const Tensor& expert_y, const Tensor&,
+                              const Tensor& row_weight, bool weighted) {
+  check_float_dtype(op, "expert_y", expert_y.scalar_type());
+  if (weighted) {
+    check_dim(op, "row_weight", row_weight, 1);
+    check_dtype(op, "row_weight", row_weight, at::kFloat);
+    check_device(op, "row_weight", row_weight, expert_y.device());
+    check_size(op, "row_weight", row_weight, 0, expert_y.size(0), "rows of expert_y");
+  }
+}
+
+// Where gather_units writes, per path: pairs a row per received row (no first); dedup each
+// token row's units at first [N].
+inline void check_units_out(Pairs, const char* op, const Tensor& out, const Tensor& recv_map,
+                            const std::optional<Tensor>& first, c10::Device) {
+  TORCH_CHECK(!first.has_value(), op, ": pairs' rows are placed one per row (no first)");
+  check_size(op, "out", out, 0, recv_map.size(0), "pairs: rows of recv_map");
+}
+
+inline void check_units_out(Dedup, const char* op, const Tensor&, const Tensor& recv_map,
+                            const std::optional<Tensor>& first, c10::Device dev) {
+  TORCH_CHECK(first.has_value(), op, ": dedup places its units by first");
+  check_first(op, first, Dedup::kCode, recv_map.size(0), "rows of recv_map", dev);
 }
 
 inline void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_map,
@@ -339,18 +387,9 @@ inline void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_ma
   check_dim(op, "expert_y", expert_y, 2);
   check_map(op, "recv_map", recv_map);
   check_device(op, "recv_map", recv_map, expert_y.device());
-  check_transport(op, transport);
-  if (transport == kPairs) {
-    check_size(op, "recv_map", recv_map, 1, 1, "pairs: one slot per row");
-    return;
-  }
-  check_float_dtype(op, "expert_y", expert_y.scalar_type());
-  if (weighted) {
-    check_dim(op, "row_weight", row_weight, 1);
-    check_dtype(op, "row_weight", row_weight, at::kFloat);
-    check_device(op, "row_weight", row_weight, expert_y.device());
-    check_size(op, "row_weight", row_weight, 0, expert_y.size(0), "rows of expert_y");
-  }
+  with_transport(op, transport, [&](auto path) {
+    check_gather_path(path, op, expert_y, recv_map, row_weight, weighted);
+  });
 }
 
 // gather_units: gather_rows' arguments, and the buffer it writes: out [units, H] (pairs: [N, H])
@@ -365,13 +404,9 @@ inline void check_gather_units_args(const Tensor& expert_y, const Tensor& recv_m
   check_device(op, "out", out, expert_y.device());
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   check_size(op, "out", out, 1, expert_y.size(1), "hidden of expert_y");
-  if (transport == kPairs) {
-    TORCH_CHECK(!first.has_value(), op, ": pairs' rows are placed one per row (no first)");
-    check_size(op, "out", out, 0, recv_map.size(0), "pairs: rows of recv_map");
-    return;
-  }
-  TORCH_CHECK(first.has_value(), op, ": dedup places its units by first");
-  check_first(op, first, transport, recv_map.size(0), "rows of recv_map", expert_y.device());
+  with_transport(op, transport, [&](auto path) {
+    check_units_out(path, op, out, recv_map, first, expert_y.device());
+  });
 }
 
 // The source side's send_map [T, C] (C = R for dedup, K for pairs) and topk_idx [T, K] of an
@@ -384,10 +419,11 @@ inline void check_send_map_args(const char* op, const Tensor& back, const Tensor
   check_index_dtype(op, "topk_idx", topk_idx);
   check_device(op, "topk_idx", topk_idx, back.device());
   check_size(op, "topk_idx", topk_idx, 0, send_map.size(0), "tokens of send_map");
-  if (transport == kDedup)
-    check_size(op, "send_map", send_map, 1, R, "dedup: one column per rank");
-  else
-    check_size(op, "send_map", send_map, 1, topk_idx.size(1), "pairs: one column per slot");
+  with_transport(op, transport, [&](auto path) {
+    using Path = decltype(path);
+    check_size(op, "send_map", send_map, 1, Path::send_map_cols(topk_idx.size(1), R),
+               Path::kSendMapCols);
+  });
 }
 
 inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
@@ -404,9 +440,11 @@ inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
   check_float_dtype(op, "out_dtype", out_dtype);
   check_send_map_args(op, back, send_map, topk_idx, R, transport);
   check_first(op, first, transport, -1, "", back.device());
-  // dedup without first: rows of 4H bytes, per = 4 / itemsize(y) rows of y each
-  TORCH_CHECK(transport == kPairs || first.has_value() ||
-                  back.size(1) % (4 / back.element_size()) == 0, op,
+  // without first: rows of per * H elements (dedup: a float32 row, per = 4 / itemsize(y))
+  const int64_t per = with_transport(op, transport, [&](auto path) {
+    return decltype(path)::per(back.element_size());
+  });
+  TORCH_CHECK(first.has_value() || back.size(1) % per == 0, op,
               ": dedup's back must be [S, 4 H / itemsize] (a float32 row per token row), got ",
               back.sizes(), " of ", back.scalar_type());
   if (weighted) {  // the source's own weights (dedup: for the rows that come back raw)

@@ -104,15 +104,16 @@ inline int64_t slot_rank(const int64_t* idx, int64_t k, int64_t d, int64_t E,
 }
 
 // Step 5 of the plan: the exchange
-// that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4.
-inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
-                                   const int64_t* words0, int64_t transport, int64_t exchange,
-                                   int64_t max_tokens, int64_t align, int64_t uniform,
-                                   int64_t maxrows, int64_t maxslots) {
+// that runs and the dispatch chunks in bytes (docs/design.md, wire format). `p` has steps 1-4;
+// Path is the transport's (pairs.h, dedup.h): its row metadata, its slot section.
+template <typename Path>
+void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L,
+                   const int64_t* words0, int64_t exchange, int64_t max_tokens, int64_t align,
+                   int64_t uniform, int64_t maxrows, int64_t maxslots) {
   const int64_t H = words0[kWordHidden], K = p[kTopK], per = K < L ? K : L;
   const int64_t itemsize = words0[kWordXDtype] == dtype_code::kBfloat16 ? 2 : 4;
   const int64_t P = payload_row_bytes(words0[kWordPayload], H, itemsize);
-  const int64_t B = P + (transport == kPairs ? kPairsMetaBytes : kDedupTokMeta);
+  const int64_t B = P + Path::kMetaBytes;
   p[kPayloadBytes] = P;
   int64_t variant = kRagged;
   if (max_tokens >= 0 || exchange == kReqStatic) variant = kStatic;
@@ -122,10 +123,8 @@ inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L
   p[kVariant] = variant;
   int64_t tokcap = -1, slotcap = -1;
   if (variant == kStatic) {
-    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing. A dedup token
-    // row needs a kept slot: at most min(max_tokens, max_tokens * per) (0 when K = 0).
-    const int64_t slots_cap = max_tokens * per;
-    const int64_t cap = transport == kPairs || slots_cap < max_tokens ? slots_cap : max_tokens;
+    // Sizes that depend only on (R, K, L, align, max_tokens), never on routing.
+    const int64_t cap = Path::static_rows(max_tokens, max_tokens * per);
     p[kStaticCap] = cap;
     p[kSendRows] = p[kRecvRows] = R * (1 + cap);
     p[kMaxChunk] = 1 + cap;
@@ -137,14 +136,14 @@ inline void plan_exchange(int64_t* p, const PlanOffsets& o, int64_t R, int64_t L
     slotcap = maxslots;
   }
   p[kTokCap] = tokcap;
-  p[kSlotCap] = transport == kDedup ? slotcap : -1;
+  p[kSlotCap] = Path::slot_cap(slotcap);
   int64_t SB = 0, RB = 0;
   for (int64_t d = 0; d < R; ++d) {
     for (int dir = 0; dir < 2; ++dir) {
       int64_t nrows = p[(dir ? o.recv_counts : o.send_counts) + d];
       int64_t nslots = p[(dir ? o.recv_slots : o.send_slots) + d];
       if (tokcap >= 0) { nrows = tokcap; nslots = slotcap; }
-      const int64_t bytes = nrows * B + (transport == kDedup ? nslots * kSlotRowBytes : 0);
+      const int64_t bytes = nrows * B + Path::slot_section_bytes(nslots);
       p[(dir ? o.recv_bytes : o.send_bytes) + d] = bytes;
       (dir ? RB : SB) += bytes;
     }

@@ -132,8 +132,8 @@ Tensor gather_slot_values_cpu(const Tensor& values, const Tensor& recv_map_in,
 // The source side: back [B] float32 as it came back (gather_slot_values' layout) -> per-slot
 // values [T, K], 0 for unused and dropped slots. topk_idx is the kept routing (dedup: dropped
 // slots -1, epkit.ops.kept_routing); first [S]: where send row r's first value lies in back.
-// Slot (t, k) to rank d = e / L reads back[first[r] + rank], r = send_map[t, k] (pairs, rank
-// 0) or send_map[t, d] (dedup, rank = slot_rank: its place among t's kept slots on d).
+// Slot (t, k) to rank d = e / L reads back[first[r] + place], r its send_map entry and place
+// its path's (pairs.h: 0, its row's only value; dedup.h: its place among t's kept slots on d).
 Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map_in,
                                const Tensor& topk_idx, const Tensor& first_in, int64_t E,
                                int64_t R, int64_t transport) {
@@ -149,25 +149,27 @@ Tensor scatter_slot_values_cpu(const Tensor& back_in, const Tensor& send_map_in,
   const int64_t* fp = first.data_ptr<int64_t>();
   const float* bp = back.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t e = ip[t * K + k];
-      if (e < 0 || e >= E) {
-        if (e != -1) check_expert_range(name, ip, T * K, E);
-        continue;
+  with_transport(name, transport, [&](auto path) {
+    using Path = decltype(path);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = ip[t * K + k];
+        if (e < 0 || e >= E) {
+          if (e != -1) check_expert_range(name, ip, T * K, E);
+          continue;
+        }
+        const int64_t i = t * C + Path::send_map_col(k, e / L), r = mp[i];
+        if (r < 0 || r >= S) {
+          TORCH_CHECK(r == -1, name, ": send_map entry ", i, " is ", r, ", outside [-1, ", S,
+                      ") (rows of first)");
+          continue;
+        }
+        const int64_t at = fp[r] + Path::slot_place(ip + t * K, k, e / L, E, L);
+        TORCH_CHECK(fp[r] >= 0 && at < B, name, ": first[", r, "] = ", fp[r], " places slot (",
+                    t, ", ", k, ") at ", at, ", outside [0, ", B, ") (rows of back)");
+        op[t * K + k] = bp[at];
       }
-      const bool pairs = transport == kPairs;
-      const int64_t i = pairs ? t * K + k : t * C + e / L, r = mp[i];
-      if (r < 0 || r >= S) {
-        TORCH_CHECK(r == -1, name, ": send_map entry ", i, " is ", r, ", outside [-1, ", S,
-                    ") (rows of first)");
-        continue;
-      }
-      const int64_t at = fp[r] + (pairs ? 0 : slot_rank(ip + t * K, k, e / L, E, L));
-      TORCH_CHECK(fp[r] >= 0 && at < B, name, ": first[", r, "] = ", fp[r], " places slot (",
-                  t, ", ", k, ") at ", at, ", outside [0, ", B, ") (rows of back)");
-      op[t * K + k] = bp[at];
-    }
+  });
   return out;
 }
 

@@ -14,7 +14,7 @@
 // reduce_tokens reads the received buffer in place (no repacking pass on either side). Without
 // it, a token row holds 4H bytes (one float32 row, the unused bytes zero): gather_rows' output
 // [N, H] float32, reduce_tokens' input [S, per * H] (the form hier forwards and re-reduces).
-#include "../checks.h"
+#include "paths.h"
 #include "../lanes.h"
 
 #include <algorithm>
@@ -23,111 +23,18 @@
 
 namespace epkit {
 
-namespace {
-
-// Expert side. dedup: per received row with n kept slots, its u = min(n, per) units: the n rows
-// of expert_y (k ascending, unweighted: the source multiplies) when n <= per, else the float32
-// partial P_d(t) (its K slots summed); pairs: each received slot's row of expert_y, copied as
-// is (the source multiplies).
-// (About 70 lines: both transports' expert-side passes under one dtype dispatch.)
-// The pass into `ob`, the output's bytes: pairs, row n at n; dedup, token row n's units at unit
-// fp[n] of U (fp null: at n * per, its 4H bytes, the unused bytes zero).
-void gather_into(const char* op_name, const Tensor& y, const Tensor& recv_map,
-                 const Tensor& row_weight, int64_t transport, bool weighted, const int64_t* fp,
-                 int64_t U, uint8_t* ob) {
-  const int64_t N = recv_map.size(0), C = recv_map.size(1), H = y.size(1), M = y.size(0);
-  const int64_t* mp = recv_map.data_ptr<int64_t>();
-  std::atomic<bool> bad{false};  // a map entry outside [-1, M): raised after the loop
-  auto report = [&] {
-    report_map_range(op_name, "recv_map", mp, N * C, M, "rows of expert_y");
-  };
-  if (transport == kPairs) {
-    const int64_t nbytes = H * y.element_size();
-    const uint8_t* yp = static_cast<const uint8_t*>(y.data_ptr());
-    uint8_t* op = ob;
-    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const int64_t m = mp[n];
-        if (n + 1 < n1 && mp[n + 1] >= 0 && mp[n + 1] < M) prefetch_row(yp + mp[n + 1] * nbytes, nbytes);
-        if (m >= 0 && m < M) stream_row(op + n * nbytes, yp + m * nbytes, nbytes);
-        else std::memset(op + n * nbytes, 0, nbytes);  // static-exchange header and gap rows
-        if (m < -1 || m >= M) bad.store(true, std::memory_order_relaxed);
-      }
-      stream_fence();
-    });
-    if (bad.load()) report();
-    return;
-  }
-  const int64_t per = 4 / y.element_size(), rb = H * y.element_size();
-  const bool compact = fp != nullptr;
-  if (compact) {  // the units must lie inside the buffer; gaps (fixed chunks' padding) are zero
-    int64_t used = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      int64_t kept = 0;
-      for (int64_t c = 0; c < C; ++c) kept += mp[n * C + c] >= 0 && mp[n * C + c] < M;
-      const int64_t u = std::min(kept, per);
-      TORCH_CHECK(u == 0 || (fp[n] >= 0 && fp[n] + u <= U), op_name, ": first[", n, "] = ",
-                  fp[n], " puts its ", u, " unit(s) outside the ", U, " units");
-      used += u;
-    }
-    if (used != U) std::memset(ob, 0, static_cast<size_t>(U * rb));
-  }
-  const float* wp = weighted ? row_weight.data_ptr<float>() : nullptr;
-  dispatch_float_types(y.scalar_type(), op_name, [&](auto tag) {
-    using T = decltype(tag);
-    const T* yp = y.data_ptr<T>();
-    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
-      std::vector<const T*> rows(C);
-      std::vector<float> w(C);
-      for (int64_t n = n0; n < n1; ++n) {
-        if (n + 1 < n1)  // the next token row's sources, scattered over expert_y
-          for (int64_t c = 0; c < C; ++c)
-            if (mp[(n + 1) * C + c] >= 0 && mp[(n + 1) * C + c] < M)
-              prefetch_row(yp + mp[(n + 1) * C + c] * H, rb);
-        int64_t cnt = 0;  // the kept slots' rows, c order, and their weights
-        for (int64_t c = 0; c < C; ++c) {
-          const int64_t m = mp[n * C + c];
-          if (m < 0 || m >= M) {
-            if (m != -1) bad.store(true, std::memory_order_relaxed);
-            continue;
-          }
-          rows[cnt] = yp + m * H;
-          w[cnt++] = weighted ? wp[m] : 1.0f;
-        }
-        if (compact && cnt == 0) continue;  // no units
-        uint8_t* raw = ob + (compact ? fp[n] : n * per) * rb;
-        if (cnt <= per) {  // the rows themselves (the source multiplies)
-          // the exchange's send buffer, written once front to back and read next by the
-          // collective, not by this core: non-temporal stores (no read for ownership)
-          for (int64_t i = 0; i < cnt; ++i)
-            stream_row(raw + i * rb, reinterpret_cast<const uint8_t*>(rows[i]), rb);
-          if (!compact) std::memset(raw + cnt * rb, 0, (per - cnt) * rb);  // unused bytes zero
-          continue;
-        }
-        // the float32 partial P_d(t) = +0.0 + c * y + ... over the kept slots, c order; it may
-        // start unaligned (compact units of an odd H), which sum_groups' stores allow
-        const RowGroup all{cnt, nullptr, 0};
-        sum_groups(reinterpret_cast<float*>(raw), H, &all, 1, rows.data(), w.data(), weighted,
-                   false);
-      }
-      stream_fence();  // the streamed rows are visible before the exchange reads them
-    });
-  });
-  if (bad.load()) report();
-}
-
-}  // namespace
-
 Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
                        int64_t transport, bool weighted) {
   check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const int64_t N = recv_map.size(0), H = y.size(1);
-  Tensor out = empty_large({N, H}, transport == kPairs ? y.scalar_type() : at::kFloat);
-  gather_into("epkit.gather_rows", y, recv_map, row_weight, transport, weighted, nullptr,
-              N * (4 / y.element_size()),
-              static_cast<uint8_t*>(out.data_ptr()));
-  return out;
+  return with_transport("epkit.gather_rows", transport, [&](auto path) {
+    using Path = decltype(path);
+    Tensor out = empty_large({N, H}, Path::gather_dtype(y.scalar_type()));
+    gather_into(path, "epkit.gather_rows", y, recv_map, row_weight, weighted, nullptr,
+                N * Path::per(y.element_size()), static_cast<uint8_t*>(out.data_ptr()));
+    return out;
+  });
 }
 
 void gather_units_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
@@ -136,10 +43,14 @@ void gather_units_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tenso
   check_gather_units_args(y_in, recv_map_in, row_weight, transport, weighted, first, out);
   const Tensor y = y_in.contiguous(), recv_map = recv_map_in.contiguous();
   const Tensor fp = first.has_value() ? first->contiguous() : Tensor();
-  gather_into("epkit.gather_units", y, recv_map, row_weight, transport, weighted,
-              fp.defined() ? fp.data_ptr<int64_t>() : nullptr, out.size(0),
-              static_cast<uint8_t*>(out.data_ptr()));
+  with_transport("epkit.gather_units", transport, [&](auto path) {
+    gather_into(path, "epkit.gather_units", y, recv_map, row_weight, weighted,
+                fp.defined() ? fp.data_ptr<int64_t>() : nullptr, out.size(0),
+                static_cast<uint8_t*>(out.data_ptr()));
+  });
 }
+
+namespace {
 
 // Source side, a partial per destination rank, added into its node's partial over d ascending,
 // the node partials added over nodes ascending (G = 1: the partials added over d). dedup: token
@@ -149,26 +60,25 @@ void gather_units_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tenso
 // (dropped slots -1), so n = t's slots on d.
 // pairs: back [S, H] rows of expert_y per slot; slots visited in (rank, k) order, a partial
 // per rank, as the expert side forms it for dedup: the same bits.
-// One body (about 90 lines) on purpose: the source's sum is the spec's order (docs/semantics.md,
-// "Combine": slots k ascending per rank, then ranks, grouped by node) and reads here in one
-// place, under one dtype dispatch, for both transports.
-Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const Tensor& topk_idx,
-                         const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
-                         bool weighted, at::ScalarType out_dtype, int64_t G,
-                         const std::optional<Tensor>& first_in) {
-  check_reduce_tokens_args(back_in, send_map_in, topk_idx, topk_weights, E, R, transport, weighted,
-                           out_dtype, G, first_in);
+// One body (about 90 lines) on purpose, over the path's rules (pairs.h, dedup.h: where a slot's
+// row is, whether a rank's slots share a token row or came back as its partial): the source's
+// sum is the spec's order (docs/semantics.md, "Combine": slots k ascending per rank, then
+// ranks, grouped by node) and reads here in one place, under one dtype dispatch.
+template <typename Path>
+Tensor reduce_tokens_path(const Tensor& back_in, const Tensor& send_map_in,
+                          const Tensor& topk_idx, const Tensor& topk_weights, int64_t E,
+                          int64_t R, bool weighted, at::ScalarType out_dtype, int64_t G,
+                          const std::optional<Tensor>& first_in) {
   const Tensor back = back_in.contiguous(), send_map = send_map_in.contiguous();
   const Tensor idx = topk_idx.to(at::kLong).contiguous();
   const Tensor wt = weighted ? topk_weights.contiguous() : topk_weights;  // the source's weights
-  const bool dedup = transport == kDedup;
   const int64_t T = send_map.size(0), C = send_map.size(1), L = E / R;
-  const int64_t per = dedup ? 4 / back.element_size() : 1;   // y rows in one float32 row
+  const int64_t per = Path::per(back.element_size());        // y rows in one float32 row
   const bool compact = first_in.has_value();                  // dedup's units at first[r]
   const Tensor first = compact ? first_in->contiguous() : Tensor();
   const int64_t* fp = compact ? first.data_ptr<int64_t>() : nullptr;
   const int64_t H = compact ? back.size(1) : back.size(1) / per;
-  const int64_t K = idx.size(1), S = compact ? first.size(0) : back.size(0);  // token rows
+  const int64_t K = idx.size(1), S = compact ? first.size(0) : back.size(0);  // rows sent
   const int64_t U = compact ? back.size(0) : S * per;         // units of H elements in back
   const int64_t* mp = send_map.data_ptr<int64_t>();
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -189,11 +99,12 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
         std::vector<const Bt*> rows(K);
         std::vector<RowGroup> groups(K);
         for (int64_t t = t0; t < t1; ++t) {
+          const int64_t* mrow = mp + t * C;  // t's send_map row
           if (t + 1 < t1)  // the next token's rows, in as many streams as it has ranks
             for (int64_t c = 0; c < C; ++c) {
-              const int64_t r = mp[(t + 1) * C + c];
+              const int64_t r = mrow[C + c];
               if (r < 0 || r >= S) continue;
-              const int64_t at = !dedup ? r : compact ? fp[r] : r * per;
+              const int64_t at = Path::unit_of_row(r, fp, per);
               if (at >= 0 && at + per <= U) prefetch_row(bp + at * H, per * H * sizeof(Bt));
             }
           // The used slots of t with a row (pairs: the slot's; dedup: its token row's), in
@@ -201,13 +112,13 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
           int64_t n = 0;
           for (int64_t k = 0; k < K; ++k) {
             const int64_t e = ip[t * K + k];
-            if (e < 0) {  // pairs: an unused slot has no row
-              if (!dedup && mp[t * C + k] != -1) bad.store(true, std::memory_order_relaxed);
+            if (e < 0) {  // an unused slot
+              if (!Path::unused_slot_ok(mrow, k)) bad.store(true, std::memory_order_relaxed);
               continue;
             }
-            const int64_t r = e < E ? mp[t * C + (dedup ? e / L : k)] : -2;
+            const int64_t r = e < E ? mrow[Path::send_map_col(k, e / L)] : -2;
             if (r >= 0 && r < S) order[n++] = k;
-            else if (r != -1 || dedup) bad.store(true, std::memory_order_relaxed);
+            else if (r != -1 || Path::kKeptRouting) bad.store(true, std::memory_order_relaxed);
           }
           std::stable_sort(order.begin(), order.begin() + n, [&](int64_t a, int64_t b) {
             return ip[t * K + a] / L < ip[t * K + b] / L;
@@ -220,21 +131,20 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
             int64_t cnt = 0;
             while (i + cnt < n && ip[t * K + order[i + cnt]] / L == d) ++cnt;
             // dedup: the token row's first unit in back (its rows follow it, or its partial)
-            const int64_t r0 = dedup ? mp[t * C + d] : 0;
-            const int64_t at0 = !dedup ? 0 : compact ? fp[r0] : r0 * per;
-            if (dedup && (at0 < 0 || at0 + std::min(cnt, per) > U)) {
+            const int64_t at0 = Path::group_unit(mrow, d, fp, per);
+            if (!Path::group_fits(at0, cnt, per, U)) {
               bad_first.store(true, std::memory_order_relaxed);
               i += cnt;
               continue;
             }
-            if (dedup && cnt > per) {  // the float32 partial P_d(t), formed on the expert side
+            if (Path::partial(cnt, per)) {  // the float32 partial P_d(t), formed on the expert side
               groups[ng++] = {0, reinterpret_cast<const uint8_t*>(bp + at0 * H), d / G};
               i += cnt;
               continue;
             }
             for (int64_t q = 0; q < cnt; ++q, ++i, ++nr) {
               const int64_t k = order[i];
-              rows[nr] = dedup ? bp + (at0 + q) * H : bp + mp[t * C + k] * H;
+              rows[nr] = bp + Path::unit_of_slot(mrow, k, at0, q) * H;
               w[nr] = weighted ? wp[t * K + k] : 1.0f;
             }
             groups[ng++] = {cnt, nullptr, d / G};
@@ -250,10 +160,23 @@ Tensor reduce_tokens_cpu(const Tensor& back_in, const Tensor& send_map_in, const
     check_expert_range(op, ip, T * K, E);
     TORCH_CHECK(!bad_first.load(), op, ": a token row whose units lie outside back's ", U,
                 " (first names a unit out of range)");
-    TORCH_CHECK(false, op, dedup ? ": a kept slot whose token row send_map does not name"
-                                 : ": send_map sends a slot whose topk_idx is -1");
+    TORCH_CHECK(false, op, Path::kMissingRow);
   }
   return out;
+}
+
+}  // namespace
+
+Tensor reduce_tokens_cpu(const Tensor& back, const Tensor& send_map, const Tensor& topk_idx,
+                         const Tensor& topk_weights, int64_t E, int64_t R, int64_t transport,
+                         bool weighted, at::ScalarType out_dtype, int64_t G,
+                         const std::optional<Tensor>& first) {
+  check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
+                           out_dtype, G, first);
+  return with_transport("epkit.reduce_tokens", transport, [&](auto path) {
+    return reduce_tokens_path<decltype(path)>(back, send_map, topk_idx, topk_weights, E, R,
+                                              weighted, out_dtype, G, first);
+  });
 }
 
 }  // namespace epkit

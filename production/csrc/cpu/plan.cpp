@@ -14,12 +14,15 @@ using reason::kDtypeMismatch, reason::kHiddenMismatch, reason::kTopkMismatch;
 constexpr int64_t kMaxWordCount = int64_t(1) << 48;  // a count beyond this overflows the sums
 }
 
+namespace {
+
 // One function (about 100 lines) on purpose: it writes the plan's words in layout order
 // (header, kept counts, sections, offsets, chunks), each block reading the running sums of
-// the ones before; split, a dozen of those values would travel between the pieces.
-Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
-                int64_t capacity, int64_t transport, int64_t exchange, int64_t max_tokens) {
-  check_plan_args(words_in, rank, E, transport, exchange);
+// the ones before; split, a dozen of those values would travel between the pieces. Path: the
+// transport's rules (pairs.h, dedup.h): what a row s -> d is, the row and slot bytes.
+template <typename Path>
+Tensor plan_path(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
+                 int64_t capacity, int64_t exchange, int64_t max_tokens) {
   const Tensor words = words_in.contiguous();
   const int64_t R = words.size(0), L = E / R, W = words.size(1);
   const PlanOffsets o(R, E);
@@ -28,7 +31,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   const int64_t* g = words.data_ptr<int64_t>();
   auto row = [&](int64_t s) { return g + s * W; };
 
-  p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = transport;
+  p[kRanks] = R; p[kLocalExperts] = L; p[kExperts] = E; p[kTransport] = Path::kCode;
   p[kCapacity] = capacity; p[kAlign] = align; p[kStaticCap] = -1;
 
   // 1. The error, if any: the lowest rank whose own checks failed; else the lowest rank whose
@@ -81,7 +84,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
     for (int64_t j = 0; j < L; ++j) n += kept[s * E + d * L + j];
     return n;
   };
-  auto rows = [&](int64_t s, int64_t d) { return transport == kDedup ? tpr(s, d) : slots(s, d); };
+  auto rows = [&](int64_t s, int64_t d) { return Path::rows(tpr(s, d), slots(s, d)); };
   int64_t maxrows = 0, maxslots = 0, uniform = 1, S = 0, N = 0;
   p[kNonUniformRank] = -1;
   for (int64_t s = 0; s < R; ++s)
@@ -92,7 +95,7 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   for (int64_t s = 0; s < R; ++s)
     for (int64_t d = 0; d < R; ++d) {
       const int64_t n = rows(s, d), sl = slots(s, d);
-      const bool same = (n == rows00) && (transport == kPairs || sl == slots00);
+      const bool same = n == rows00 && Path::same_slots(sl, slots00);
       if (!same && uniform) p[kNonUniformRank] = s;
       uniform &= same;
       maxrows = std::max(maxrows, n);
@@ -113,9 +116,19 @@ Tensor plan_cpu(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
   p[kSendRows] = S; p[kRecvRows] = N; p[kExpertRows] = M;
   p[kUniform] = uniform; p[kMaxChunk] = maxrows;
 
-  plan_exchange(p, o, R, L, row(0), transport, exchange, max_tokens, align, uniform, maxrows,
-                maxslots);
+  plan_exchange<Path>(p, o, R, L, row(0), exchange, max_tokens, align, uniform, maxrows,
+                      maxslots);
   return plan;
+}
+
+}  // namespace
+
+Tensor plan_cpu(const Tensor& words, int64_t rank, int64_t E, int64_t align, int64_t capacity,
+                int64_t transport, int64_t exchange, int64_t max_tokens) {
+  check_plan_args(words, rank, E, transport, exchange);
+  return with_transport("epkit.plan", transport, [&](auto path) {
+    return plan_path<decltype(path)>(words, rank, E, align, capacity, exchange, max_tokens);
+  });
 }
 
 }  // namespace epkit
