@@ -224,19 +224,23 @@ class Exchange:
     - ``static``: fixed worst-case chunks sized by ``max_tokens_per_rank``, counts in-band: no
       host read of a count, the plan's error deferred on the device path;
     - ``deferred``: issued asynchronously (lazy): dispatch and combine return pending objects;
-    - ``uniform``: the plan must be uniform (equal), else EQUAL_NONUNIFORM on every rank.
+    - ``uniform``: the plan must be uniform (equal), else EQUAL_NONUNIFORM on every rank;
+    - ``lazy_twin``: the option that makes the same pick on the lazy schedule (auto's is lazy,
+      reference/exchange.py's ``eager``), what a caller overlapping work with the exchange
+      switches to; "" where there is none.
     """
     name: str
     static: bool = False
     deferred: bool = False
     uniform: bool = False
+    lazy_twin: str = ""
 
     @property
     def code(self) -> int:
         return CODES[self.name]
 
 
-EXCHANGES = {e.name: e for e in (Exchange("auto"), Exchange("ragged"), Exchange("padded"),
+EXCHANGES = {e.name: e for e in (Exchange("auto", lazy_twin="lazy"), Exchange("ragged"), Exchange("padded"),
                                  Exchange("equal", uniform=True), Exchange("lazy", deferred=True),
                                  Exchange("static", static=True))}
 assert set(EXCHANGES) == set(CODES), "an exchange option without a row (or without a code)"

@@ -392,13 +392,15 @@ class ExpertParallelMoE(_MoEBase):
         self.lazy_dispatcher = None  # the issue / wait path: asked for, or the shared overlap
         from epkit import collectives, transports
 
-        # The issue / wait path: asked for, or the default schedule where the transport has one.
-        # (A bad name finds no row: the Dispatcher reports it, on every rank, at dispatch.)
+        # The issue / wait path: asked for, or the option's lazy twin (auto's: lazy) when the
+        # shared expert overlaps and the transport has that schedule. (A bad name finds no row:
+        # the Dispatcher reports it, on every rank, at dispatch.)
         ex, tr = collectives.exchange_of(exchange), transports.of(transport)
-        if (ex is not None and ex.deferred) or (overlap and shared_expert and exchange == "auto"
-                                                and tr is not None and tr.runs("lazy")):
+        lazy = None if ex is None else exchange if ex.deferred else ex.lazy_twin
+        if lazy and (ex.deferred or (overlap and shared_expert and tr is not None
+                                     and tr.runs(lazy))):
             self.lazy_dispatcher = epkit.Dispatcher(
-                group, num_experts, **{**self.dispatch_options, "exchange": "lazy"})
+                group, num_experts, **{**self.dispatch_options, "exchange": lazy})
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, group=None, **options) -> "ExpertParallelMoE":
