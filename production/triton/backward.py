@@ -23,6 +23,7 @@ import torch
 from . import bits
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from .transports import path_of
 
 __all__ = ["combine_backward_dest", "gather_slot_values", "scatter_slot_values"]
 
@@ -234,23 +235,16 @@ def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: to
     slots on d, k ascending: from a stable sort by d); 0 for unused and dropped slots."""
     op = "epkit.scatter_slot_values"
     E, R = num_experts, num_ranks
-    ck.check_scatter_slot_values_args(back, send_map, topk_idx, first, E, R, transport)
+    ck.check_experts_ranks(op, E, R)
+    path = path_of(op, transport)
+    ck.check_scatter_slot_values_args(back, send_map, topk_idx, first, R, path)
     send_map, first = send_map.contiguous(), first.contiguous()
     idx = topk_idx.to(torch.int64).contiguous()
     T, K = idx.shape
     L, S, B = E // R, first.shape[0], back.shape[0]
-    pairs = transport == ck.PAIRS
     ok_e = (idx >= 0) & (idx < E)
     d = torch.where(ok_e, idx // L, R)
-    if pairs:
-        r, rank = send_map, torch.zeros_like(idx)
-    else:
-        r = torch.gather(send_map, 1, d.clamp(max=R - 1))
-        ds, order = torch.sort(d, dim=1, stable=True)
-        i = torch.arange(K, device=idx.device).expand(T, K)
-        prev = torch.cat([torch.full_like(ds[:, :1], -1), ds[:, :-1]], 1)
-        q = i - torch.where(ds != prev, i, 0).cummax(1).values  # place among t's slots on d
-        rank = torch.empty_like(q).scatter_(1, order, q)
+    r, rank = path.slot_rows(send_map, d, R), path.slot_places(d)
     ok_r = (r >= 0) & (r < S)
     f = first[r.clamp(0, max(S - 1, 0))] if S > 0 else torch.zeros_like(r)
     at = f + rank
@@ -264,7 +258,7 @@ def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: to
             if bool(bad_e.reshape(-1)[j]):
                 ck.check_expert_range(op, idx, E)
             if bool(bad_r.reshape(-1)[j]):
-                entry = j if pairs else t * send_map.shape[1] + int(idx[t, k]) // L
+                entry = path.send_map_entry(t, k, int(idx[t, k]), L, K, send_map.shape[1])
                 ck.fail(op, f"send_map entry {entry} is {int(r[t, k])}, outside [-1, {S}) "
                             "(rows of first)")
             ck.fail(op, f"first[{int(r[t, k])}] = {int(f[t, k])} places slot ({t}, {k}) at "

@@ -27,7 +27,7 @@ import torch
 
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 
-__all__ = ["write_rows", "tile", "GPU_TILES"]
+__all__ = ["write_rows", "read_ints", "tile", "GPU_TILES"]
 
 # A program owns ROWS rows and walks their units BLOCK at a time, the tile fitted to the row:
 # a GPU takes one of three shapes (wide payload rows, short rows, the 8-byte slot rows), few
@@ -148,3 +148,22 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
     launch(_rows_kernel, (cdiv(Q, rows),), ob, sb, out_off, src_off, hdr, meta,
            Q, P // U, ob.numel(), sb.numel(),
            NW=NW, HDR=HDR, U=U, ROWS=rows, BLOCK=block)
+
+
+def read_ints(buf: torch.Tensor, at: torch.Tensor, live: torch.Tensor,
+              nbytes: int) -> torch.Tensor:
+    """The little-endian integers of ``nbytes`` bytes at byte offsets ``at`` [...] int64 of
+    ``buf`` [NB] uint8 (int64, signed for 4 and 8 bytes), 0 where not ``live`` or out of the
+    buffer (never read): the reads of unpack and of its paths, as torch ops."""
+    NB = buf.numel()
+    live = live & (at >= 0) & (at + nbytes <= NB)
+    if NB < nbytes:
+        return torch.zeros_like(at)
+    idx = torch.where(live, at, 0)[..., None] + torch.arange(nbytes, device=at.device)
+    b = buf[idx].to(torch.int64)
+    v = torch.zeros_like(at)
+    for i in range(nbytes):
+        v = v | (b[..., i] << (8 * i))
+    if nbytes == 4:  # sign of the int32
+        v = v - ((v >> 31) & 1) * (1 << 32)
+    return torch.where(live, v, 0)

@@ -8,10 +8,9 @@ into ``total = +0.0 + P + ...`` (ranks_per_node G > 1: into a node partial ``N =
 per node, each N added into total when the next node opens). Each lane of a tile is one (token,
 column) and runs that sequence serially, so the tiling changes no bit.
 
-dedup's return path (docs/design.md): a token row with n kept slots travels as its n rows of y when
-n <= per = 4 / itemsize(y), else as its float32 partial (per units of H elements of y's dtype);
-with ``first`` its units lie at unit first[n] of a [units, H] buffer, else at n * per of rows of
-4H bytes.
+What differs by transport (which unit holds which row, which steps a token's slots take;
+dedup's return path of raw rows and float32 partials) is the path's, pairs.py or dedup.py: the
+kernels and the passes here are shared, and ask the path ``transports.path_of`` resolved.
 
 Kernels see every row through an integer view of its dtype (bfloat16 as int16, float32 as
 int32, any pairs dtype as the integer of its size): rows are moved as bits, and float32
@@ -30,10 +29,10 @@ import torch
 from . import bits
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from .transports import path_of
 
 __all__ = ["gather_rows", "gather_units", "reduce_tokens"]
 
-PAIRS, DEDUP = ck.PAIRS, ck.DEDUP
 # A program owns ROWS rows x BLOCK columns. The interpreter pays per tl.* operation, not per
 # element: large tiles there; a GPU takes a few rows per program, a column block each (4 x 128:
 # 4 elements a thread, so the reduce's three float32 partials stay in registers; 4 x 256
@@ -95,64 +94,34 @@ def _units_kernel(y, umap, recv_map, row_weight, out, U, H, M, C,
     tl.store(out + rows[:, None] * H + cols[None, :], v, mask=rmask[:, None] & cmask[None, :])
 
 
-def _unit_map(recv_map, M, per, first, U):
-    """dedup: umap [U] for _units_kernel, and whether each token row's units fit (first set)."""
-    N, C = recv_map.shape
-    dev = recv_map.device
-    kept = (recv_map >= 0) & (recv_map < M)
-    cnt = kept.sum(1)
-    u = cnt.clamp(max=per)
-    n = torch.arange(N, device=dev)
-    base = first if first is not None else n * per
-    fits = (u == 0) | ((base >= 0) & (base + u <= U))
-    umap = torch.full((U + 1,), -1, dtype=torch.int64, device=dev)  # [U]: a sink for the rest
-    raw = kept & ((cnt <= per) & fits)[:, None]  # unit base + (its place among the kept)
-    at = torch.where(raw, base[:, None] + kept.cumsum(1) - 1, U)
-    umap.scatter_(0, at.reshape(-1), torch.where(raw, recv_map, -1).reshape(-1))
-    partial = (cnt > per) & fits
-    j = torch.arange(per, device=dev)
-    at = torch.where(partial[:, None], base[:, None] + j, U)
-    umap.scatter_(0, at.reshape(-1), (-2 - (n[:, None] * per + j)).reshape(-1))
-    return umap[:U], fits, u
+def _gather_path(op, y, recv_map, row_weight, transport, weighted):
+    """The checks both expert-side ops open with (checks.h's order); returns the path."""
+    ck.check_expert_side(op, y, recv_map)
+    path = path_of(op, transport)
+    path.check_gather(op, y, recv_map, row_weight, weighted)
+    return path
 
 
-def _gather(op, y, recv_map, row_weight, transport, weighted, first, out):
+def _gather(op, y, recv_map, row_weight, path, weighted, first, out):
     """The pass both expert-side ops share: out (contiguous; pairs [N, H] in y's dtype, dedup
-    [U, H] units of y's dtype as their integer view) written whole."""
+    [U, H] units of y's dtype as their integer view) written whole, from the path's units."""
     y = y.contiguous()
     recv_map = recv_map.contiguous()
-    N, C = recv_map.shape
+    N = recv_map.shape[0]
     M = y.shape[0]
-    if transport == PAIRS:
-        if ck.on_host(recv_map):
-            ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
-        yi = int_view(y)
-        m = recv_map[:, 0]
-        umap = torch.where((m >= 0) & (m < M), m, -1)
-        _launch_units(yi, umap, recv_map, yi, int_view(out), False, 1, False, False)
-        return
-    per = 4 // y.element_size()
+    per = path.units_per_row(y.element_size())
     U = out.shape[0] if first is not None else N * per
-    umap, fits, u = _unit_map(recv_map, M, per, first.contiguous() if first is not None else None,
-                              U)
-    if ck.on_host(recv_map):
-        if first is not None:
-            bad = ck.first_bad(~fits)
-            if bad >= 0:
-                ck.fail(op, f"first[{bad}] = {int(first[bad])} puts its {int(u[bad])} unit(s) "
-                            f"outside the {U} units")
-        ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
+    umap = path.unit_map(op, recv_map, M, per, first.contiguous() if first is not None else None,
+                         U)
     yi = int_view(y)
-    w = row_weight.contiguous() if weighted else yi  # (unread when unweighted)
-    _launch_units(yi, umap, recv_map, w, out.view(yi.dtype).view(U, y.shape[1]), True, per,
-                  y.dtype == torch.bfloat16, weighted)
-
-
-def _launch_units(yi, umap, recv_map, w, oi, partial, per, bf16, weighted):
-    U, H = oi.shape
-    launch(_units_kernel, (cdiv(U, ROWS), cdiv(H, BLOCK)), yi, umap, recv_map, w, oi, U, H,
-           yi.shape[0], recv_map.shape[1], PARTIAL=partial, PER=per, BF16=bf16,
-           WEIGHTED=weighted, ROWS=ROWS, BLOCK=BLOCK)
+    # token rows sum their slots into float32 partials (weighted there); slot rows are copied
+    partial = path.TOKEN_ROWS
+    w = row_weight.contiguous() if partial and weighted else yi  # (unread otherwise)
+    oi = out.view(yi.dtype).view(U, yi.shape[1])
+    launch(_units_kernel, (cdiv(U, ROWS), cdiv(yi.shape[1], BLOCK)), yi, umap, recv_map, w, oi,
+           U, yi.shape[1], M, recv_map.shape[1], PARTIAL=partial, PER=per,
+           BF16=partial and y.dtype == torch.bfloat16, WEIGHTED=partial and weighted, ROWS=ROWS,
+           BLOCK=BLOCK)
 
 
 def gather_rows(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
@@ -164,11 +133,11 @@ def gather_rows(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torc
     in y's dtype, row n = y[recv_map[n, 0]] (zeros for -1); dedup: [N, H] float32, token row n's
     4H bytes: its n kept rows of y (c order) when n <= per, the unused bytes zero, else its
     float32 partial (weighted by row_weight when weighted)."""
-    ck.check_gather_rows_args(expert_y, recv_map, row_weight, transport, weighted)
+    op = "epkit.gather_rows"
+    path = _gather_path(op, expert_y, recv_map, row_weight, transport, weighted)
     N, H = recv_map.shape[0], expert_y.shape[1]
-    dtype = expert_y.dtype if transport == PAIRS else torch.float32
-    out = torch.empty((N, H), dtype=dtype, device=expert_y.device)
-    _gather("epkit.gather_rows", expert_y, recv_map, row_weight, transport, weighted, None, out)
+    out = torch.empty((N, H), dtype=path.back_dtype(expert_y.dtype), device=expert_y.device)
+    _gather(op, expert_y, recv_map, row_weight, path, weighted, None, out)
     return out
 
 
@@ -179,8 +148,11 @@ def gather_units(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: tor
     gather_units_cpu. out [N, H] (pairs) or [units, H] (dedup), y's dtype, contiguous; dedup
     places token row n's min(n, per) units at first [N] int64 (unit first[n] on); units no row
     places (gaps) are written zero."""
-    ck.check_gather_units_args(expert_y, recv_map, row_weight, transport, weighted, first, out)
-    _gather("epkit.gather_units", expert_y, recv_map, row_weight, transport, weighted, first, out)
+    op = "epkit.gather_units"
+    path = _gather_path(op, expert_y, recv_map, row_weight, transport, weighted)
+    ck.check_units_out(op, out, expert_y)
+    path.check_units(op, recv_map, first, out, expert_y)
+    _gather(op, expert_y, recv_map, row_weight, path, weighted, first, out)
 
 
 # ---- the source side -----------------------------------------------------------------------
@@ -241,27 +213,20 @@ def _reduce_kernel(back, unit, meta, w, out, T, H, K,
              mask=rmask[:, None] & cmask[None, :])
 
 
-def _steps(back, send_map, idx, E, R, dedup, per, first, S, U, G):
+def _steps(send_map, idx, E, R, path, per, first, S, U, G):
     """Each token's slots as the kernel's steps, in (rank, k) order (a stable sort by rank):
     (unit [T, K] int64, meta [T, K] int32, order [T, K], bad, bad_first) where bad / bad_first
-    [T, K] mark what the C++ kernel raises for (used only on CPU)."""
+    [T, K] mark what the C++ kernel raises for (used only on CPU). Which unit a step reads and
+    whether it adds a row or takes a partial is the path's (reduce_units)."""
     T, K = idx.shape
     dev = idx.device
     L = E // R
     ok_e = (idx >= 0) & (idx < E)
     d = torch.where(ok_e, idx // L, R)
-    if dedup:
-        r = torch.gather(send_map, 1, d.clamp(max=R - 1))
-    else:
-        r = send_map
+    r = path.slot_rows(send_map, d, R)
     ok_r = (r >= 0) & (r < S)
     used = ok_e & ok_r
-    # what cpu/combine.cpp raises for: a used slot's row outside [-1, S) (dedup: or -1), an
-    # expert >= E; pairs: a row sent for an unused slot
-    if dedup:
-        bad = (idx >= E) | (ok_e & ~ok_r)
-    else:
-        bad = (idx >= E) | (ok_e & ~ok_r & (r != -1)) | ((idx < 0) & (send_map != -1))
+    bad = (idx >= E) | path.bad_rows(idx, ok_e, ok_r, r, send_map)
     ds, order = torch.sort(torch.where(used, d, R), dim=1, stable=True)
     on = ds < R
     i = torch.arange(K, device=dev).expand(T, K)
@@ -270,24 +235,8 @@ def _steps(back, send_map, idx, E, R, dedup, per, first, S, U, G):
     start, last = on & (ds != prev), on & (ds != nxt)
     rs = torch.gather(r, 1, order)
     node = ds // G
-    if not dedup:
-        unit = rs
-        meta = on.int() * ADD | last.int() * FLUSH
-        return unit, meta | (node.int() << NODE_SHIFT), order, bad, torch.zeros_like(bad)
-    q = i - torch.where(start, i, 0).cummax(1).values  # place in the group
-    end = torch.where(last, i, K).flip(1).cummin(1).values.flip(1)
-    cnt = end - (i - q) + 1
-    r0 = rs.clamp(0, max(S - 1, 0))
-    if first is None:
-        at0 = r0 * per
-    else:  # (S = 0: no slot is used, and first has nothing to index)
-        at0 = first[r0] if S > 0 else torch.zeros_like(r0)
-    fits = (at0 >= 0) & (at0 + cnt.clamp(max=per) <= U)
-    partial = on & fits & (cnt > per)
-    add = on & fits & (cnt <= per)
-    unit = torch.where(add, at0 + q, at0)
-    meta = add.int() * ADD | (partial & (q == 0)).int() * PART | last.int() * FLUSH
-    bad_first = on & ~fits
+    unit, add, part, bad_first = path.reduce_units(rs, on, start, last, i, first, per, S, U)
+    meta = add.int() * ADD | part.int() * PART | last.int() * FLUSH
     return unit, meta | (node.int() << NODE_SHIFT), order, bad, bad_first
 
 
@@ -304,34 +253,32 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
     weighted)."""
     E, R, G = num_experts, num_ranks, ranks_per_node
     op = "epkit.reduce_tokens"
-    ck.check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, E, R, transport,
-                                weighted, out_dtype, G, first)
-    dedup = transport == DEDUP
+    ck.check_reduce_options(op, E, R, G)
+    path = path_of(op, transport)
+    ck.check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, R, path, weighted,
+                                out_dtype, first)
     back = back.contiguous()
     send_map = send_map.contiguous()
     idx = topk_idx.to(torch.int64).contiguous()
     compact = first is not None
     first = first.contiguous() if compact else None
-    per = 4 // back.element_size() if dedup else 1
-    H = back.shape[1] if (compact or not dedup) else back.shape[1] // per
+    per = path.units_per_row(back.element_size())  # pairs: 1, a row per slot
+    H = back.shape[1] if compact else back.shape[1] // per
     S = first.shape[0] if compact else back.shape[0]
     U = back.shape[0] if compact else S * per
     T, K = idx.shape
-    unit, meta, order, bad, bad_first = _steps(back, send_map, idx, E, R, dedup, per, first, S,
-                                               U, G)
+    unit, meta, order, bad, bad_first = _steps(send_map, idx, E, R, path, per, first, S, U, G)
     if ck.on_host(back) and bool((bad | bad_first).any()):
         ck.check_map_range(op, "send_map", send_map, S, "rows of back")
         ck.check_expert_range(op, idx, E)
         if bool(bad_first.any()):
             ck.fail(op, f"a token row whose units lie outside back's {U} units (first names a "
                         "unit out of range)")
-        ck.fail(op, "a kept slot whose token row send_map does not name" if dedup
-                else "send_map sends a slot whose topk_idx is -1")
+        ck.fail(op, path.UNMATCHED_SLOT)
     w = torch.gather(topk_weights, 1, order).contiguous() if weighted else meta
     out = torch.empty((T, H), dtype=out_dtype, device=back.device)
-    bi = int_view(back).view(U if dedup else S, H)
-    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, BLOCK)), bi, unit.contiguous(),
-           meta.contiguous(), w, int_view(out), T, H, K,
+    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, BLOCK)), int_view(back).view(U, H),
+           unit.contiguous(), meta.contiguous(), w, int_view(out), T, H, K,
            BACK_BF16=back.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
            WEIGHTED=weighted, GROUPED=G > 1, ROWS=ROWS, BLOCK=BLOCK)
     return out

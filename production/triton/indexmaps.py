@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["excl", "rank_in_key", "take", "place"]
+__all__ = ["excl", "rank_in_key", "take", "place", "section"]
 
 
 def excl(v: torch.Tensor) -> torch.Tensor:
@@ -39,3 +39,15 @@ def place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> to
     keep = keep & (q >= 0) & (q < Q)
     out = torch.full((Q + 1,), -1, dtype=torch.int64, device=q.device)
     return out.scatter_(0, torch.where(keep, q, Q), what)[:Q]
+
+
+def section(Q: int, rows_per: torch.Tensor, start: torch.Tensor, W_: int, R: int):
+    """The rows of one section of a buffer over its R chunks: for each of the Q rows, its chunk
+    d, its position in the chunk's section and its byte offset (``start[d]`` + position *
+    W_); and each chunk's first row among the Q (``rows_per`` [R] int64 the section's rows per
+    chunk, ``start`` [R] int64 where each chunk's section begins)."""
+    base = excl(rows_per)
+    q = torch.arange(Q, dtype=torch.int64, device=rows_per.device)
+    d = torch.searchsorted(rows_per.cumsum(0), q, right=True).clamp(max=R - 1)
+    pos = q - base[d]
+    return d, pos, start[d] + pos * W_, base

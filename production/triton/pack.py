@@ -17,7 +17,9 @@ own_kept[e]`` is the capacity's kept mask; pairs' row in its chunk follows from 
 ``own_kept`` prefix; dedup's token rows are an exclusive cumsum over the ``[T, R]`` table of
 kept slots, its slot rows a second stable sort by destination. Each section row of the buffer
 then gets its source (a payload row of x or none), its metadata words and its header value
-through an index map, and ``byterows.write_rows`` writes every byte of the section once.
+through an index map, and ``byterows.write_rows`` writes every byte of the section once. The
+shared pass is here; the rows that differ by transport are the path's (pairs.py, dedup.py:
+``pack_rows``, ``pack_slots``).
 
 Routing-dependent plan words are read on the device (the plan tensor); the host reads only
 the words the C++ kernel checks through a host pointer (``epkit.device.host_plan``: the plan on
@@ -31,6 +33,7 @@ the buffer all zeros (as csrc/cuda/pack.cu did).
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -39,11 +42,12 @@ from epkit.reference import abi
 from .. import plan as W
 from ..plan import host_plan
 from . import byterows
-from .indexmaps import excl, place, rank_in_key, take
+from .indexmaps import excl, place, rank_in_key, section
+from .transports import path_of
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
                          check_plan_chunks, check_plan_header, check_plan_tensor,
-                         check_routing_args, check_send_buffer, check_size, check_transport,
-                         fail, row_bytes)
+                         check_plan_transport, check_routing_args, check_send_buffer,
+                         check_size, fail, row_bytes)
 
 __all__ = ["pack", "pack_into", "scatter_rows", "scatter_rows_into"]
 
@@ -63,57 +67,71 @@ def _readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not device_path(t)
 
 
-def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB) -> list:
-    """checks.h check_pack_args + check_pack_plan; returns the plan's host words."""
+def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
+    """checks.h check_pack_args + check_pack_plan; returns the plan's host words and the
+    transport's path."""
     check_routing_args(op, x, topk_idx, topk_weights)
     check_plan_tensor(op, plan, x.device)
-    check_transport(op, transport)
+    path = path_of(op, transport)
     check_nonneg(op, "send_bytes", SB)
-    if transport == W.DEDUP and topk_idx.shape[1] > abi.DEDUP_MAX_TOPK:
-        fail(op, f"dedup carries k in 8 bits: topk {topk_idx.shape[1]} > {abi.DEDUP_MAX_TOPK}")
+    path.check_pack_topk(op, topk_idx.shape[1])
     p = host_plan(plan).tolist()
     op = "epkit.pack"  # the plan checks name pack, as in checks.h
     sl = check_plan_header(op, p, plan.numel())
     if num_ranks != p[W.RANKS]:
         fail(op, f"num_ranks {num_ranks} disagrees with the plan's {p[W.RANKS]}")
-    if transport != p[abi.PLAN_FIELDS.index("transport")]:
-        fail(op, f"transport {transport} disagrees with the plan's "
-                 f"{p[abi.PLAN_FIELDS.index('transport')]}")
-    if transport == W.DEDUP and p[W.LOCAL_EXPERTS] > abi.DEDUP_MAX_LOCAL:
-        fail(op, f"dedup carries the local expert in 24 bits: {p[W.LOCAL_EXPERTS]} local experts")
+    check_plan_transport(op, p, path)
+    path.check_local_experts(op, p[W.LOCAL_EXPERTS])
     P = x.shape[1] * x.element_size()
     if P != p[W.PAYLOAD_BYTES]:
         fail(op, f"payload of {P} bytes, the plan says {p[W.PAYLOAD_BYTES]}")
     if SB != p[W.SEND_BYTES]:
         fail(op, f"send_bytes {SB} disagrees with the plan's {p[W.SEND_BYTES]}")
-    check_plan_chunks(op, p, sl, False, row_bytes(transport, P), SB)
-    return p
+    check_plan_chunks(op, p, sl, False, path, SB)
+    return p, path
 
 
+class Slots(NamedTuple):
+    """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py):
+    every slot (t, k) of the flattened [T * K] routing, the chunks and their sections."""
+    send: torch.Tensor       # [send_bytes] uint8, the buffer being written
+    x: torch.Tensor          # [T, H] contiguous, the payload rows
+    T: int
+    K: int
+    R: int
+    L: int
+    B: int                   # a first-section row's bytes
+    hdr: int                 # 1: each section opens with its header row (static)
+    ok: torch.Tensor         # 0-d bool: the plan carries no error
+    align: int               # of every row's byte offset
+    counts: torch.Tensor     # [R] int64: first-section rows sent to each rank
+    own: torch.Tensor        # [E] int64: this rank's kept slots per expert
+    nslots: torch.Tensor     # [R] int64: slot rows sent to each rank
+    chunk: torch.Tensor      # [R] int64: each chunk's first byte
+    tok_rows: torch.Tensor   # [R] int64: each chunk's first-section rows (fixed: the cap)
+    slot_rows: torch.Tensor  # [R] int64: each chunk's slot-section rows
+    QA: int                  # first-section rows of the buffer
+    QB: int                  # slot-section rows of the buffer
+    baseA: torch.Tensor      # [R] int64: each chunk's first row among the QA
+    kept: torch.Tensor       # [T * K] bool: the slot is sent
+    e: torch.Tensor          # [T * K] int64: its expert (clamped to E - 1)
+    rank: torch.Tensor       # [T * K] int64: its rank among this rank's slots to e
+    d: torch.Tensor          # [T * K] int64: its destination rank
+    j: torch.Tensor          # [T * K] int64: its local expert there
+    slot: torch.Tensor       # [T * K] int64: its flat index t * K + k
+    t: torch.Tensor          # [T * K] int64
+    k: torch.Tensor          # [T * K] int64
+    wbits: torch.Tensor      # [T * K] int64: its weight's bits
+    row_of: Callable         # (d, i) -> the row in the row space combine and backward use
 
 
-
-
-
-
-def _section(Q: int, rows_per: torch.Tensor, start: torch.Tensor, W_: int, R: int):
-    """The rows of one section over the chunks: for each of the Q rows, its chunk d, its
-    position in the chunk's section and its byte offset (``start[d]`` + position * W_)."""
-    base = excl(rows_per)
-    q = torch.arange(Q, dtype=torch.int64, device=rows_per.device)
-    d = torch.searchsorted(rows_per.cumsum(0), q, right=True).clamp(max=R - 1)
-    pos = q - base[d]
-    return d, pos, start[d] + pos * W_, base
-
-
-def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torch.Tensor:
+def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Tensor:
     dev = x.device
     x = x.contiguous()
     T, K = topk_idx.shape
     P = x.shape[1] * x.element_size()
     R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
-    pairs = transport == W.PAIRS
-    B = row_bytes(transport, P)
+    B = row_bytes(path, P)
     sl = W.plan_slices(R, E)
     cap, tokcap, slotcap = p[W.STATIC_CAP], p[W.TOK_CAP], p[W.SLOT_CAP]
     hdr = 1 if cap >= 0 else 0
@@ -121,7 +139,7 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     # Host sizes of the two sections (routing-independent for the static exchange; the eager
     # exchanges' host words are the whole plan), and whether they cover every byte.
     tok_h = [tokcap if tokcap >= 0 else c for c in p[sl["send_counts"]]]
-    slot_h = [0] * R if pairs else [slotcap if slotcap >= 0 else c for c in p[sl["send_slots"]]]
+    slot_h = [(slotcap if slotcap >= 0 else c) * path.SLOT_SECTIONS for c in p[sl["send_slots"]]]
     QA, QB = sum(tok_h), sum(slot_h)
     align = math.gcd(B, SLOT, *p[sl["send_bytes"]])  # of every row's byte offset
     if any(nb != a * B + b * SLOT for nb, a, b in zip(p[sl["send_bytes"]], tok_h, slot_h)):
@@ -159,52 +177,16 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send) -> torc
     def row_of(d, i):  # the row in the row space combine and the backward passes exchange
         return d * (1 + cap) + 1 + i if cap >= 0 else row_start[d] + i
 
-    dA, posA, offA, baseA = _section(QA, tok_rows, chunk, B, R)
+    # The first section's rows come from the path (a row per slot, or per token and rank),
+    # written here in one pass; then its slot section, if it has one.
+    dA, posA, offA, baseA = section(QA, tok_rows, chunk, B, R)
     hdrA = torch.where(ok & (posA == 0), counts[dA], -1) if hdr else None
-    if pairs:
-        own_start = excl(own)
-        i = own_start[e] + rank - own_start[d * L]  # index in chunk d
-        kept = kept & (i >= 0) & (i < counts[d])
-        send_map = torch.where(kept, row_of(d, i), -1).view(T, K)
-        src = place(QA, baseA[d] + hdr + i, kept, slot)
-        has, s = src >= 0, src.clamp(min=0)
-        words = torch.stack([take(v, s) for v in (t, k, j, wbits)], 1)
-        meta = torch.where(has[:, None], words, 0).to(torch.int32)
-        byterows.write_rows(send, offA, B, x, torch.where(has, take(t, s) * P, -1), P, meta,
-                            hdrA, align=math.gcd(align, P))
-        return send_map
-
-    # dedup: kept slots per (token, destination); token rows by an exclusive cumsum over t.
-    td = t * R + d
-    n_td = torch.zeros(T * R + 1, dtype=torch.int64, device=dev)
-    n_td.scatter_add_(0, torch.where(kept, td, T * R), torch.ones_like(td))
-    n_td = n_td[: T * R].view(T, R)
-    opens = n_td > 0
-    tok = excl(opens.to(torch.int64))  # token row of (t, d) within chunk d
-    dd = torch.arange(R, dtype=torch.int64, device=dev).expand(T, R)
-    opens = opens & (tok < counts[None, :])
-    send_map = torch.where(opens, row_of(dd, tok), -1)
-    src = place(QA, (baseA[None, :] + hdr + tok).reshape(-1), opens.reshape(-1),
-                 torch.arange(T * R, dtype=torch.int64, device=dev))
-    has, s = src >= 0, src.clamp(min=0)
-    words = torch.stack([s // R, take(n_td.reshape(-1), s)], 1)
-    meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    byterows.write_rows(send, offA, B, x, torch.where(has, (s // R) * P, -1), P, meta, hdrA,
+    ix = Slots(send, x, T, K, R, L, B, hdr, ok, align, counts, own, nslots, chunk, tok_rows,
+               slot_rows, QA, QB, baseA, kept, e, rank, d, j, slot, t, k, wbits, row_of)
+    send_map, token, meta = path.pack_rows(ix)
+    byterows.write_rows(send, offA, B, x, torch.where(token >= 0, token * P, -1), P, meta, hdrA,
                         align=math.gcd(align, P))
-
-    # Slot rows: chunk d's kept slots in (t, k) order, after its token section.
-    u = rank_in_key(torch.where(kept, d, R), R)
-    kept = kept & (u < nslots[d])
-    dB, posB, offB, baseB = _section(QB, slot_rows, chunk + tok_rows * B, SLOT, R)
-    src = place(QB, baseB[d] + hdr + u, kept, slot)
-    has, s = src >= 0, src.clamp(min=0)
-    # k >= 128 sets the int32's sign bit: the conversion keeps the low 32 bits
-    code = ((take(k, s) << abi.SLOT_K_SHIFT) | take(j, s)).to(torch.int32)
-    words = torch.stack([code.to(torch.int64), take(wbits, s)], 1)
-    meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    hdrB = torch.where(ok & (posB == 0), nslots[dB], -1) if hdr else None
-    byterows.write_rows(send, offB, SLOT, x, torch.full_like(offB, -1), 0, meta, hdrB,
-                        align=align)
+    path.pack_slots(ix)
     return send_map
 
 
@@ -213,9 +195,10 @@ def pack(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     """x [T, H] any dtype, topk_idx [T, K] integer, topk_weights [T, K] float32, plan [n] int64
     -> (send [send_bytes] uint8, send_map [T, K] (pairs) or [T, R] (dedup) int64)."""
     SB = int(send_bytes)
-    p = _check_pack("epkit.pack", x, topk_idx, topk_weights, plan, transport, num_ranks, SB)
+    p, path = _check_pack("epkit.pack", x, topk_idx, topk_weights, plan, transport, num_ranks,
+                          SB)
     send = torch.empty((SB,), dtype=torch.uint8, device=x.device)
-    return send, _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send)
+    return send, _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send)
 
 
 def pack_into(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -224,8 +207,9 @@ def pack_into(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
     """pack into ``send`` [send_bytes] uint8 (contiguous, x's device); returns send_map."""
     op = "epkit.pack_into"
     check_send_buffer(op, send, x.device)
-    p = _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, send.numel())
-    return _pack_into_send(x, topk_idx, topk_weights, plan, transport, p, send)
+    p, path = _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks,
+                          send.numel())
+    return _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send)
 
 
 def _check_scatter(op, src, send_map, S):

@@ -12,17 +12,18 @@ Two kinds, as in checks.h:
   raised.
 
 The primitives mirror those of ``wirechecks.py`` (pack / unpack's checks); they are small
-enough to keep each module self-contained.
+enough to keep each module self-contained. The checks that differ by transport are the paths'
+(pairs.py, dedup.py); the shared ones here take the path an op resolved and ask it, and each
+op resolves it where checks.h checks the transport code, so the errors come in checks.h's
+order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from epkit.reference import abi
 from ..memory import device_path
 
-PAIRS, DEDUP = abi.TRANSPORT_CODES["pairs"], abi.TRANSPORT_CODES["dedup"]
 MAX_RANKS = 1 << 20
 MAX_EXPERTS = (1 << 31) - 1
 FLOATS = (torch.float32, torch.bfloat16)
@@ -72,11 +73,6 @@ def check_nonneg(op, name, v):
         fail(op, f"{name} must be >= 0, got {v}")
 
 
-def check_transport(op, transport):
-    if transport not in (PAIRS, DEDUP):
-        fail(op, f"transport must be 0 (pairs) or 1 (dedup), got {transport}")
-
-
 def check_experts_ranks(op, E, R):
     if not 1 <= R <= MAX_RANKS:
         fail(op, f"num_ranks must be in [1, {MAX_RANKS}], got {R}")
@@ -93,79 +89,52 @@ def check_weights_1d(op, row_weight, y):
     check_size(op, "row_weight", row_weight, 0, y.shape[0], "rows of expert_y")
 
 
-def check_gather_rows_args(y, recv_map, row_weight, transport, weighted,
-                           op="epkit.gather_rows"):
+def check_expert_side(op, y, recv_map):
+    """What the expert-side ops check before the transport: expert_y [M, H], recv_map [N, C]
+    int64 on its device."""
     check_dim(op, "expert_y", y, 2)
     check_map(op, "recv_map", recv_map)
     check_device(op, "recv_map", recv_map, y.device)
-    check_transport(op, transport)
-    if transport == PAIRS:
-        check_size(op, "recv_map", recv_map, 1, 1, "pairs: one slot per row")
-        return
-    check_float_dtype(op, "expert_y", y.dtype)
-    if weighted:
-        check_weights_1d(op, row_weight, y)
 
 
-def check_first(op, first, transport, rows, what, dev):
-    """dedup's unit places: first [rows] int64 on dev (rows < 0: any length)."""
-    if first is None:
-        return
-    if transport != DEDUP:
-        fail(op, "first (the return path's unit places) is dedup's only")
-    check_map(op, "first", first, 1)
-    check_device(op, "first", first, dev)
-    if rows >= 0:
-        check_size(op, "first", first, 0, rows, what)
-
-
-def check_gather_units_args(y, recv_map, row_weight, transport, weighted, first, out):
-    op = "epkit.gather_units"
-    check_gather_rows_args(y, recv_map, row_weight, transport, weighted, op)
+def check_units_out(op, out, y):
+    """gather_units' out: [*, H] of expert_y's dtype, on its device, contiguous."""
     check_dim(op, "out", out, 2)
     check_dtype(op, "out", out, y.dtype)
     check_device(op, "out", out, y.device)
     if not out.is_contiguous():
         fail(op, "out must be contiguous")
     check_size(op, "out", out, 1, y.shape[1], "hidden of expert_y")
-    if transport == PAIRS:
-        if first is not None:
-            fail(op, "pairs' rows are placed one per row (no first)")
-        check_size(op, "out", out, 0, recv_map.shape[0], "pairs: rows of recv_map")
-        return
-    if first is None:
-        fail(op, "dedup places its units by first")
-    check_first(op, first, transport, recv_map.shape[0], "rows of recv_map", y.device)
 
 
-def check_send_map_args(op, back, send_map, topk_idx, R, transport):
+def check_send_map_args(op, back, send_map, topk_idx, R, path):
     check_map(op, "send_map", send_map)
     check_device(op, "send_map", send_map, back.device)
     check_dim(op, "topk_idx", topk_idx, 2)
     check_index_dtype(op, "topk_idx", topk_idx)
     check_device(op, "topk_idx", topk_idx, back.device)
     check_size(op, "topk_idx", topk_idx, 0, send_map.shape[0], "tokens of send_map")
-    if transport == DEDUP:
-        check_size(op, "send_map", send_map, 1, R, "dedup: one column per rank")
-    else:
-        check_size(op, "send_map", send_map, 1, topk_idx.shape[1], "pairs: one column per slot")
+    check_size(op, "send_map", send_map, 1, path.send_map_cols(topk_idx.shape[1], R),
+               path.SEND_MAP)
 
 
-def check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, E, R, transport, weighted,
-                             out_dtype, G, first):
-    op = "epkit.reduce_tokens"
+def check_reduce_options(op, E, R, G):
+    """What reduce_tokens checks before the transport."""
     check_experts_ranks(op, E, R)
     if G < 1 or R % G:
         fail(op, f"ranks_per_node {G} must be >= 1 and divide {R}")
-    check_transport(op, transport)
+
+
+def check_reduce_tokens_args(back, send_map, topk_idx, topk_weights, R, path, weighted,
+                             out_dtype, first):
+    """reduce_tokens' checks after the transport (check_reduce_options before it)."""
+    op = "epkit.reduce_tokens"
     check_dim(op, "back", back, 2)
     check_float_dtype(op, "back", back.dtype)
     check_float_dtype(op, "out_dtype", out_dtype)
-    check_send_map_args(op, back, send_map, topk_idx, R, transport)
-    check_first(op, first, transport, -1, "", back.device)
-    if transport == DEDUP and first is None and back.shape[1] % (4 // back.element_size()):
-        fail(op, f"dedup's back must be [S, 4 H / itemsize] (a float32 row per token row), got "
-                 f"{list(back.shape)} of {back.dtype}")
+    check_send_map_args(op, back, send_map, topk_idx, R, path)
+    path.check_first(op, first, -1, "", back.device)
+    path.check_back(op, back, first)
     if weighted:
         check_dim(op, "topk_weights", topk_weights, 2)
         check_dtype(op, "topk_weights", topk_weights, torch.float32)
@@ -209,13 +178,12 @@ def check_gather_slot_values_args(values, recv_map, first, out_rows):
     check_nonneg(op, "out_rows", out_rows)
 
 
-def check_scatter_slot_values_args(back, send_map, topk_idx, first, E, R, transport):
+def check_scatter_slot_values_args(back, send_map, topk_idx, first, R, path):
+    """scatter_slot_values' checks after the transport (check_experts_ranks before it)."""
     op = "epkit.scatter_slot_values"
-    check_experts_ranks(op, E, R)
-    check_transport(op, transport)
     check_dim(op, "back", back, 1)
     check_dtype(op, "back", back, torch.float32)
-    check_send_map_args(op, back, send_map, topk_idx, R, transport)
+    check_send_map_args(op, back, send_map, topk_idx, R, path)
     check_map(op, "first", first, 1)
     check_device(op, "first", first, back.device)
 

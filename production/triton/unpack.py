@@ -15,6 +15,8 @@ of their expert's segment in received order: a stable sort by local expert (rank
 minus the exclusive cumsum of the counts). The inverse map (each expert row's received row)
 then drives ``byterows.write_rows``, which writes every byte of ``expert_x`` once, payload or
 zero padding; ``row_src``, ``row_weight`` and ``recv_map`` are gathers through the same maps.
+The row space and the maps are shared, here; each slot's expert row is the path's
+(``unpack_slots`` of pairs.py, dedup.py).
 
 **The status word.** The C++ kernel raises when the received chunks disagree with the plan
 (an in-band count, a slot row, an expert's total); a GPU cannot without a host read. So every
@@ -37,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -45,27 +48,19 @@ from epkit.reference import abi
 from .. import plan as W
 from ..plan import host_plan
 from . import byterows
-from .indexmaps import excl, place, rank_in_key
-from .wirechecks import (check_dim, check_dtype, check_nonneg, check_plan_chunks,
-                         check_plan_header, check_plan_tensor, check_transport, fail, row_bytes)
+from .byterows import read_ints
+from .indexmaps import excl, place
+from .transports import path_of
+from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
+                         ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
+                         check_nonneg, check_plan_chunks, check_plan_header, check_plan_tensor,
+                         check_plan_transport, fail, row_bytes, status_bit)
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
 byterows.declare("unpack.rows", 0, False)
 
 SLOT = abi.SLOT_ROW_BYTES
-ST_INBAND, ST_SLOTS, ST_ROWS, ST_SLOT_ROW, ST_EXPERT_ROW, ST_SHAPE, ST_EXPERT_TOTAL = (
-    1, 2, 4, 8, 16, 32, 64)
-STATUS_BITS = {
-    ST_INBAND: "a static chunk's in-band row count differs from the plan's recv_counts",
-    ST_SLOTS: "the slots a source sent (in-band or by its rows' n) differ from the plan's "
-              "recv_slots",
-    ST_ROWS: "the plan's kept blocks (recv_kept) do not cover the rows received",
-    ST_SLOT_ROW: "a corrupt slot row (k >= topk or local expert >= L)",
-    ST_EXPERT_ROW: "a slot overruns its expert's segment or repeats k",
-    ST_SHAPE: "the plan's sizes differ from the buffer, recv_rows or expert_rows",
-    ST_EXPERT_TOTAL: "an expert received a count that disagrees with the plan",
-}
 
 _STATUS: dict = {}  # torch.device -> [1] int32, the sticky word of that device
 
@@ -87,25 +82,24 @@ def describe(bits: int) -> str:
     return "; ".join(text for bit, text in STATUS_BITS.items() if bits & bit)
 
 
-def _check(recv, plan, transport, H, dtype, K, N, M) -> list:
-    """checks.h check_unpack_args + check_unpack_plan; returns the plan's host words."""
+def _check(recv, plan, transport, H, dtype, K, N, M):
+    """checks.h check_unpack_args + check_unpack_plan; returns the plan's host words and the
+    transport's path."""
     op = "epkit.unpack"
     check_dim(op, "recv", recv, 1)
     check_dtype(op, "recv", recv, torch.uint8)
     check_plan_tensor(op, plan, recv.device)
-    check_transport(op, transport)
+    path = path_of(op, transport)
     if not 0 <= H <= (1 << 31) - 1:
         fail(op, f"hidden {H} outside [0, 2^31)")
-    if not 0 <= K <= ((1 << 31) - 1 if transport == W.PAIRS else abi.DEDUP_MAX_TOPK):
+    if not 0 <= K <= path.MAX_TOPK:
         fail(op, f"topk {K} out of range for transport {transport}")
     check_nonneg(op, "recv_rows", N)
     check_nonneg(op, "expert_rows", M)
     p = host_plan(plan).tolist()
     sl = check_plan_header(op, p, plan.numel())
     P = H * dtype.itemsize
-    tr = abi.PLAN_FIELDS.index("transport")
-    if transport != p[tr]:
-        fail(op, f"transport {transport} disagrees with the plan's {p[tr]}")
+    check_plan_transport(op, p, path)
     if P != p[W.PAYLOAD_BYTES]:
         fail(op, f"rows of {P} payload bytes (hidden * dtype size), the plan says "
                  f"{p[W.PAYLOAD_BYTES]}")
@@ -123,38 +117,44 @@ def _check(recv, plan, transport, H, dtype, K, N, M) -> list:
             fail(op, f"plan: offsets decrease at local expert {j}")
     if off[L] > M:
         fail(op, f"plan: offsets end at {off[L]} > expert_rows {M}")
-    check_plan_chunks(op, p, sl, True, row_bytes(transport, P), recv.numel())
-    return p
+    check_plan_chunks(op, p, sl, True, path, recv.numel())
+    return p, path
 
 
-def _read(recv: torch.Tensor, at: torch.Tensor, live: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The little-endian integer of ``nbytes`` bytes at byte offsets ``at`` (int64, signed for
-    4 and 8 bytes), 0 where not ``live`` or out of the buffer (never read)."""
-    NB = recv.numel()
-    live = live & (at >= 0) & (at + nbytes <= NB)
-    if NB < nbytes:
-        return torch.zeros_like(at)
-    idx = torch.where(live, at, 0)[..., None] + torch.arange(nbytes, device=at.device)
-    b = recv[idx].to(torch.int64)
-    v = torch.zeros_like(at)
-    for i in range(nbytes):
-        v = v | (b[..., i] << (8 * i))
-    if nbytes == 4:  # sign of the int32
-        v = v - ((v >> 31) & 1) * (1 << 32)
-    return torch.where(live, v, 0)
+class RowSpace(NamedTuple):
+    """What unpack's shared pass knows of the received rows, for its path's index pass
+    (pairs.py, dedup.py): the row space [N] (combine's and the backward passes' rows) and the
+    plan's receive words (on the device)."""
+    recv: torch.Tensor     # [NB] uint8, the received chunks
+    NB: int
+    P: int                 # payload bytes of a row
+    B: int                 # a first-section row's bytes
+    R: int
+    L: int
+    K: int
+    N: int                 # recv_rows
+    M: int                 # expert_rows
+    hdr: int               # 1: each section opens with its header row (static)
+    tokcap: int            # first-section rows of a fixed chunk (-1: ragged)
+    ok: torch.Tensor       # 0-d bool: the plan carries no error
+    counts: torch.Tensor   # [R] int64: first-section rows from each source
+    nslots: torch.Tensor   # [R] int64: slot rows from each source
+    kept: torch.Tensor     # [R * L] int64: recv_kept, s-major
+    offsets: torch.Tensor  # [L + 1] int64: each local expert's first row
+    tpe: torch.Tensor      # [L] int64: tokens_per_expert
+    rchunk: torch.Tensor   # [R] int64: each source's chunk's first byte
+    r: torch.Tensor        # [N] int64: the rows
+    s: torch.Tensor        # [N] int64: each row's source
+    g: torch.Tensor        # [N] int64: its data row's index among all data rows
+    at: torch.Tensor       # [N] int64: its byte offset in recv
+    data: torch.Tensor     # [N] bool: it is a data row, inside the buffer
 
 
-def _any(cond: torch.Tensor, bit: int) -> torch.Tensor:
-    """``bit`` where any element holds, else 0 (a 0-d int64 tensor, no host read)."""
-    return cond.any().to(torch.int64) * bit
-
-
-def _unpack(recv, plan, transport, P, K, N, M, p):
+def _unpack(recv, plan, path, P, K, N, M, p):
     dev = recv.device
     R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
     sl = W.plan_slices(R, E)
-    pairs = transport == W.PAIRS
-    B = row_bytes(transport, P)
+    B = row_bytes(path, P)
     cap, tokcap = p[W.STATIC_CAP], p[W.TOK_CAP]
     hdr = 1 if cap >= 0 else 0
     NB = recv.numel()
@@ -166,10 +166,13 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
     kept = pl[sl["recv_kept"]]  # [R * L], s-major
     ok = pl[W.ERR_CODE] == 0
     rchunk = excl(pl[sl["recv_bytes"]])
-    bits = [_any(pl[sl["recv_bytes"]].sum() != NB, ST_SHAPE),
-            _any(pl[W.RECV_BYTES] != NB, ST_SHAPE), _any(pl[W.RECV_ROWS] != N, ST_SHAPE),
-            _any(pl[W.EXPERT_ROWS] != M, ST_SHAPE), _any(offsets[L] > M, ST_SHAPE),
-            _any(offsets[1:] < offsets[:-1], ST_SHAPE), _any(offsets[0] < 0, ST_SHAPE)]
+    bits = [status_bit(pl[sl["recv_bytes"]].sum() != NB, ST_SHAPE),
+            status_bit(pl[W.RECV_BYTES] != NB, ST_SHAPE),
+            status_bit(pl[W.RECV_ROWS] != N, ST_SHAPE),
+            status_bit(pl[W.EXPERT_ROWS] != M, ST_SHAPE),
+            status_bit(offsets[L] > M, ST_SHAPE),
+            status_bit(offsets[1:] < offsets[:-1], ST_SHAPE),
+            status_bit(offsets[0] < 0, ST_SHAPE)]
 
     # The row space: each row's source s, its data row i, whether it is one, its bytes.
     r = torch.arange(N, **i64)
@@ -179,87 +182,34 @@ def _unpack(recv, plan, transport, P, K, N, M, p):
         s = s.clamp(max=R - 1)
         data = data & (i < counts[s])
         g = excl(counts)[s] + i  # the data row's index among all data rows
-        bits.append(_any((counts > 0) & (torch.arange(R, **i64) * (1 + cap) + counts >= N),
-                         ST_SHAPE))  # a data row past recv_rows
-        bits.append(_any(_read(recv, rchunk, ok, 8) != counts, ST_INBAND))
+        bits.append(status_bit((counts > 0) & (torch.arange(R, **i64) * (1 + cap) + counts >= N),
+                               ST_SHAPE))  # a data row past recv_rows
+        bits.append(status_bit(read_ints(recv, rchunk, ok, 8) != counts, ST_INBAND))
     else:
         data = r < counts.sum()
         s = torch.searchsorted(counts.cumsum(0), r, right=True).clamp(max=R - 1)
         i, g = r - excl(counts)[s], r
-        bits.append(_any(counts.sum() > N, ST_SHAPE))
+        bits.append(status_bit(counts.sum() > N, ST_SHAPE))
     at = rchunk[s] + (hdr + i) * B
-    bits.append(_any(data & (at + B > NB), ST_SHAPE))
+    bits.append(status_bit(data & (at + B > NB), ST_SHAPE))
     data = data & ok & (at + B <= NB)
-    t = _read(recv, at + P + abi.PAIRS_META.index("t") * 4, data, 4)
+    t = read_ints(recv, at + P + abi.PAIRS_META.index("t") * 4, data, 4)
 
-    if pairs:
-        k = _read(recv, at + P + abi.PAIRS_META.index("k") * 4, data, 4)
-        wbits = _read(recv, at + P + abi.PAIRS_META.index("w") * 4, data, 4)
-        ends = kept.cumsum(0)  # flat prefix of the blocks (s, j)
-        bits.append(_any((kept < 0) | (ends[-1] != counts.sum()), ST_ROWS))
-        blk = torch.searchsorted(ends, g, right=True)
-        inb = blk < R * L
-        blk = blk.clamp(max=R * L - 1)
-        kv = kept.view(R, L)
-        base = (offsets[:L][None, :] + excl(kv)).reshape(-1)  # expert row of block's first
-        bits.append(_any((base + kept).view(R, L) > offsets[1:][None, :], ST_EXPERT_ROW))
-        m = base[blk] + g - (ends[blk] - kept[blk])
-        live = data & inb & (m >= 0) & (m < M)
-        bits.append(_any(data & ~live & ok, ST_ROWS))
-        status = torch.where(ok, sum(bits), 0).to(torch.int32)
-        good = status == 0
-        src = torch.where(good, place(M, m, live, r), -1)
-        recv_map = torch.where(live & good, m, -1).view(N, 1)
-        has, q = src >= 0, src.clamp(min=0)
-        row_src = torch.where(has[:, None], torch.stack([s[q], t[q], k[q]], 1), -1)
-        wsrc = wbits[q]
-    else:
-        n = _read(recv, at + P + abi.DEDUP_TOKEN_META.index("n") * 4, data, 4)
-        nn = torch.where(data, n.clamp(min=0), 0)
-        tot = torch.zeros(R, **i64).scatter_add_(0, s, nn)
-        bits.append(_any(data & (n < 0), ST_SLOTS))
-        bits.append(_any(tot != nslots, ST_SLOTS))
-        bits.append(_any(nn > K, ST_EXPERT_ROW))  # n > K slots cannot name distinct k
-        tok_rows = counts if tokcap < 0 else torch.full_like(counts, tokcap)
-        sec = rchunk + tok_rows * B  # each chunk's slot section (its header row first)
-        if cap >= 0:
-            bits.append(_any(_read(recv, sec, ok, 8) != nslots, ST_SLOTS))
-        first = sec[s] + hdr * SLOT + (excl(nn) - excl(tot)[s]) * SLOT
-        qk = torch.arange(K, **i64)
-        sv = data[:, None] & (qk[None, :] < nn[:, None].clamp(max=K))
-        so = first[:, None] + qk[None, :] * SLOT
-        bits.append(_any(sv & ((so < 0) | (so + SLOT > NB)), ST_SHAPE))
-        sv = sv & (so >= 0) & (so + SLOT <= NB)
-        word = _read(recv, so, sv, 4)
-        wbits = _read(recv, so + 4, sv, 4).reshape(-1)
-        kk = (word & 0xFFFFFFFF) >> abi.SLOT_K_SHIFT
-        jj = word & ((1 << abi.SLOT_K_SHIFT) - 1)
-        bad = sv & ((jj >= L) | (kk >= K))
-        bits.append(_any(bad, ST_SLOT_ROW))
-        sv = (sv & ~bad).reshape(-1)
-        kk, jj = kk.reshape(-1), jj.reshape(-1).clamp(max=L - 1)
-        rank = rank_in_key(torch.where(sv, jj, L), L)
-        cnt = torch.zeros(L + 1, **i64).scatter_add_(0, torch.where(sv, jj, L),
-                                                     torch.ones_like(jj))[:L]
-        bits.append(_any(cnt != tpe, ST_EXPERT_TOTAL))
-        m = offsets[jj] + rank
-        bits.append(_any(sv & ((m >= offsets[jj + 1]) | (m >= M)), ST_EXPERT_ROW))
-        rk = (r[:, None] * K + kk.view(N, K)).reshape(-1) if K else kk
-        seen = torch.zeros(N * K + 1, **i64).scatter_add_(0, torch.where(sv, rk, N * K),
-                                                         torch.ones_like(rk))[: N * K]
-        bits.append(_any(seen > 1, ST_EXPERT_ROW))
-        live = sv & (m < M)
-        status = torch.where(ok, sum(bits), 0).to(torch.int32)
-        good = status == 0
-        slot_id = torch.arange(N * K, **i64)
-        src_slot = torch.where(good, place(M, m, live, slot_id), -1)
-        recv_map = torch.where(good, place(N * K, rk, live, m), -1).view(N, K)
-        has, qs = src_slot >= 0, src_slot.clamp(min=0)
-        q = qs // max(K, 1)
-        src = torch.where(has, q, -1)
-        row_src = torch.where(has[:, None], torch.stack([s[q], t[q], kk[qs]], 1), -1)
-        wsrc = wbits[qs]
-    row_weight = torch.where(has, wsrc, 0).to(torch.int32).view(torch.float32)
+    # Each received slot's expert row comes from the path (a row's one slot, or a token row's
+    # n slot rows); the outputs are then the same inverse maps for both.
+    rs = RowSpace(recv, NB, P, B, R, L, K, N, M, hdr, tokcap, ok, counts, nslots, kept, offsets,
+                  tpe, rchunk, r, s, g, at, data)
+    m, live, entry, k, wbits = path.unpack_slots(rs, bits)
+    status = torch.where(ok, sum(bits), 0).to(torch.int32)
+    good = status == 0
+    C = path.recv_map_cols(K)
+    src_slot = torch.where(good, place(M, m, live, torch.arange(N * C, **i64)), -1)
+    recv_map = torch.where(good, place(N * C, entry, live, m), -1).view(N, C)
+    has, qs = src_slot >= 0, src_slot.clamp(min=0)
+    q = qs // max(C, 1)
+    src = torch.where(has, q, -1)
+    row_src = torch.where(has[:, None], torch.stack([s[q], t[q], k[qs]], 1), -1)
+    row_weight = torch.where(has, wbits[qs], 0).to(torch.int32).view(torch.float32)
     return status, src, at, row_src, row_weight, recv_map
 
 
@@ -268,17 +218,16 @@ def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, h
     """:func:`unpack`'s outputs and this call's status (a 0-d int32 tensor on recv's device;
     nonzero: the outputs are in their "nothing received" form), raising nothing for the data."""
     M, N, H, K = int(expert_rows), int(recv_rows), int(hidden), int(topk)
-    p = _check(recv, plan, transport, H, dtype, K, N, M)
+    p, path = _check(recv, plan, transport, H, dtype, K, N, M)
     recv = recv.contiguous()
     P = H * dtype.itemsize
-    status, src, at, row_src, row_weight, recv_map = _unpack(recv, plan, transport, P, K, N,
-                                                             M, p)
+    status, src, at, row_src, row_weight, recv_map = _unpack(recv, plan, path, P, K, N, M, p)
     expert_x = torch.empty((M, H), dtype=dtype, device=recv.device)
     src_off = torch.where(src >= 0, at[src.clamp(min=0)], -1) if N else torch.full_like(src, -1)
     out_off = torch.arange(M, dtype=torch.int64, device=recv.device) * P
     # every source offset is a chunk start plus rows of B bytes, every output one of P bytes
     chunks = p[W.plan_slices(p[W.RANKS], p[W.EXPERTS])["recv_bytes"]]
-    align = math.gcd(P, row_bytes(transport, P), SLOT, *chunks)
+    align = math.gcd(P, row_bytes(path, P), SLOT, *chunks)
     byterows.write_rows(expert_x, out_off, P, recv, src_off, P, align=align)
     return (expert_x, row_src, row_weight, recv_map), status
 

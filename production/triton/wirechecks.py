@@ -4,7 +4,11 @@
 They read tensor metadata and the plan's host words only (``epkit.device.host_plan``: on CPU
 the plan itself, on CUDA its host mirror), never device data: so the checks that depend on
 routing data (a token's expert id out of range, a chunk that disagrees with its plan) are not
-here; the kernels mask them (pack) or report them through unpack's status word.
+here; the kernels mask them (pack) or report them through unpack's status word, whose bits
+are here too (unpack and the paths' index passes, pairs.py and dedup.py, set them).
+
+The checks that differ by transport take the path (pairs.py or dedup.py, resolved by
+``transports.path_of``) and ask it; the path modules import this one, not the other way round.
 """
 
 from __future__ import annotations
@@ -16,13 +20,33 @@ from epkit.reference import abi
 from .. import plan as W
 # The basic checks are rowchecks' (the same checks.h helpers, one body each).
 from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_device, check_dim, check_dtype,  # noqa: F401
-                        check_map, check_nonneg, check_size, check_transport, fail)
+                        check_map, check_nonneg, check_size, fail)
 
-__all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_transport",
-           "check_nonneg", "check_plan_header", "check_plan_chunks", "check_send_buffer",
-           "check_map", "row_bytes"]
+__all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_nonneg",
+           "check_plan_header", "check_plan_transport", "check_plan_chunks", "check_send_buffer",
+           "check_map", "row_bytes", "STATUS_BITS", "status_bit"]
 
 TRANSPORT, ALIGN = abi.PLAN_FIELDS.index("transport"), abi.PLAN_FIELDS.index("align")
+
+# The unpack status bits: what the device checks of the received chunks found (the bits of the
+# old CUDA kernel; unpack.py's docstring says how they travel).
+ST_INBAND, ST_SLOTS, ST_ROWS, ST_SLOT_ROW, ST_EXPERT_ROW, ST_SHAPE, ST_EXPERT_TOTAL = (
+    1, 2, 4, 8, 16, 32, 64)
+STATUS_BITS = {
+    ST_INBAND: "a static chunk's in-band row count differs from the plan's recv_counts",
+    ST_SLOTS: "the slots a source sent (in-band or by its rows' n) differ from the plan's "
+              "recv_slots",
+    ST_ROWS: "the plan's kept blocks (recv_kept) do not cover the rows received",
+    ST_SLOT_ROW: "a corrupt slot row (k >= topk or local expert >= L)",
+    ST_EXPERT_ROW: "a slot overruns its expert's segment or repeats k",
+    ST_SHAPE: "the plan's sizes differ from the buffer, recv_rows or expert_rows",
+    ST_EXPERT_TOTAL: "an expert received a count that disagrees with the plan",
+}
+
+
+def status_bit(cond: torch.Tensor, bit: int) -> torch.Tensor:
+    """``bit`` where any element of cond holds, else 0 (a 0-d int64 tensor, no host read)."""
+    return cond.any().to(torch.int64) * bit
 
 
 def check_routing_args(op, x, topk_idx, topk_weights):
@@ -60,9 +84,15 @@ def check_send_buffer(op, send, dev):
         fail(op, "send must be contiguous")
 
 
-def row_bytes(transport: int, P: int) -> int:
-    """B: one data row of the dispatch's first section (payload then metadata)."""
-    return P + (abi.PAIRS_META_BYTES if transport == W.PAIRS else abi.DEDUP_TOKEN_META_BYTES)
+def row_bytes(path, P: int) -> int:
+    """B: one data row of the dispatch's first section (payload then the path's metadata)."""
+    return P + path.META_BYTES
+
+
+def check_plan_transport(op, p: list, path) -> None:
+    """The plan was made for the transport the call names (its path, resolved already)."""
+    if p[TRANSPORT] != path.CODE:
+        fail(op, f"transport {path.CODE} disagrees with the plan's {p[TRANSPORT]}")
 
 
 def check_plan_header(op, p: list, n: int) -> dict:
@@ -86,11 +116,12 @@ def check_plan_header(op, p: list, n: int) -> dict:
     return W.plan_slices(R, E)
 
 
-def check_plan_chunks(op, p: list, sl: dict, recv: bool, B: int, total: int) -> None:
-    """checks.h check_plan_chunks: every chunk of one direction holds its sections, the chunk
-    sizes add up to ``total``."""
+def check_plan_chunks(op, p: list, sl: dict, recv: bool, path, total: int) -> None:
+    """checks.h check_plan_chunks: every chunk of one direction holds its sections (those of
+    ``path``, the plan's transport), the chunk sizes add up to ``total``."""
     R = p[W.RANKS]
-    dedup = p[TRANSPORT] == W.DEDUP
+    B = row_bytes(path, p[W.PAYLOAD_BYTES])
+    slotted = path.SLOT_SECTIONS  # 0 (pairs): a chunk's slot section holds no row
     stat = p[W.STATIC_CAP] >= 0
     tokcap, slotcap, hdr = p[W.TOK_CAP], p[W.SLOT_CAP], 1 if stat else 0
     d_ = "recv" if recv else "send"
@@ -98,20 +129,20 @@ def check_plan_chunks(op, p: list, sl: dict, recv: bool, B: int, total: int) -> 
     if stat and tokcap != 1 + p[W.STATIC_CAP]:
         fail(op, f"plan header: static exchange with {tokcap} token rows per chunk and capacity "
                  f"{p[W.STATIC_CAP]}")
-    if stat and dedup and slotcap < 1:
+    if stat and slotted and slotcap < 1:
         fail(op, f"plan header: static exchange with slot rows {slotcap}")
     total_so_far = 0
     for d in range(R):
-        nb, c, s = nbytes[d], counts[d], (slots[d] if dedup else 0)
+        nb, c, s = nbytes[d], counts[d], slots[d] * slotted
         if not (0 <= nb <= total - total_so_far):
             fail(op, f"plan: {d_}_bytes[{d}] = {nb} overruns the {total}-byte buffer")
         total_so_far += nb
         tok_rows = tokcap if tokcap >= 0 else c
-        slot_rows = (slotcap if slotcap >= 0 else s) if dedup else 0
+        slot_rows = (slotcap if slotcap >= 0 else s) * slotted
         if not (0 <= c <= tok_rows - hdr and tok_rows <= nb // B):
             fail(op, f"plan: {d_}_counts[{d}] = {c} rows do not fit chunk {d} ({nb} bytes)")
         left = nb - tok_rows * B
-        if not (0 <= s <= slot_rows - hdr * dedup and slot_rows <= left // abi.SLOT_ROW_BYTES):
+        if not (0 <= s <= slot_rows - hdr * slotted and slot_rows <= left // abi.SLOT_ROW_BYTES):
             fail(op, f"plan: {d_}_slots[{d}] = {s} slot rows do not fit chunk {d} ({nb} bytes)")
     if total_so_far != total:
         fail(op, f"plan: {d_}_bytes add up to {total_so_far}, not {total}")
