@@ -36,6 +36,7 @@ import torch
 
 from ._runtime import launch, specialization, tl, triton
 from .layout import MAX_EXPERTS, MAX_RANKS, _fail, check_dim, check_experts_ranks, dtype_name
+from .transports import path_of
 from epkit.reference import abi
 
 __all__ = ["plan", "plan_words_size"]
@@ -75,16 +76,19 @@ def _slots(bound_ptr, s, d, m, R):
 
 
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "capacity", "transport",
-                               "exchange", "max_tokens"])
+                               "token_rows", "meta_bytes", "exchange", "max_tokens"])
 def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, align, capacity,
-                 transport, exchange, max_tokens, PHASE: tl.constexpr, BS: tl.constexpr,
-                 BX: tl.constexpr):
+                 transport, token_rows, meta_bytes, exchange, max_tokens, PHASE: tl.constexpr,
+                 BS: tl.constexpr, BX: tl.constexpr):
     """One program: ``g`` [R, 8 + E + R] int64 the gathered words, ``p`` [PlanOffsets(R, E).size]
     int64 the plan (zeros on entry: a plan that carries an error holds only its header),
     ``work`` [R * E] and ``bound`` [R * R] int64 scratch between the phases (module comment),
     ``fault`` [3] int64 (out: rank 0's header is corrupt; the first corrupt slot count as
     s * E + e, -1 if none; the first corrupt token count as s * R + d, -1 if none). PHASE:
-    0, 1 or 2, launched in that order. Tiles are BS sources x BX experts (or ranks)."""
+    0, 1 or 2, launched in that order. Tiles are BS sources x BX experts (or ranks). The
+    transport's path gives ``token_rows`` (1: a row per (token, rank) plus slot rows, counted
+    by the words' tokens per rank; 0: a row per kept slot) and ``meta_bytes`` (a row's bytes
+    after the payload); ``transport`` itself is only stored."""
     R = R.to(tl.int64)
     E = E.to(tl.int64)
     L = L.to(tl.int64)
@@ -93,7 +97,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
     xs = tl.arange(0, BX).to(tl.int64)           # a 1-D tile
     rs = tl.arange(0, BS).to(tl.int64)[:, None]  # sources of a 2-D tile
     cs = tl.arange(0, BX).to(tl.int64)[None, :]  # its experts (or ranks)
-    dedup = (xs * 0 + transport) == 1            # tensor masks (interpreter: not splatted)
+    tokens = (xs * 0 + token_rows) == 1          # tensor masks (interpreter: not splatted)
 
     if PHASE == 0:
         tl.store(p_ptr + 9, R)
@@ -228,7 +232,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
             # 3. Rows (and slot rows) from s to d for every pair: uniformity (the lowest source
             #    with a pair unlike (0, 0)), the largest chunk, and the corrupt token counts.
             slots00 = tl.load(bound_ptr)
-            rows00 = tl.where(transport == 1, tl.load(g_ptr + 8 + E), slots00)
+            rows00 = tl.where(token_rows == 1, tl.load(g_ptr + 8 + E), slots00)
             first_unlike = xs * 0 + R
             maxrows = xs * 0
             maxslots = xs * 0
@@ -240,8 +244,8 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
                     m = (s < R) & (d < R)
                     sl = _slots(bound_ptr, s, d, m, R)
                     tpr = tl.load(g_ptr + s * W + 8 + E + d, mask=m, other=0)
-                    n = tl.where((d * 0 + transport) == 1, tpr, sl)
-                    same = (n == rows00) & ((sl == slots00) | ((d * 0 + transport) == 0))
+                    n = tl.where((d * 0 + token_rows) == 1, tpr, sl)
+                    same = (n == rows00) & ((sl == slots00) | ((d * 0 + token_rows) == 0))
                     first_unlike = tl.minimum(first_unlike, tl.min(tl.where(m & ~same, s, R), 0))
                     maxrows = tl.maximum(maxrows, tl.max(tl.where(m, n, 0), 0))
                     maxslots = tl.maximum(maxslots, tl.max(tl.where(m, sl, 0), 0))
@@ -269,7 +273,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
                 (exchange == 2) | (((exchange == 3) | (exchange == 4)) & uniform), 2, 0)))
             tl.store(p_ptr + 17, variant.to(tl.int64))
             slots_cap = mt * per
-            cap = tl.where((transport == 0) | (slots_cap < mt), slots_cap, mt)
+            cap = tl.where((token_rows == 0) | (slots_cap < mt), slots_cap, mt)
             tl.store(p_ptr + 6, tl.where(is_static,
                                          R * slots_cap + L * (align.to(tl.int64) - 1), M))
             tl.store(p_ptr + 8, tl.where(is_static, 1 + cap, maxrows))
@@ -277,7 +281,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
             tokcap = tl.where(is_static, 1 + cap, tl.where(variant != 0, maxrows, zero - 1))
             slotcap = tl.where(is_static, 1 + slots_cap, tl.where(variant != 0, maxslots, zero - 1))
             tl.store(p_ptr + 19, tokcap)
-            tl.store(p_ptr + 20, tl.where(transport == 1, slotcap, zero - 1))
+            tl.store(p_ptr + 20, tl.where(token_rows == 1, slotcap, zero - 1))
             static_rows = tl.where(is_static, R * (1 + cap), zero - 1)
             itemsize = tl.where(X0 == 2, 2, 4).to(tl.int64)  # dtype code 2: bfloat16
             block = tl.where(P0 == 1, 32, tl.where(P0 == 2, 128, 0)).to(tl.int64)
@@ -285,7 +289,7 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
             Pb = tl.where(block != 0, H0 + scale_bytes * (H0 // tl.maximum(block, 1)),
                           H0 * itemsize)
             tl.store(p_ptr + 18, Pb)
-            B = Pb + tl.where(transport == 0, 16, 8)
+            B = Pb + meta_bytes
             fixed = (xs * 0 + tokcap) >= 0
 
             o_send_bytes = o_tpe + 3 * L + 1 + R * L + E
@@ -295,10 +299,10 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
                 d = i * BX + xs
                 m = d < R
                 sl = _slots(bound_ptr, d * 0 + me, d, m, R)
-                n = tl.where(dedup, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
+                n = tl.where(tokens, tl.load(g_ptr + me * W + 8 + E + d, mask=m, other=0), sl)
                 tl.store(p_ptr + 26 + d, n, mask=m)  # send_counts
                 tl.store(p_ptr + o_send_bytes + 2 * R + d, sl, mask=m)  # send_slots
-                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
+                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(tokens, tl.where(
                     fixed, slotcap, sl) * 8, 0)
                 tl.store(p_ptr + o_send_bytes + d, nbytes, mask=m)
                 S += tl.sum(tl.where(m, n, 0), 0)
@@ -311,10 +315,10 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
                 s = i * BX + xs
                 m = s < R
                 sl = _slots(bound_ptr, s, s * 0 + me, m, R)
-                n = tl.where(dedup, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
+                n = tl.where(tokens, tl.load(g_ptr + s * W + 8 + E + me, mask=m, other=0), sl)
                 tl.store(p_ptr + 26 + R + s, n, mask=m)  # recv_counts
                 tl.store(p_ptr + o_send_bytes + 3 * R + s, sl, mask=m)  # recv_slots
-                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(dedup, tl.where(
+                nbytes = tl.where(fixed, tokcap, n) * B + tl.where(tokens, tl.where(
                     fixed, slotcap, sl) * 8, 0)
                 tl.store(p_ptr + o_send_bytes + R + s, nbytes, mask=m)  # recv_bytes
                 N += tl.sum(tl.where(m, n, 0), 0)
@@ -324,7 +328,8 @@ def _plan_kernel(g_ptr, p_ptr, work_ptr, bound_ptr, fault_ptr, R, E, L, rank, al
 
 
 _BS, _BX = 8, 32
-_SCALARS = ("R", "E", "L", "rank", "align", "capacity", "transport", "exchange", "max_tokens")
+_SCALARS = ("R", "E", "L", "rank", "align", "capacity", "transport", "token_rows", "meta_bytes",
+            "exchange", "max_tokens")
 for _phase in (0, 1, 2):
     specialization(f"plan_phase{_phase}", _plan_kernel,
                    {"g_ptr": "*i64", "p_ptr": "*i64", "work_ptr": "*i64", "bound_ptr": "*i64",
@@ -336,6 +341,7 @@ for _phase in (0, 1, 2):
 
 # ---- argument checks (checks.h check_plan_args / check_plan_options) ----------------------------
 def _check_args(words, rank, E, transport, exchange):
+    """checks.h check_plan_args; returns the transport's path."""
     op = "epkit.plan"
     check_dim(op, "words", words, 2)
     if words.dtype != torch.int64:
@@ -348,10 +354,10 @@ def _check_args(words, rank, E, transport, exchange):
                   f"{list(words.shape)}")
     if not 0 <= rank < R:
         _fail(op, f"rank {rank} outside [0, {R})")
-    if transport not in (0, 1):
-        _fail(op, f"transport must be 0 (pairs) or 1 (dedup), got {transport}")
+    path = path_of(op, transport)
     if not _EX["ragged"] <= exchange <= _EX["static"]:
         _fail(op, f"exchange code {exchange} outside [0, 5]")
+    return path
 
 
 def _option_error(E, R, align, capacity, exchange, max_tokens):
@@ -408,7 +414,7 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     [R, 8 + E + R] int64, on their device: cpu/plan.cpp's words, errors included."""
     rank, E, align, capacity = int(rank), int(num_experts), int(align), int(capacity)
     transport, exchange, max_tokens = int(transport), int(exchange), int(max_tokens_per_rank)
-    _check_args(words, rank, E, transport, exchange)
+    path = _check_args(words, rank, E, transport, exchange)
     g = words.contiguous()
     R = g.shape[0]
     L = _c_div(E, R)
@@ -421,7 +427,8 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     fault = torch.empty(3, dtype=torch.int64, device=g.device)
     for phase in (0, 1, 2):  # each reads what the ones before wrote (module comment)
         launch(_plan_kernel, (1,), g, p, work, bound, fault, R, E, L, rank, align, capacity,
-               transport, exchange, max_tokens, PHASE=phase, BS=_BS, BX=_BX)
+               transport, int(path.TOKEN_ROWS), path.META_BYTES, exchange, max_tokens,
+               PHASE=phase, BS=_BS, BX=_BX)
     if g.device.type == "cpu" or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
         _raise_fault(g, fault)
     return p
