@@ -24,6 +24,10 @@ C++ kernels on CPU.
 | ``backward`` | combine_backward_dest, gather_slot_values, scatter_slot_values | cpu/backward.cpp |
 | ``mxfp8``, ``fp8_block128`` | quantize_mxfp8, quantize_fp8_block128 | cpu/mxfp8.cpp, cpu/fp8_block128.cpp |
 | ``alloc`` | empty_large | cpu/alloc.cpp |
+
+What differs by transport is not in these modules but in one module per transport path,
+``pairs`` and ``dedup`` (as DeepEP splits its kernels into intranode and internode), behind one
+interface; ``transports`` is their table and resolves an op's ``transport`` code.
 """
 
 from __future__ import annotations
