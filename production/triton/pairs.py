@@ -24,7 +24,8 @@ CODE = abi.TRANSPORT_CODES[NAME]
 META_BYTES = abi.PAIRS_META_BYTES
 TOKEN_ROWS = False   # a row per kept slot, not per (token, destination rank)
 SLOT_SECTIONS = 0    # the slot itself travels in the row: a chunk has no slot section
-MAX_TOPK = (1 << 31) - 1  # k travels as an int32
+MAX_TOPK = (1 << 31) - 1   # k travels as an int32
+MAX_LOCAL = (1 << 31) - 1  # and j
 SEND_MAP = "pairs: one column per slot"
 # what cpu/combine.cpp raises for a slot whose row does not match its routing
 UNMATCHED_SLOT = "send_map sends a slot whose topk_idx is -1"
@@ -54,7 +55,8 @@ def check_pack_topk(op, K: int) -> None:
 
 
 def check_local_experts(op, L: int) -> None:
-    """j travels as an int32: the plan header's bound on the experts is the bound."""
+    """j travels as an int32: the plan header's bound on the experts (MAX_LOCAL) is the
+    bound."""
 
 
 def check_gather(op, y, recv_map, row_weight, weighted) -> None:

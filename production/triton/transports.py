@@ -10,8 +10,9 @@ asks the path afterwards, never the code. Every path module has the same names:
 
 - the wire format: ``NAME``, ``CODE``, ``META_BYTES`` (a first-section row's bytes after the
   payload), ``TOKEN_ROWS`` (a row per (token, destination) rather than per slot),
-  ``SLOT_SECTIONS`` (slot sections per chunk), ``MAX_TOPK``, ``send_map_cols(K, R)``,
-  ``recv_map_cols(K)``, ``back_dtype(y_dtype)``, ``units_per_row(itemsize)``;
+  ``SLOT_SECTIONS`` (slot sections per chunk), ``MAX_TOPK``, ``MAX_LOCAL`` (what a row can
+  encode), ``send_map_cols(K, R)``, ``recv_map_cols(K)``, ``back_dtype(y_dtype)``,
+  ``units_per_row(itemsize)``;
 - the argument checks where checks.h asks the transport: ``check_pack_topk``,
   ``check_local_experts``, ``check_gather``, ``check_units``, ``check_first``, ``check_back``,
   and the texts ``SEND_MAP``, ``UNMATCHED_SLOT``;
