@@ -62,8 +62,9 @@ class Dispatcher:
             which forwards it inside the node; the combine returns over the same two stages;
             production/hier.py). Same result, bit for bit, for the same ``ranks_per_node``. hier
             runs the exchanges ``auto``, ``ragged``, ``padded`` and ``equal``, without a payload
-            and not under torch.compile (an InputError, HIER_UNSUPPORTED, otherwise).
-        exchange: ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
+            and not under torch.compile (an InputError, HIER_UNSUPPORTED, otherwise). ``None``:
+            the default.
+        exchange: ``None`` or ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
             ``"padded"``, ``"equal"``, ``"lazy"`` (the auto exchange issued asynchronously:
             dispatch and combine return pending objects whose ``wait()`` gives the result), or
             ``"static"`` (fixed worst-case chunks sized by ``max_tokens_per_rank``, counts
@@ -109,8 +110,9 @@ class Dispatcher:
         self.align = align
         self.capacity = capacity
         self.capacity_factor = capacity_factor
-        self.transport = transport
-        self.exchange = exchange
+        # None: the default, as in the reference (records.resolve_options)
+        self.transport = "dedup" if transport is None else transport
+        self.exchange = "auto" if exchange is None else exchange
         self.payload = payload
         self.max_tokens_per_rank = max_tokens_per_rank
         self.ranks_per_node = ranks_per_node

@@ -9,47 +9,22 @@ their first collective. ``cfg`` is the :class:`epkit.Dispatcher` whose options a
 
 from __future__ import annotations
 
-import math
-import operator
-
 import torch
 import torch.distributed as dist
 
 from . import transports
 from .agree import COMBINE, WEIGHTED, header, tensor_error
-from .collectives import EXCHANGES, dtype_code, group_name
+from .collectives import dtype_code, group_name
 from .lazy import PendingDispatch
 from .result import Dispatch, seal_of
 from epkit.reference import abi
-from epkit.reference.errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, Reason,
-                                    factor_bits)
+from epkit.reference.errors import Reason
+from epkit.reference.validate import as_int, factor_word, option_triple
 
 __all__ = ["option_words", "option_error", "local_error", "combine_words"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _DEVICE_CODES = {"cpu": 0, "cuda": 1, "meta": 2}
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-
-
-def _int_or(v, default):
-    """``v`` as an int if it is one (int, NumPy integer; not a float or a string), clamped to
-    int64 so that it fits the call header (the bounds checks then name it), else ``default``."""
-    if v is None or isinstance(v, bool):
-        return default
-    try:
-        return min(max(operator.index(v), _INT64[0]), _INT64[1])
-    except TypeError:
-        return default
-
-
-def _factor_bits(f) -> int:
-    """The capacity factor's header word: float64 bits, -1 for None or not a real number."""
-    if f is None or isinstance(f, (bool, str)):
-        return -1
-    try:
-        return factor_bits(float(f))
-    except (TypeError, ValueError, OverflowError):
-        return -1
 
 
 def _code(table: dict, name) -> int:
@@ -60,47 +35,31 @@ def _code(table: dict, name) -> int:
         return -1
 
 
-
 def option_words(cfg) -> list[int]:
     """``[E, align, capacity, transport, exchange, payload, max_tokens, capacity factor,
     ranks_per_node]`` as header codes (agree.py): integers as given (-1 for None or a
     non-integer), names as their codes, the factor as its float64 bits, ranks_per_node
     resolved (``Dispatcher.resolved_ranks_per_node``)."""
-    return [_int_or(cfg.num_experts, -1), _int_or(cfg.align, -1),
-            _int_or(cfg.capacity, -1), _code(abi.TRANSPORT_CODES, cfg.transport),
-            _code(abi.EXCHANGE_CODES, cfg.exchange), _code(abi.PAYLOAD_CODES, cfg.payload),
-            _int_or(cfg.max_tokens_per_rank, -1), _factor_bits(cfg.capacity_factor),
-            _int_or(cfg.resolved_ranks_per_node(), -1)]
+    return [as_int(cfg.num_experts, -1), as_int(cfg.align, -1), as_int(cfg.capacity, -1),
+            _code(abi.TRANSPORT_CODES, cfg.transport), _code(abi.EXCHANGE_CODES, cfg.exchange),
+            _code(abi.PAYLOAD_CODES, cfg.payload), as_int(cfg.max_tokens_per_rank, -1),
+            factor_word(cfg.capacity_factor), as_int(cfg.resolved_ranks_per_node(), -1)]
+
 
 def option_error(cfg) -> tuple[int, int, int]:
-    """The options on their own (reference/validate.py's order)."""
-    R = dist.get_world_size(cfg.group)
-    E, align, capacity, transport, exchange, payload, max_tokens, factor, G = option_words(cfg)
+    """The options on their own: the reference's checks (``option_triple``, one body for both
+    tiers), after the group's own, then what the transport's wire and kernels cannot carry
+    (its row: hier's limits)."""
     if cfg._bad_group:
         return Reason.BAD_GROUP, 0, 0
-    if _int_or(cfg.align, None) is None or not 1 <= align <= MAX_ALIGN:
-        return Reason.ALIGN, align, 0
-    if cfg.capacity is not None and (_int_or(cfg.capacity, None) is None
-                                      or not 0 <= capacity <= MAX_CAPACITY):
-        return Reason.CAPACITY, capacity, 0
-    if cfg.capacity_factor is not None:
-        if cfg.capacity is not None:
-            return Reason.CAPACITY_AND_FACTOR, 0, 0
-        if factor == -1 or not math.isfinite(cfg.capacity_factor) or cfg.capacity_factor <= 0:
-            return Reason.CAPACITY_FACTOR, factor, 0
-    if _int_or(cfg.num_experts, None) is None or not 1 <= E <= MAX_EXPERTS:
-        return Reason.NUM_EXPERTS, E, 0
-    if E % R:
-        return Reason.EXPERTS_NOT_DIVISIBLE, E, R
-    for option_id, value in ((1, transport), (2, exchange), (3, payload)):
-        if value < 0:
-            return Reason.OPTION, option_id, -1
-    if EXCHANGES[cfg.exchange].static and (cfg.max_tokens_per_rank is None
-                                      or not 0 <= max_tokens <= MAX_TOKENS):
-        return Reason.STATIC_MAX, max_tokens, 0
-    if not 1 <= G <= R or R % G:
-        return Reason.RANKS_PER_NODE, G, R
-    return transports.TABLE[cfg.transport].option_error(E // R, G, cfg.exchange, cfg.payload)
+    R, G = dist.get_world_size(cfg.group), cfg.resolved_ranks_per_node()
+    code = option_triple(cfg.align, cfg.capacity, cfg.num_experts, R, cfg.transport, cfg.exchange,
+                         cfg.payload, cfg.max_tokens_per_rank, G, cfg.capacity_factor)
+    if code[0] != Reason.OK:
+        return code
+    return transports.TABLE[cfg.transport].option_error(int(cfg.num_experts) // R, G,
+                                                        cfg.exchange, cfg.payload)
+
 
 def local_error(cfg, x, topk_idx, topk_weights) -> tuple[int, int, int]:
     """Every check that needs no tensor values: options, types, devices, dtypes, shapes."""

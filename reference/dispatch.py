@@ -31,6 +31,7 @@ import numpy as np
 
 from . import transports
 from .capacity import kept_mask
+from .exchange import eager
 from .records import DispatchResult, Group, resolve_options
 from .expertmajor import assemble
 from .payloads import wire_rows
@@ -42,6 +43,7 @@ def prepare(xs, topk_idx, topk_weights, num_experts, align, capacity, transport,
             payload, max_tokens_per_rank, ranks_per_node=1):
     """Validate, and fix the group's facts and the kept mask (shared by both tiers)."""
     transport, exchange = resolve_options(transport, exchange)
+    exchange = eager(exchange)
     xs, idx, ws = check_dispatch(xs, topk_idx, topk_weights, num_experts=num_experts, align=align,
                                  capacity=capacity, transport=transport, exchange=exchange,
                                  payload=payload, max_tokens_per_rank=max_tokens_per_rank,

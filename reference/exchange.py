@@ -119,6 +119,14 @@ def split_option(exchange: str) -> Tuple[str, str]:
     return option.eager or option.name, option.schedule
 
 
+def eager(exchange: Optional[str]) -> Optional[str]:
+    """The option a reference operation runs for ``exchange``: the option itself, or on another
+    schedule its eager twin (``"lazy"``: ``"auto"``; the schedule changes when, not what, moves).
+    None and names that are no option are returned as they are (validation reports them)."""
+    option = OPTIONS.get(exchange) if isinstance(exchange, str) else None
+    return option.eager or option.name if option is not None else exchange
+
+
 def resolve(variant: str, *counts: np.ndarray, ranks: Optional[Sequence] = None) -> str:
     """The variant that runs for a plan whose sections have the given count matrices (the
     option's ``pick``): ``auto`` -> equal when every section is uniform, else ragged; ``equal``

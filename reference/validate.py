@@ -11,10 +11,12 @@ the lowest rank with a non-zero code; if there is none, the lowest rank whose ``
 
 Order of the checks on one rank (the first failing one is reported):
 
-1. options, identical on every rank, so always reported for rank 0: ``align >= 1``,
-   ``capacity >= 0``, ``num_experts >= 1``, ``num_experts % R == 0``, transport, exchange,
-   payload names (``OPTION``, ``b = -1``), ``max_tokens_per_rank >= 0`` under the static exchange,
-   ``ranks_per_node`` a divisor of ``R`` (``RANKS_PER_NODE``);
+1. options, identical on every rank, so always reported for rank 0 (``option_triple``, which
+   production asks too): ``align >= 1``, ``capacity >= 0``, ``capacity_factor`` a finite
+   number > 0 and not with ``capacity``, ``num_experts >= 1``, ``num_experts % R == 0``,
+   transport, exchange, payload names (``OPTION``, ``b = -1``), ``max_tokens_per_rank >= 0``
+   under the static exchange, ``ranks_per_node`` a divisor of ``R`` (``RANKS_PER_NODE``); an
+   integer option that is not an integer reports -1;
 2. dtypes: x float32 or bfloat16; topk_idx an integer dtype (not bool); topk_weights float32,
    bfloat16 or float16 (the last two widened to float32, exactly, before anything reads them);
 3. shapes: x 2-D; topk_idx 2-D; topk_idx rows == x rows; topk_weights 2-D; its shape == topk_idx's;
@@ -36,46 +38,91 @@ rows of all ranks share one exchange). combine_backward checks its gradients fir
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import payloads
+from .abi import EXCHANGE_CODES, PAYLOAD_CODES, TRANSPORT_CODES
 from .dtypes import BFLOAT16, FLOAT32, FLOAT_DTYPES, dtype_code
-from .exchange import NAMES as EXCHANGES, is_static
-from .records import TRANSPORTS
-from .errors import MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error
+from .exchange import is_static
+from .errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputError, Reason, error,
+                     factor_bits)
 
 Triple = Tuple[int, int, int]
 OK: Triple = (Reason.OK, 0, 0)
 HEADER_WORDS = 8
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # What topk_weights may be: bfloat16 and float16 values are all float32 values, so widening them
 # loses nothing (the routers of Megatron-Core and torchtitan give bfloat16 weights in bfloat16
 # training).
 WEIGHT_DTYPES = (FLOAT32, BFLOAT16, np.dtype(np.float16))
 
 
-def _option_triple(align, capacity, num_experts, num_ranks, transport=None, exchange=None,
-                   payload=None, max_tokens_per_rank=None, ranks_per_node=1) -> Triple:
-    if not 1 <= int(align) <= MAX_ALIGN:
-        return (Reason.ALIGN, int(align), 0)
-    if capacity is not None and not 0 <= int(capacity) <= MAX_CAPACITY:
-        return (Reason.CAPACITY, int(capacity), 0)
-    if not 1 <= int(num_experts) <= MAX_EXPERTS:
-        return (Reason.NUM_EXPERTS, int(num_experts), 0)
-    if int(num_experts) % num_ranks != 0:
-        return (Reason.EXPERTS_NOT_DIVISIBLE, int(num_experts), num_ranks)
-    if transport is not None and transport not in TRANSPORTS:
-        return (Reason.OPTION, 1, -1)
-    if exchange is not None and exchange not in EXCHANGES:
-        return (Reason.OPTION, 2, -1)
-    if payload is not None and payload not in payloads.NAMES:
-        return (Reason.OPTION, 3, -1)
-    if is_static(exchange) and (max_tokens_per_rank is None
-                                 or not 0 <= int(max_tokens_per_rank) <= MAX_TOKENS):
-        return (Reason.STATIC_MAX, -1 if max_tokens_per_rank is None else int(max_tokens_per_rank), 0)
-    if not 1 <= int(ranks_per_node) <= num_ranks or num_ranks % int(ranks_per_node):
-        return (Reason.RANKS_PER_NODE, int(ranks_per_node), num_ranks)
+def as_int(v, default=None):
+    """``v`` as an int when it is one (a Python or NumPy integer; not a bool, float or string),
+    clamped to int64 so that it fits a header word (the bounds checks then name it); else
+    ``default``. An option of the wrong type is reported like one out of range."""
+    if v is None or isinstance(v, bool):
+        return default
+    try:
+        return min(max(operator.index(v), INT64_MIN), INT64_MAX)
+    except TypeError:
+        return default
+
+
+def factor_word(f) -> int:
+    """A capacity factor's header word: its float64 bits; -1 for None or not a real number."""
+    if f is None or isinstance(f, (bool, str)):
+        return -1
+    try:
+        return factor_bits(float(f))
+    except (TypeError, ValueError, OverflowError):
+        return -1
+
+
+def _named(value, names) -> bool:
+    try:
+        return value in names
+    except TypeError:  # an unhashable value is no name
+        return False
+
+
+def option_triple(align, capacity, num_experts, num_ranks, transport=None, exchange=None,
+                  payload=None, max_tokens_per_rank=None, ranks_per_node=1,
+                  capacity_factor=None) -> Triple:
+    """Check 1 of the module docstring, the one body of the option checks (production's
+    ``validate.option_error`` asks it too): ``a`` is the option as an int (-1 when it is not
+    one), a name that is not one reports which (``OPTION``, ``a`` = 1 transport, 2 exchange,
+    3 payload). transport, exchange, payload None: not this call's option (the canonical
+    computation, no payload); every name the ABI codes is one (``"lazy"`` too)."""
+    A, C, E = as_int(align), as_int(capacity), as_int(num_experts)
+    G, M = as_int(ranks_per_node), as_int(max_tokens_per_rank)
+    if A is None or not 1 <= A <= MAX_ALIGN:
+        return (Reason.ALIGN, -1 if A is None else A, 0)
+    if capacity is not None and (C is None or not 0 <= C <= MAX_CAPACITY):
+        return (Reason.CAPACITY, -1 if C is None else C, 0)
+    if capacity_factor is not None:
+        if capacity is not None:
+            return (Reason.CAPACITY_AND_FACTOR, 0, 0)
+        bits = factor_word(capacity_factor)
+        if bits == -1 or not 0 < float(capacity_factor) < math.inf:  # NaN compares false
+            return (Reason.CAPACITY_FACTOR, bits, 0)
+    if E is None or not 1 <= E <= MAX_EXPERTS:
+        return (Reason.NUM_EXPERTS, -1 if E is None else E, 0)
+    if E % num_ranks != 0:
+        return (Reason.EXPERTS_NOT_DIVISIBLE, E, num_ranks)
+    for option_id, value, names in ((1, transport, TRANSPORT_CODES),
+                                     (2, exchange, EXCHANGE_CODES),
+                                     (3, payload, PAYLOAD_CODES)):
+        if value is not None and not _named(value, names):
+            return (Reason.OPTION, option_id, -1)
+    if is_static(exchange) and (M is None or not 0 <= M <= MAX_TOKENS):
+        return (Reason.STATIC_MAX, -1 if M is None else M, 0)
+    if G is None or not 1 <= G <= num_ranks or num_ranks % G:
+        return (Reason.RANKS_PER_NODE, -1 if G is None else G, num_ranks)
     return OK
 
 
@@ -83,7 +130,7 @@ def check_options(num_ranks: int, **options) -> None:
     """Raise the option error (named for rank 0: every rank holds the same options)."""
     if num_ranks < 1:
         raise ValueError("epkit.reference: the group needs at least one rank (empty lists given)")
-    code, a, b = _option_triple(num_ranks=num_ranks, **options)
+    code, a, b = option_triple(num_ranks=num_ranks, **options)
     if code != Reason.OK:
         raise error(0, code, a, b)
 

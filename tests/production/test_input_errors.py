@@ -74,12 +74,32 @@ def test_bad_input_on_middle_rank(group_pool, kind):
     (dict(num_experts=E, exchange="raggedy"), Reason.OPTION),
     (dict(num_experts=E, payload="fp4"), Reason.OPTION),
     (dict(num_experts=E, align=1 << 40), Reason.ALIGN),
-
+    (dict(num_experts=E, align=1.5), Reason.ALIGN),            # not an integer: reported as -1
+    (dict(num_experts=E, capacity="3"), Reason.CAPACITY),
+    (dict(num_experts=E, capacity=2, capacity_factor=1.0), Reason.CAPACITY_AND_FACTOR),
+    (dict(num_experts=E, capacity_factor=float("nan")), Reason.CAPACITY_FACTOR),
+    (dict(num_experts=E, capacity_factor=0.0), Reason.CAPACITY_FACTOR),
+    (dict(num_experts=E, exchange="static"), Reason.STATIC_MAX),
+    (dict(num_experts=E, ranks_per_node=2), Reason.RANKS_PER_NODE),   # 2 does not divide 3
 ])
 def test_bad_options(group_pool, opts, code):
+    """Every rank raises the option error, with the reference's message word for word: the
+    option checks are one body (reference/validate.py option_triple) that production asks."""
     xs, idxs, ws = good()
+    with pytest.raises(ref.InputError) as want:
+        ref.validate.check_options(R, **{**dict(align=1, capacity=None, transport="dedup",
+                                                exchange="auto"), **opts})
+    assert want.value.code == code
     got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws, [opts] * R)
-    assert all(err is not None and err[0] == 0 and err[1] == int(code) for err, _ in got), got
+    assert all(err == (0, int(code), str(want.value)) for err, _ in got), (got, str(want.value))
+
+
+def test_none_transport_and_exchange_are_the_defaults(group_pool):
+    """transport=None, exchange=None: dedup and auto, as the reference fills them in."""
+    xs, idxs, ws = good()
+    got = group_pool.run(rank_fns.raises_input_error, R, xs, idxs, ws,
+                         [dict(num_experts=E, transport=None, exchange=None)] * R)
+    assert all(err is None for err, _ in got), got
 
 
 def test_equal_exchange_on_a_non_uniform_plan(group_pool):

@@ -56,6 +56,24 @@ def test_lazy_is_the_auto_variant_on_the_lazy_schedule():
     assert pending.wait() is first  # once
 
 
+def test_a_dispatch_asked_for_lazy_runs_its_eager_twin_auto():
+    """Every name the ABI codes is an option (validate.option_triple, both tiers): ``"lazy"``
+    changes when the exchange runs, not what moves, so the reference runs ``"auto"``."""
+    from epkit import reference as ref
+
+    assert ex.eager("lazy") == "auto" and ex.eager("static") == "static"
+    assert ex.eager(None) is None and ex.eager("nope") == "nope"
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(2)]
+    idx = [np.array([[0, 3], [1, -1], [2, 0]])] * 2
+    ws = [rng.random((3, 2)).astype(np.float32) for _ in range(2)]
+    for transport in ("pairs", "dedup"):
+        lazy = ref.dispatch(xs, idx, ws, num_experts=4, transport=transport, exchange="lazy")
+        auto = ref.dispatch(xs, idx, ws, num_experts=4, transport=transport, exchange="auto")
+        for a, b in zip(lazy, auto):
+            assert np.array_equal(a.expert_x, b.expert_x) and a.exchange == b.exchange == "auto"
+
+
 def test_static_overflow_is_an_input_error_in_move_and_bytes():
     from epkit.reference.errors import InputError, Reason
 

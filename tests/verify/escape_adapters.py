@@ -33,7 +33,7 @@ def _raise_invalid(x, idx, w, num_experts, align, capacity, group, dedupe=False)
     :class:`MergesDuplicates`)."""
     R = dist.get_world_size(group)
     xn, idn, wn = to_numpy(x.detach()), to_numpy(idx), to_numpy(w.detach())
-    triple = validate._option_triple(align, capacity, num_experts, R)
+    triple = validate.option_triple(align, capacity, num_experts, R)
     if triple[0] == 0:
         if dedupe and idn.ndim == 2:
             idn = _last_wins(torch.as_tensor(idn)).numpy()
