@@ -17,6 +17,7 @@ from .memory import device_path, mark_host
 from .plan import *  # noqa: F401,F403  (the plan's word positions)
 from .plan import _F
 from .transports import by_code
+from epkit.reference.capacity import kept_slots
 
 _build.load()
 C = torch.ops.epkit  # the kernel bench swaps this module's C to record the calls
@@ -76,7 +77,8 @@ def may_drop(plan: torch.Tensor) -> bool:
 def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
     """``topk_idx [T, K]`` as int64 with the slots capacity dropped set to -1 (``topk_idx``
     itself, as int64, when the plan dropped nothing). The rule is pack's: of this rank's slots to
-    expert ``e`` in token order, the first ``own_kept[e]`` are kept. Torch ops on the plan's
+    expert ``e`` in token order, the first ``own_kept[e]`` are kept (the reference's lines,
+    ``capacity.kept_slots``, run on torch tensors). Torch ops on the plan's
     device, no host read (:func:`may_drop` reads the host mirror); values outside ``[0, E)``
     count as unused."""
     idx = topk_idx.to(torch.int64)
@@ -87,14 +89,7 @@ def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
     own_kept = plan[plan_slices(int(hp[RANKS]), E)["own_kept"]].to(idx.device)
     flat = idx.reshape(-1)
     e = torch.where((flat >= 0) & (flat < E), flat, E)             # E: not a kept candidate
-    order = torch.sort(e, stable=True).indices
-    sorted_e = e[order]
-    used = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).index_add_(
-        0, e, torch.ones_like(e))
-    start = torch.cumsum(used, 0) - used
-    rank_in_e = torch.arange(flat.numel(), device=idx.device) - start[sorted_e]
-    limit = torch.cat([own_kept, own_kept.new_zeros(1)])
-    keep = torch.empty_like(flat, dtype=torch.bool).scatter_(0, order, rank_in_e < limit[sorted_e])
+    keep = kept_slots(torch, e, torch.cat([own_kept, own_kept.new_zeros(1)]))
     return torch.where(keep, flat, -1).view(idx.shape)
 
 

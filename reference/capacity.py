@@ -11,9 +11,10 @@ A dropped slot behaves like ``-1`` from then on: it is not dispatched, contribut
 combine and gets zero gradient. ``capacity=None`` keeps every used slot. ``capacity_factor=f``
 (production) means the capacity ``capacity_from_factor(S, E, f)``.
 
-One body per rule, for both tiers: the kept mask is ``kept_mask`` (the group's used slots
-sorted by expert, ``sorted_slots``: a slot's rank within its expert is the count above), the
-kept counts a rank derives from the count exchange ``kept_counts``.
+One body per rule, for both tiers: which slots of a run are kept is ``kept_slots`` (written
+over an array namespace: NumPy here, torch on the device in production/moves.py, the same
+lines), the group's kept mask ``kept_mask``, the kept counts a rank derives from the count
+exchange ``kept_counts``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ def capacity_from_factor(used_slots: int, num_experts: int, capacity_factor: flo
     return math.ceil(Fraction(float(capacity_factor)) * int(used_slots) / int(num_experts))
 
 
+def kept_slots(xp, experts, limit):
+    """The rule on one run of slots in canonical order, in the array namespace ``xp`` (``numpy``
+    or ``torch``: only names both spell the same way, so production runs these lines on its
+    device tensors with no host read).
+
+    Args: experts [S] int64, each slot's expert in ``[0, E]`` (``E``: a slot of no expert, an
+    unused one); limit [E + 1] int64, how many of each expert's slots are kept (``limit[E]`` 0).
+    Returns: keep [S] bool: slot ``i`` is kept iff fewer than ``limit[experts[i]]`` slots before
+    it name the same expert (its place among them: its index in the stable sort by expert minus
+    the index where its expert's run starts).
+    """
+    order = xp.argsort(experts, stable=True)
+    e_sorted = experts[order]
+    place = xp.cumsum(xp.ones_like(experts), 0) - 1 - xp.searchsorted(e_sorted, e_sorted)
+    keep = xp.zeros_like(experts, dtype=xp.bool)
+    keep[order] = place < limit[e_sorted]
+    return keep
+
+
 def sorted_slots(idx_all: np.ndarray, num_experts: int, capacity: Optional[int]):
     """The rule above over the whole group at once. ``idx_all``: every rank's routing
     concatenated and flattened (slot ``f = g * K + k`` of global token ``g``, ranks ascending,
@@ -49,10 +69,10 @@ def sorted_slots(idx_all: np.ndarray, num_experts: int, capacity: Optional[int])
     used = np.bincount(e_sorted, minlength=num_experts).astype(np.int64)
     start = np.concatenate([[0], np.cumsum(used)])
     rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
-    keep = np.ones(len(f_sorted), bool) if capacity is None else rank_in_e < capacity
-    kept_all = np.zeros(idx_all.shape, bool)
-    kept_all[f_sorted[keep]] = True
-    return f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all
+    limit = np.full(num_experts + 1, len(f_used) if capacity is None else capacity, np.int64)
+    limit[num_experts] = 0
+    kept_all = kept_slots(np, np.where(idx_all >= 0, idx_all, num_experts), limit)
+    return f_sorted, e_sorted, used, start, rank_in_e, kept_all[f_sorted], kept_all
 
 
 def kept_mask(topk_idx: Sequence[np.ndarray], num_experts: int,

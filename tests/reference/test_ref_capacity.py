@@ -80,3 +80,25 @@ def test_byte_functions_account_hier_as_dedup_from_the_count_words():
                           accounting.dispatch_bytes_of(group, loose))
     assert np.array_equal(ref.combine_bytes(idx, transport="hier", **kw),
                           accounting.combine_bytes_of(group, loose))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6).flatmap(lambda E: st.tuples(
+    st.just(E), st.lists(st.integers(0, E), max_size=40),
+    st.lists(st.integers(0, 8), min_size=E, max_size=E))))
+def test_kept_slots_is_one_body_for_numpy_and_torch(draw):
+    """capacity.kept_slots, the lines production runs on its device tensors (moves.kept_routing),
+    gives the rule's mask with NumPy and the same mask with torch."""
+    import torch
+
+    E, experts, limit = draw
+    e = np.array(experts, np.int64)
+    lim = np.array(limit + [0], np.int64)
+    seen, want = np.zeros(E + 1, np.int64), np.zeros(len(e), bool)
+    for i, x in enumerate(e):  # the rule, slot by slot
+        want[i] = seen[x] < lim[x]
+        seen[x] += 1
+    got = ref.capacity.kept_slots(np, e, lim)
+    assert got.dtype == bool and np.array_equal(got, want)
+    got_torch = ref.capacity.kept_slots(torch, torch.from_numpy(e), torch.from_numpy(lim))
+    assert got_torch.dtype == torch.bool and np.array_equal(got_torch.numpy(), want)
