@@ -19,7 +19,8 @@ struct Dedup {
   // k in the slot word's top 8 bits (the spec's limit 255), j in its low 24.
   static constexpr int64_t kMaxTopK = kDedupMaxTopK;
   static constexpr int64_t kMaxLocal = kDedupMaxLocal;
-  static constexpr int64_t kTopKBits = 32 - kSlotKShift, kLocalBits = kSlotKShift;
+  static constexpr int64_t kTopKBits = 32 - kSlotKShift;
+  static constexpr int64_t kLocalBits = kSlotKShift;
   static constexpr bool kSlotSection = true;
   // The return path places each token row's units (first); see combine.cpp.
   static constexpr bool kUnitPlaces = true;

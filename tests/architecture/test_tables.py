@@ -30,6 +30,49 @@ def test_transports_have_a_row_in_every_tier():
         importlib.import_module(f"epkit.{row.module}")  # the module that carries it out
 
 
+def _cpp_members(path: str) -> set:
+    """The static members of the one path struct a csrc header declares."""
+    import re
+
+    return set(re.findall(r"static (?:constexpr )?[\w:<>*& ]+? \*?(\w+)(?: = |\()",
+                          open(path).read()))
+
+
+def _cpp_passes(path: str, tag: str) -> set:
+    """The passes a cpu/<path>.cpp defines, overloaded on its path tag."""
+    import re
+
+    return set(re.findall(rf"^\w[\w:<>]* (\w+)\({tag},", open(path).read(), re.M))
+
+
+def test_kernel_paths_answer_one_interface_in_both_kernel_tiers():
+    """The kernels split by transport path (csrc/pairs.h + cpu/pairs.cpp, csrc/dedup.h +
+    cpu/dedup.cpp; triton/pairs.py, triton/dedup.py): every one-stage transport has a path in
+    both kernel tiers, and the paths of a tier answer the same names (the op files ask them)."""
+    import inspect
+    import os
+
+    import epkit.triton.transports as triton_transports
+    from epkit import transports
+
+    one_stage = {row.code for row in transports.TABLE.values() if row.module == "direct"}
+    assert set(triton_transports.PATHS) == one_stage, "epkit.triton.transports.PATHS"
+    for m in triton_transports.PATHS.values():  # its functions are its interface's
+        defined = {n for n, v in vars(m).items() if inspect.isfunction(v)
+                   and v.__module__ == m.__name__ and not n.startswith("_")}
+        assert defined <= set(m.__all__), f"{m.__name__}: {sorted(defined - set(m.__all__))}"
+    pairs, dedup = (set(m.__all__) for m in triton_transports.PATHS.values())
+    assert pairs == dedup, f"triton paths differ: {sorted(pairs ^ dedup)}"
+    assert {m.CODE for m in triton_transports.PATHS.values()} == one_stage
+
+    csrc = os.path.join(os.path.dirname(transports.__file__), "csrc")
+    pairs, dedup = (_cpp_members(os.path.join(csrc, f"{n}.h")) for n in ("pairs", "dedup"))
+    assert len(pairs) > 20 and pairs == dedup, f"csrc paths differ: {sorted(pairs ^ dedup)}"
+    passes = [_cpp_passes(os.path.join(csrc, "cpu", f"{n.lower()}.cpp"), n)
+              for n in ("Pairs", "Dedup")]
+    assert passes[0] == passes[1] == {"pack_rows", "index_rows", "gather_into"}, passes
+
+
 def test_exchanges_have_a_row_in_every_tier():
     from epkit import collectives
 
