@@ -11,17 +11,16 @@ for the comparison; the library has no such switch), interleaved step by step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from epkit.verify.procs import run_ranks
 
 
-def _rank(rank, args, store_path, results):
+def _rank(rank, world, store_path, results, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, args.ranks), rank=rank,
                             world_size=args.ranks)
@@ -59,9 +58,8 @@ def _rank(rank, args, store_path, results):
         if i >= 4:
             steps[kind].append(time.perf_counter() - t0)
     agree.agree = real
-    if rank == 0:
-        results.put((statistics.median(head), statistics.median(steps["with"]),
-                     statistics.median(steps["without"])))
+    results.put((rank, "ok", (statistics.median(head), statistics.median(steps["with"]),
+                              statistics.median(steps["without"]))))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -77,15 +75,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--header-iters", type=int, default=500)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="epkit-header-"), "store")
-    procs = [ctx.Process(target=_rank, args=(r, args, store, results)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    head, step, bare = results.get(timeout=1200)
-    for p in procs:
-        p.join()
+    got = run_ranks(_rank, args.ranks, (args,), deadline_s=1200, prefix="epkit-header-")
+    head, step, bare = got[0][1]  # rank 0's timings
     print(f"header_cost: {args.ranks} gloo ranks, T={args.tokens} H={args.hidden} "
           f"E={args.experts} K={args.topk} bfloat16")
     print(f"  one call header (18-word all-gather): {head * 1e6:.0f} us (median of "

@@ -30,7 +30,6 @@ import datetime
 import gc
 import os
 import sys
-import tempfile
 import time
 import traceback
 
@@ -174,7 +173,7 @@ def reference_check(rank, cfg, xs, idxs, ws, gouts, got):
                 want[name] if name == "row_src" else bits(want[name]), got[name])]
 
 
-def worker(rank, world, store_path, args, queue):
+def worker(rank, world, store_path, queue, args):
     try:
         import torch
         import torch.distributed as dist
@@ -216,10 +215,10 @@ def worker(rank, world, store_path, args, queue):
                     bar.set_postfix(rss=f"{sample[1] / 2**20:.1f}MiB", tensors=sample[2])
         bar.close()
         dist.destroy_process_group()
-        queue.put((rank, dict(samples=samples, base=base, errors=errors, checks=checks,
-                              bad=bad[:20], n_bad=len(bad), seconds=time.time() - t0)))
+        queue.put((rank, "ok", dict(samples=samples, base=base, errors=errors, checks=checks,
+                                    bad=bad[:20], n_bad=len(bad), seconds=time.time() - t0)))
     except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, dict(crash=traceback.format_exc())))
+        queue.put((rank, "error", dict(crash=traceback.format_exc())))
 
 
 def main(argv=None) -> int:
@@ -241,39 +240,17 @@ def main(argv=None) -> int:
     if not 0 < args.warmup < args.iters:
         ap.error("need 0 < --warmup < --iters")
 
-    import multiprocessing as mp
+    from epkit.verify.procs import RanksFailed, run_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="epkit-soak-")
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, os.path.join(tmp, "store"),
-                                              args, queue), daemon=True)
-             for r in range(args.world_size)]
     t0 = time.time()
-    for p in procs:
-        p.start()
     limit = args.timeout or 2.0 * args.iters + 120
-    results = {}
     try:
-        while len(results) < args.world_size:
-            left = limit - (time.time() - t0)
-            if left <= 0:
-                raise TimeoutError(f"soak: no result from every rank within {limit:.0f} s")
-            try:
-                rank, res = queue.get(timeout=min(left, 5.0))
-                results[rank] = res
-            except Exception:  # queue.Empty: check that nobody died silently
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead:
-                    raise RuntimeError(f"soak: rank(s) {dead} exited without a result")
-    except BaseException as exc:  # noqa: BLE001
+        answers = run_ranks(worker, args.world_size, (args,), deadline_s=limit,
+                            stop_on_error=False, prefix="epkit-soak-")
+    except RanksFailed as exc:
         print(f"soak: FAIL: {exc}")
         return 1
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    results = {rank: res for rank, (_, res) in answers.items()}
     wall = time.time() - t0
 
     ok = True

@@ -36,13 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue as queue_mod
-import shutil
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -150,57 +146,25 @@ def parse_args(argv):
 # ---- running a group -----------------------------------------------------------------------
 
 def run_group(world: int, cfg: dict, deadline_s: float, on_message=None) -> dict:
-    """Spawn ``world`` ranks (FileStore rendezvous in a private temp dir, so no port is
-    raced for), run :func:`epkit.tools.bench_group.worker` on each, return rank 0's result.
-    ``on_message(kind, payload)``: rank 0's reports as it goes (``"progress"``, then each
-    finished part: ``"workload"``, ``"kernels"``, ``"overlap"``, ``"profile"``)."""
+    """Spawn ``world`` ranks (``epkit.verify.procs.run_ranks``: a FileStore rendezvous in a
+    private temp dir, so no port is raced for), run :func:`epkit.tools.bench_group.worker` on
+    each, return rank 0's result. ``on_message(kind, payload)``: rank 0's reports as it goes
+    (``"progress"``, then each finished part: ``"workload"``, ``"kernels"``, ``"overlap"``,
+    ``"profile"``)."""
     from . import bench_group
-    from epkit.verify.procs import NoMainImport
+    from epkit.verify.procs import RanksFailed, run_ranks
 
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix="epkit-bench-")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=bench_group.worker, daemon=True,
-                         args=(r, world, os.path.join(tmp, "store"), cfg, q, os.getpid()))
-             for r in range(world)]
-    result, error = None, None
+    report = None if on_message is None else (lambda rank, kind, payload: on_message(kind, payload))
     try:
-        with NoMainImport():
-            for p in procs:
-                p.start()
-        end = time.monotonic() + deadline_s
-        pending = world
-        while pending and error is None:
-            try:
-                rank, status, payload = q.get(timeout=max(0.1, min(1.0, end - time.monotonic())))
-            except queue_mod.Empty:
-                if time.monotonic() > end:
-                    error = f"the group did not finish within {deadline_s:.0f} s"
-                elif any(p.exitcode not in (None, 0) for p in procs):
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-                continue
-            if status not in ("ok", "error"):
-                if on_message is not None:
-                    on_message(status, payload)
-                continue
-            pending -= 1
-            if status == "error":
-                error = f"rank {rank}: {payload}"
-            elif rank == 0:
-                result = payload
-        for p in procs:
-            p.join(timeout=5 if error is None else 0.5)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        q.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if error is not None:
-        raise RuntimeError(f"epkit bench: world size {world}: {error}")
-    return result
+        got = run_ranks(bench_group.worker, world, (cfg,), deadline_s=deadline_s,
+                        on_message=report, prefix="epkit-bench-")
+    except RanksFailed as exc:
+        raise RuntimeError(f"epkit bench: world size {world}: {exc}") from None
+    errors = [f"rank {r}: {payload}" for r, (kind, payload) in sorted(got.items())
+              if kind == "error"]
+    if errors:
+        raise RuntimeError(f"epkit bench: world size {world}: {errors[0]}")
+    return got[0][1]
 
 
 # ---- machine -------------------------------------------------------------------------------

@@ -534,11 +534,8 @@ def run_profile(cfg: dict, group, steps: int = 3, top: int = 14) -> list[dict]:
 
 # ---- the process ------------------------------------------------------------------------------
 
-def worker(rank: int, world: int, store: str, cfg: dict, queue, parent_pid: int) -> None:
+def worker(rank: int, world: int, store: str, queue, cfg: dict) -> None:
     """Entry point of one rank (spawned by :func:`epkit.tools.bench.run_group`)."""
-    from epkit.verify.procs import die_with_parent
-
-    die_with_parent(parent_pid)
     global _emit
     if rank == 0:
         _emit = lambda kind, payload: queue.put((rank, kind, payload))  # noqa: E731

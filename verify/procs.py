@@ -1,6 +1,11 @@
 """Local rank processes that never outlive their parent: the plumbing `epkit.verify`'s pool
-(and through it the tests' group) and `epkit bench` share. A leaf: it imports nothing of epkit,
-so the programs in ``epkit.tools`` build on it without the harness depending on them.
+(and through it the tests' group), `epkit bench`, the peer-failure tests and the scripts share.
+A leaf: it imports nothing of epkit, so the programs in ``epkit.tools`` build on it without the
+harness depending on them.
+
+Two ways to run ranks: the persistent pool (verify/pool.py: a group that lives across calls)
+and :func:`run_ranks` (one fresh group that runs one function and answers once: a benchmark,
+a soak, a group whose peer is killed on purpose).
 
 Both launch ``R`` ranks with the ``spawn`` / ``forkserver`` start methods, so a rank must (1) not
 re-run the parent's ``__main__`` (scripts without a ``__main__`` guard would break) and (2) die
@@ -10,12 +15,18 @@ holding a port, a FileStore or a core.
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
+import queue as queue_mod
+import shutil
 import sys
+import tempfile
 import threading
 import time
+from typing import Callable, Optional
 
-__all__ = ["NoMainImport", "die_with_parent"]
+__all__ = ["NoMainImport", "die_with_parent", "run_ranks", "RanksFailed"]
 
 
 class NoMainImport:
@@ -70,3 +81,79 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by another user
         return True
     return True
+
+
+class RanksFailed(RuntimeError):
+    """:func:`run_ranks` got too few answers: the deadline passed, or a rank exited without
+    answering. ``answers``: what had come by then, ``{rank: (kind, payload)}``."""
+
+    def __init__(self, message: str, answers: dict):
+        super().__init__(message)
+        self.answers = answers
+
+
+def _rank_main(target, parent_pid, rank, world, store, queue, args):
+    die_with_parent(parent_pid)
+    target(rank, world, store, queue, *args)
+
+
+def run_ranks(target: Callable, world: int, args: tuple = (), *, deadline_s: float,
+              answers: Optional[int] = None, on_message: Optional[Callable] = None,
+              allow_exit: bool = False, stop_on_error: bool = True,
+              prefix: str = "epkit-ranks-") -> dict:
+    """Run ``target(rank, world, store, queue, *args)`` on ``world`` fresh local processes and
+    collect their answers.
+
+    ``store`` is a FileStore path in a private temporary folder (no port to race for); a rank
+    answers by putting ``(rank, kind, payload)`` on ``queue``: ``kind`` ``"ok"`` or ``"error"``
+    is its answer, any other kind is progress, handed to ``on_message(rank, kind, payload)``.
+    Returns ``{rank: (kind, payload)}`` once ``answers`` ranks (default: all) have answered,
+    or at the first ``"error"`` when ``stop_on_error`` (its peers may wait on it forever). Raises :class:`RanksFailed` when ``deadline_s`` passes first or, unless ``allow_exit`` (a
+    rank that exits on purpose), when a rank exits without answering. The ranks die with this
+    process; whatever is still running on the way out is killed, the folder removed.
+    """
+    want = world if answers is None else answers
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    queue = ctx.Queue()
+    store = os.path.join(tmp, "store")
+    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"{prefix}rank{r}",
+                         args=(target, os.getpid(), r, world, store, queue, tuple(args)))
+             for r in range(world)]
+    got: dict = {}
+    try:
+        # A target in the main script itself (a script's rank function) needs the script
+        # re-imported in the ranks, which its __main__ guard allows; any other target, not.
+        with NoMainImport() if target.__module__ != "__main__" else contextlib.nullcontext():
+            for p in procs:
+                p.start()
+        end = time.monotonic() + deadline_s
+        while len(got) < want:
+            try:
+                rank, kind, payload = queue.get(timeout=max(0.05, min(1.0, end - time.monotonic())))
+            except queue_mod.Empty:
+                if time.monotonic() > end:
+                    raise RanksFailed(f"{want - len(got)} of {world} ranks did not answer within "
+                                      f"{deadline_s:.0f} s", got) from None
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+                if gone and not allow_exit:
+                    codes = [procs[r].exitcode for r in gone]
+                    raise RanksFailed(f"rank(s) {gone} exited without answering (exit codes "
+                                      f"{codes})", got) from None
+                continue
+            if kind in ("ok", "error"):
+                got[rank] = (kind, payload)
+                if kind == "error" and stop_on_error:
+                    break
+            elif on_message is not None:
+                on_message(rank, kind, payload)
+        for p in procs:
+            p.join(timeout=0.5 if "error" in (k for k, _ in got.values()) else 5)
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        queue.close()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,9 @@ import time
 import traceback
 
 
-def run(rank, world, store_path, timeout_s, scenario, queue):
+def run(rank, world, store_path, queue, timeout_s, scenario):
+    """One rank of ``scenario`` (epkit.verify.procs.run_ranks): the last rank is the victim;
+    a survivor answers ("ok" or "error", (exception type, message, seconds in the call))."""
     import torch
     import torch.distributed as dist
 
@@ -34,10 +36,11 @@ def run(rank, world, store_path, timeout_s, scenario, queue):
         if victim and scenario == "dies_during":
             os._exit(1)  # after the dispatch, before the combine its peers are waiting in
         epkit.combine(d.expert_x, d)
-        queue.put((rank, "ok", "", time.monotonic() - start))
+        queue.put((rank, "ok", ("", "", time.monotonic() - start)))
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        queue.put((rank, type(exc).__name__, f"{exc}\n{traceback.format_exc(limit=2)}",
-                   time.monotonic() - start))
+        queue.put((rank, "error", (type(exc).__name__,
+                                   f"{exc}\n{traceback.format_exc(limit=2)}",
+                                   time.monotonic() - start)))
     queue.close()
     queue.join_thread()  # flush before the hard exit (a torn-down group can hang atexit)
     os._exit(0)

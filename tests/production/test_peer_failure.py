@@ -1,14 +1,10 @@
 """A dead or stalled peer is an error on the others within the process group's timeout plus a
 small margin, never a hang; the error names the epkit operation."""
 
-import multiprocessing as mp
-import os
-import queue as queue_mod
-import tempfile
-
 import pytest
 
 import peer_fns
+from epkit.verify.procs import RanksFailed, run_ranks
 
 TIMEOUT = 4.0   # the process group's timeout in these tests (seconds)
 MARGIN = 10.0   # what we allow on top of it, process start-up excluded
@@ -21,25 +17,14 @@ MARGIN = 10.0   # what we allow on top of it, process start-up excluded
 ])
 def test_peer_failure_is_an_error_not_a_hang(scenario, op):
     world = 3
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    store = os.path.join(tempfile.mkdtemp(prefix="epkit-peer-"), "store")
-    procs = [ctx.Process(target=peer_fns.run, args=(r, world, store, TIMEOUT, scenario, q),
-                         daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        while len(got) < world - 1:
-            rank, kind, msg, seconds = q.get(timeout=120)  # generous: includes torch start-up
-            got[rank] = (kind, msg, seconds)
-    except queue_mod.Empty:
-        pytest.fail(f"survivors hung: answers so far {got}")
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    try:  # the survivors' answers (the victim gives none); generous: includes torch start-up
+        answers = run_ranks(peer_fns.run, world, (TIMEOUT, scenario), deadline_s=120,
+                            answers=world - 1, allow_exit=True, stop_on_error=False,
+                            prefix="epkit-peer-")
+    except RanksFailed as exc:
+        pytest.fail(f"survivors hung: {exc}; answers so far {exc.answers}")
+    got = {rank: payload for rank, (_, payload) in answers.items()}
+    assert world - 1 not in got, "the victim answered"
     print(scenario, {r: (k, round(s, 2)) for r, (k, _, s) in got.items()})
     for rank, (kind, msg, seconds) in got.items():
         assert kind == "PeerError", (rank, kind, msg)
