@@ -298,12 +298,17 @@ class _CombineFn(torch.autograd.Function):
 class PlainTorchDispatcher:
     """``factory(group)`` -> this; the adapter protocol of :mod:`epkit.verify.adapters`."""
 
+    # The exchange variants this baseline carries out: whether the chunks are padded to one
+    # length (the group-wide largest split), for a backend without split sizes.
+    PADDED = {"ragged": False, "padded": True}
+
     def __init__(self, group=None, exchange: str = "ragged"):
-        if exchange not in ("ragged", "padded"):
-            raise ValueError(f"plain_torch: exchange must be 'ragged' or 'padded', got "
-                             f"{exchange!r}")
+        if exchange not in self.PADDED:
+            raise ValueError(f"plain_torch: exchange must be one of {', '.join(self.PADDED)}, "
+                             f"got {exchange!r}")
         self.group = group
         self.exchange = exchange
+        self.padded = self.PADDED[exchange]
 
     # -- dispatch -------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, *, num_experts, align=1, capacity=None):
@@ -316,7 +321,7 @@ class PlainTorchDispatcher:
             raise ValueError("plain_torch: bad num_experts / align / capacity")
         T, K = topk_idx.shape
         flat = topk_idx.reshape(-1).to(torch.int64)
-        c = _count_exchange(flat, group, R, me, E, align, capacity, self.exchange == "padded")
+        c = _count_exchange(flat, group, R, me, E, align, capacity, self.padded)
         send_t, send_k, send_d, meta = _permute(flat, topk_weights, c, K, E // R)
         dest, src_rank = _chunk_sort(c, R, x.device)
         k_order, k_steps, pair_t, m_steps = _sum_plan(send_t, send_k, send_d, R, K)
