@@ -11,7 +11,7 @@ spec in prose; each module's docstring states its part exactly:
     fp8_block128.py  quantize_fp8_block128, dequantize_fp8_block128
     payloads.py    the payload table: how a row travels under payload=None / "mxfp8" /
                    "fp8_block128" (the rule of each quantized payload: the two modules above)
-    records.py     Layout, DispatchResult    (and Group, the option names)
+    records.py     Layout, DispatchResult    (and its Source, RankMajor; Group, the option names)
     exchange.py    exchange                  the all-to-all variants on raw row bytes, and the
                                              table of exchange= options
     validate.py    the checks, and which rank an InputError names

@@ -42,9 +42,9 @@ def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[Dispat
         R arrays [T_r, H] in x's dtype.
     """
     check_results(res)
-    gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
+    gs = check_rows(grad_expert_xs, [(r.num_rows, r.group.hidden) for r in res], grad=True)
     sums = sums_back(gs, res, weighted=False)
-    return [s.astype(r.x_dtype) for s, r in zip(sums, res)]
+    return [s.astype(r.group.x_dtype) for s, r in zip(sums, res)]
 
 
 def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.ndarray],
@@ -62,14 +62,14 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
         float32).
     """
     check_results(res)
-    gs = check_rows(grad_outs, [(r.num_tokens, r.hidden) for r in res], grad=True)
-    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
+    gs = check_rows(grad_outs, [(r.source.num_tokens, r.group.hidden) for r in res], grad=True)
+    ys = check_rows(expert_ys, [(r.num_rows, r.group.hidden) for r in res], grad=False)
     carried = transports.of_results(res)
     if carried is not None:
         gys, gws, _ = carried.combine_backward(res, gs, ys, weighted)
         return gys, gws
     gys = [np.zeros(y.shape, y.dtype) for y in ys]
-    gws = [np.zeros((r.num_tokens, r.topk), np.float32) for r in res]
+    gws = [np.zeros((r.source.num_tokens, r.group.topk), np.float32) for r in res]
     for d, r in enumerate(res):
         for m, (s, t, k) in enumerate(r.row_src.tolist()):
             if s < 0:

@@ -44,11 +44,11 @@ def ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weight
                  ) -> List[np.ndarray]:
     """The two-level sums of the module docstring, before the cast: R arrays [T_r, H] float32."""
     where = slot_rows(res)
-    H, K = res[0].hidden, res[0].topk
+    H, K = res[0].group.hidden, res[0].group.topk
     outs = []
     for r in range(len(res)):
-        out = np.zeros((res[r].num_tokens, H), np.float32)
-        for t in range(res[r].num_tokens):
+        out = np.zeros((res[r].source.num_tokens, H), np.float32)
+        for t in range(res[r].source.num_tokens):
             partials = []                                   # (d, P_d(t)), d ascending
             for d in range(len(res)):
                 terms = []
@@ -57,7 +57,7 @@ def ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weight
                         m = where[r, t, k][1]
                         terms.append((res[d].row_weight[m] if weighted else 1, ys[d][m]))
                 partials.append((d, partial_sum(terms, H)))
-            out[t] = grouped_total_sum(partials, res[0].ranks_per_node, H)
+            out[t] = grouped_total_sum(partials, res[0].group.ranks_per_node, H)
         outs.append(out)
     return outs
 
@@ -83,6 +83,6 @@ def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weig
         R arrays [T_r, H] in x's dtype.
     """
     check_results(res)
-    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
+    ys = check_rows(expert_ys, [(r.num_rows, r.group.hidden) for r in res], grad=False)
     sums = sums_back(ys, res, weighted)
-    return [s.astype(r.x_dtype) for s, r in zip(sums, res)]
+    return [s.astype(r.group.x_dtype) for s, r in zip(sums, res)]

@@ -194,8 +194,8 @@ def _ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weigh
     sums ``P_d`` of all tokens on d built in passes over the p-th slot of each token (p = 0
     starts from +0.0); then ``total[tokens] += P_d``. The order of every add is arith.py's.
     """
-    R, K, H = len(res), res[0].topk, res[0].hidden
-    base = np.concatenate([[0], np.cumsum([r.num_tokens for r in res])]).astype(np.int64)
+    R, K, H = len(res), res[0].group.topk, res[0].group.hidden
+    base = np.concatenate([[0], np.cumsum([r.source.num_tokens for r in res])]).astype(np.int64)
     total = np.zeros((int(base[-1]), H), F32)
     for d, r in enumerate(res):
         rows = np.flatnonzero(r.row_src[:, 0] >= 0)
@@ -219,26 +219,26 @@ def combine(expert_ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weig
             ) -> List[np.ndarray]:
     """combine.combine, vectorized."""
     check_results(res)
-    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    return [s.astype(r.x_dtype) for s, r in zip(_ordered_sums(ys, res, weighted), res)]
+    ys = check_rows(expert_ys, [(r.num_rows, r.group.hidden) for r in res], grad=False)
+    return [s.astype(r.group.x_dtype) for s, r in zip(_ordered_sums(ys, res, weighted), res)]
 
 
 def dispatch_backward(grad_expert_xs: Sequence[np.ndarray], res: Sequence[DispatchResult]
                       ) -> List[np.ndarray]:
     """backward.dispatch_backward, vectorized."""
     check_results(res)
-    gs = check_rows(grad_expert_xs, [(r.num_rows, r.hidden) for r in res], grad=True)
-    return [s.astype(r.x_dtype) for s, r in zip(_ordered_sums(gs, res, False), res)]
+    gs = check_rows(grad_expert_xs, [(r.num_rows, r.group.hidden) for r in res], grad=True)
+    return [s.astype(r.group.x_dtype) for s, r in zip(_ordered_sums(gs, res, False), res)]
 
 
 def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.ndarray],
                      res: Sequence[DispatchResult], weighted: bool = True):
     """backward.combine_backward, vectorized."""
     check_results(res)
-    gs = check_rows(grad_outs, [(r.num_tokens, r.hidden) for r in res], grad=True)
-    ys = check_rows(expert_ys, [(r.num_rows, r.hidden) for r in res], grad=False)
-    K, H = res[0].topk, res[0].hidden
-    base = np.concatenate([[0], np.cumsum([r.num_tokens for r in res])])
+    gs = check_rows(grad_outs, [(r.source.num_tokens, r.group.hidden) for r in res], grad=True)
+    ys = check_rows(expert_ys, [(r.num_rows, r.group.hidden) for r in res], grad=False)
+    K, H = res[0].group.topk, res[0].group.hidden
+    base = np.concatenate([[0], np.cumsum([r.source.num_tokens for r in res])])
     g_all = _cat(gs, (H,))
     gw_all = np.zeros(int(base[-1]) * K, F32)
     gys = []
@@ -252,7 +252,8 @@ def combine_backward(grad_outs: Sequence[np.ndarray], expert_ys: Sequence[np.nda
         gys.append(gy)
         if weighted:
             gw_all[(base[s] + t) * K + k] = weight_grad_dot(g, ys[d][valid])
-    gws = [gw_all[base[r] * K:base[r + 1] * K].reshape(res[r].num_tokens, K) for r in range(len(res))]
+    gws = [gw_all[base[r] * K:base[r + 1] * K].reshape(res[r].source.num_tokens, K)
+           for r in range(len(res))]
     return gys, gws
 
 

@@ -288,5 +288,5 @@ def check_rows(arrays: Sequence, shapes: Sequence[Tuple[int, int]], *, grad: boo
 def check_results(res) -> None:
     if len(res) == 0:
         raise ValueError("epkit.reference: empty list of dispatch results")
-    if any(r.num_ranks != len(res) or r.rank != i for i, r in enumerate(res)):
+    if any(r.group.num_ranks != len(res) or r.rank != i for i, r in enumerate(res)):
         raise ValueError("epkit.reference: results must be the full group's list, in rank order")

@@ -27,7 +27,7 @@ def _rank_major_checks(case, results, ref, contract, v, todo, settle, value_chec
     if todo("dispatch"):
         v.status["dispatch"] = PASSED
         for d in range(R):
-            _rank_major_dispatch(case, results[d]["dispatch"], res[d], d, contract, v)
+            _rank_major_dispatch(case, results[d]["dispatch"], res[d].rank_major, d, contract, v)
     if todo("dispatch_backward"):
         want, ex, ab, n = _rank_major_token_sums(case, res, TAG_GRAD_X, case.dtype, case.dtype)
         v.status["dispatch_backward"] = PASSED
@@ -53,8 +53,9 @@ def _rank_major_checks(case, results, ref, contract, v, todo, settle, value_chec
 
 
 def _rank_major_dispatch(case, got, want, d, contract, v) -> None:
-    """One rank's rank-major fields: exact (the reference's rows in its order) or reordered
-    (the same rows matched by ``recv_src``, each token (s, t) once)."""
+    """One rank's rank-major fields against the reference's (``want``, its ``RankMajor``):
+    exact (the reference's rows in its order) or reordered (the same rows matched by
+    ``recv_src``, each token (s, t) once)."""
     fields = RANK_MAJOR + (("recv_scale",) if case.payload is not None else ())
     Tmax = max(case.tokens) if case.tokens else 0
     wsrc = np.asarray(want.recv_src)
@@ -92,13 +93,13 @@ def _rank_major_token_sums(case, res, tag, dtype, fed_dtype):
     """Per rank: the fed rows in the reference layout; per source: the float32 sum over ranks
     ascending (cast to ``dtype``), the float64 sum, magnitudes, term counts."""
     R, H = case.world_size, case.hidden
-    fed = [case.token_rows(d, tag, res[d].recv_src, fed_dtype) for d in range(R)]
+    fed = [case.token_rows(d, tag, res[d].rank_major.recv_src, fed_dtype) for d in range(R)]
     acc = [np.zeros((case.tokens[s], H), np.float32) for s in range(R)]
     ex = [np.zeros((case.tokens[s], H)) for s in range(R)]
     ab = [np.zeros((case.tokens[s], H)) for s in range(R)]
     n = [np.zeros((case.tokens[s], H)) for s in range(R)]
     for d in range(R):
-        src = np.asarray(res[d].recv_src)
+        src = np.asarray(res[d].rank_major.recv_src)
         for s in range(R):
             rows = np.flatnonzero(src[:, 0] == s)
             t = src[rows, 1]

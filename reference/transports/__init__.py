@@ -42,7 +42,7 @@ def of_results(res) -> Transport | None:
     """The transport a dispatch's results came through; None for the canonical computation
     (no transport, no wire)."""
     r = res[0]
-    return None if r.transport is None or r.wire is None else TABLE[r.transport]
+    return None if r.group.transport is None or r.wire is None else TABLE[r.group.transport]
 
 
 def reduce_back(res, ys: List[np.ndarray], weighted: bool):

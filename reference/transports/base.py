@@ -93,10 +93,3 @@ def chunk_bounds(counts) -> List[Tuple[int, int]]:
     """``(start, stop)`` of each source's rows in a concatenation with these counts."""
     start = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     return [(int(start[i]), int(start[i + 1])) for i in range(len(counts))]
-
-
-def group_of(res) -> Group:
-    """The Group of a dispatch's results."""
-    r = res[0]
-    return Group(r.num_ranks, r.num_experts, r.hidden, r.topk, r.x_dtype, r.align, r.capacity,
-                 r.payload, r.transport, r.exchange, r.max_tokens_per_rank, r.ranks_per_node)

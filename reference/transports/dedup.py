@@ -210,15 +210,16 @@ class Dedup(Direct):
 
     def back_counts(self, res_s, s: int, p: Plan, per: int):
         """Rows s gets back from each rank: ``min(n, per)`` per token row it sent there."""
-        L, idx, kept = res_s.num_local_experts, res_s.topk_idx, res_s.kept
+        L, idx, kept = res_s.num_local_experts, res_s.source.topk_idx, res_s.source.kept
         return [sum(min(len(slots_on(idx, kept, t, d, L)), per) for t in res_s.wire.send[d])
                 for d in range(len(res_s.wire.send))]
 
     def source_sums(self, res_s, got: List[np.ndarray], weighted: bool, per: int, G: int):
         """Per token row its P_d(t) (``_partial``), then per token the grouped total over the
         ranks it visits (arith.grouped_total_sum)."""
-        send, T, H = res_s.wire.send, res_s.num_tokens, res_s.hidden
-        w, idx, kept, L = res_s.topk_weights, res_s.topk_idx, res_s.kept, res_s.num_local_experts
+        send, T, H = res_s.wire.send, res_s.source.num_tokens, res_s.group.hidden
+        w, idx, kept, L = (res_s.source.topk_weights, res_s.source.topk_idx, res_s.source.kept,
+                           res_s.num_local_experts)
         where = {}
         for d in range(len(got)):
             at = 0
@@ -247,7 +248,7 @@ class Dedup(Direct):
         ascending."""
         L = res_s.num_local_experts
         return [(t, k) for t in res_s.wire.send[d]
-                for k in slots_on(res_s.topk_idx, res_s.kept, t, d, L)]
+                for k in slots_on(res_s.source.topk_idx, res_s.source.kept, t, d, L)]
 
 
 class CountWordsDedup(Dedup):

@@ -89,7 +89,7 @@ from ..layout import local_counts
 from ..payloads import wire_rows
 from ..rankmajor import rank_major_fields
 from ..records import Group
-from .base import Transport, group_of, rows_of
+from .base import Transport, rows_of
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class Direct(Transport):
 
         Returns (R float32 arrays [T_s, H] before the cast, moved [R, R] int64 bytes).
         """
-        group = group_of(res)
+        group = res[0].group
         R, H = group.num_ranks, group.hidden
         p = res[0].wire.plan
         dtype = ys[0].dtype
@@ -248,7 +248,7 @@ class Direct(Transport):
         _, variant, cap = self.back_plan(p, per)
         received, moved = exchange_rows([rows_of(b) for b in bufs],
                                         np.array(units, np.int64).reshape(R, R), variant, cap)
-        G = res[0].ranks_per_node       # the summation order's nodes (arith.grouped_total_sum)
+        G = group.ranks_per_node        # the summation order's nodes (arith.grouped_total_sum)
         outs = []
         for s in range(R):
             start = np.concatenate([[0], np.cumsum(self.back_counts(res[s], s, p, per))])
@@ -268,7 +268,7 @@ class Direct(Transport):
         (weighted, K > 0) the weight gradients; ``combine_backward_bytes_of`` says the same
         without moving).
         """
-        group = group_of(res)
+        group = res[0].group
         R, K, H = group.num_ranks, group.topk, group.hidden
         p = res[0].wire.plan
         bufs = []
@@ -290,7 +290,7 @@ class Direct(Transport):
                         gw.append(weight_grad_dot(g[n], y[m]) if weighted else 0)
             gys.append(gy)
             back.append(rows_of(np.array(gw, FLOAT32).reshape(len(gw), 1)))
-        gws = [np.zeros((r.num_tokens, K), FLOAT32) for r in res]
+        gws = [np.zeros((r.source.num_tokens, K), FLOAT32) for r in res]
         if not weighted or K == 0:
             return gys, gws, [moved]
         counts, cap = self.slot_section(p)

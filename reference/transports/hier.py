@@ -75,7 +75,7 @@ from ..layout import kept_per_rank
 from ..payloads import wire_rows
 from ..rankmajor import rank_major_fields
 from ..records import Group
-from .base import Transport, as_rows, group_of, payload, rows_of, unpayload
+from .base import Transport, as_rows, payload, rows_of, unpayload
 from .dedup import CountWordsDedup, read_slot, slot_row
 from .direct import count_words
 
@@ -476,7 +476,7 @@ def _back_at_forwarder(group, wire: HierWire, f, got_rows, weighted, per, row_dt
 def _total_at_source(group, res_s, got_rows, weighted, per, row_dtype) -> np.ndarray:
     """Source s: the stage-1 returns per node -> out [T, H] float32 (grouped order)."""
     G, L, H = group.ranks_per_node, group.num_local_experts, group.hidden
-    idx, kept, w = res_s.topk_idx, res_s.kept, res_s.topk_weights
+    idx, kept, w = res_s.source.topk_idx, res_s.source.kept, res_s.source.topk_weights
     nodes: dict = {}                                        # t -> [N_n], node ascending
     for n, tokens in enumerate(res_s.wire.sent):
         rows = iter(got_rows[n])
@@ -491,7 +491,7 @@ def _total_at_source(group, res_s, got_rows, weighted, per, row_dtype) -> np.nda
                 by_rank.setdefault(int(idx[t, k]) // L, []).append((w[t, k] if weighted else 1, r))
             nodes.setdefault(t, []).append(
                 total_sum([partial_sum(terms, H) for _, terms in sorted(by_rank.items())], H))
-    out = np.zeros((res_s.num_tokens, H), FLOAT32)
+    out = np.zeros((res_s.source.num_tokens, H), FLOAT32)
     for t, parts in nodes.items():
         out[t] = total_sum(parts, H)
     return out
@@ -501,7 +501,7 @@ def reduce_back(res, ys: List[np.ndarray], weighted: bool):
     """Combine (``ys`` = expert_y) or dispatch backward (``ys`` = gradients, unweighted) back
     over both stages. Returns (R float32 arrays [T_s, H] before the cast, [stage 2 back,
     stage 1 back] [R, R] int64 bytes)."""
-    group = group_of(res)
+    group = res[0].group
     R, G = group.num_ranks, group.ranks_per_node
     p, row_dtype = res[0].wire.plan, ys[0].dtype
     per = 4 // row_dtype.itemsize
@@ -573,12 +573,12 @@ def _wgrads_back(group, res, gw_rows):
     gws = []
     for s in range(R):
         r = res[s]
-        gw = np.zeros((r.num_tokens, K), FLOAT32)
+        gw = np.zeros((r.source.num_tokens, K), FLOAT32)
         vals = iter(got1[s].copy().view(FLOAT32).reshape(-1))
         for n, tokens in enumerate(r.wire.sent):        # forwarders in node order, as sent
             for t in tokens:
                 for k in range(K):
-                    if r.kept[t, k] and r.topk_idx[t, k] // (G * L) == n:
+                    if r.source.kept[t, k] and r.source.topk_idx[t, k] // (G * L) == n:
                         gw[t, k] = next(vals)
         gws.append(gw)
     return gws, [moved2, moved1]
@@ -587,7 +587,7 @@ def _wgrads_back(group, res, gw_rows):
 def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], weighted: bool):
     """Combine backward through hier. Returns (gys: R arrays [M_d, H] in y's dtype, gws: R
     arrays [T_s, K] float32, moved: the [R, R] byte matrices of each exchange run)."""
-    group = group_of(res)
+    group = res[0].group
     K = group.topk
     grads, moved = _grads_forward(group, res, grad_outs)
     gys, gw_rows = [], []
@@ -603,7 +603,7 @@ def combine_backward(res, grad_outs: List[np.ndarray], ys: List[np.ndarray], wei
         gys.append(gy)
         gw_rows.append(rows)
     if not weighted or K == 0:
-        return gys, [np.zeros((r.num_tokens, K), FLOAT32) for r in res], moved
+        return gys, [np.zeros((r.source.num_tokens, K), FLOAT32) for r in res], moved
     gws, moved_back = _wgrads_back(group, res, gw_rows)
     return gys, gws, moved + moved_back
 

@@ -90,8 +90,9 @@ class Pairs(Direct):
 
     def source_sums(self, res_s, got: List[np.ndarray], weighted: bool, per: int, G: int):
         """Per token, the two-level sum (arith.py) of its rows from every rank."""
-        send, T, K, H = res_s.wire.send, res_s.num_tokens, res_s.topk, res_s.hidden
-        w, R = res_s.topk_weights, len(got)
+        send, T = res_s.wire.send, res_s.source.num_tokens
+        K, H = res_s.group.topk, res_s.group.hidden
+        w, R = res_s.source.topk_weights, len(got)
         where = {(d, t, k): got[d][i] for d in range(R) for i, (t, k) in enumerate(send[d])}
         out = np.zeros((T, H), FLOAT32)
         for t in range(T):

@@ -22,8 +22,9 @@ def payload_row_bytes(payload, H, itemsize):
 
 
 RESULT_FIELDS = ("expert_x", "expert_scale", "tokens_per_expert", "expert_offsets", "row_src",
-                 "row_weight", "dropped_per_expert", "recv_x", "recv_scale", "recv_topk_idx",
-                 "recv_topk_weights", "recv_src", "topk_idx", "topk_weights", "kept")
+                 "row_weight", "dropped_per_expert", "rank_major.recv_x", "rank_major.recv_scale",
+                 "rank_major.recv_topk_idx", "rank_major.recv_topk_weights", "rank_major.recv_src",
+                 "source.topk_idx", "source.topk_weights", "source.kept")
 
 
 @dataclass
@@ -148,10 +149,19 @@ def assert_lists_bitwise(xs, ys, what=""):
         assert_bitwise(a, b, f"{what} rank {r}")
 
 
+def field_of(r, path):
+    """A result's field by its dotted path (``"rank_major.recv_x"``); None under a record that is
+    None (the rank-major fields of a result without ``rank_major=True``)."""
+    for name in path.split("."):
+        r = None if r is None else getattr(r, name)
+    return r
+
+
 def assert_results_bitwise(ra, rb, fields=RESULT_FIELDS):
     assert len(ra) == len(rb)
     for a, b in zip(ra, rb):
         for f in fields:
-            assert_bitwise(getattr(a, f), getattr(b, f), f"rank {a.rank} {f}")
-        for f in ("rank", "num_ranks", "num_experts", "hidden", "topk", "num_tokens", "x_dtype"):
-            assert getattr(a, f) == getattr(b, f), f
+            assert_bitwise(field_of(a, f), field_of(b, f), f"rank {a.rank} {f}")
+        for f in ("rank", "group.num_ranks", "group.num_experts", "group.hidden", "group.topk",
+                  "source.num_tokens", "group.x_dtype"):
+            assert field_of(a, f) == field_of(b, f), f

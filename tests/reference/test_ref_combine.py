@@ -25,7 +25,7 @@ def expected_combine(case, res, ys, weighted):
                 part = np.zeros(case.H, F32)
                 for k in range(case.K):
                     e = case.idx[s][t, k]
-                    if e < 0 or e // L != d or not res[s].kept[t, k]:
+                    if e < 0 or e // L != d or not res[s].source.kept[t, k]:
                         continue
                     m = [i for i, src in enumerate(res[d].row_src.tolist()) if src == [s, t, k]][0]
                     c = case.ws[s][t, k] if weighted else np.float32(1)
@@ -78,7 +78,7 @@ def test_adjointness(case):
         for s in range(case.R):
             for t in range(xs[s].shape[0]):
                 for k in range(case.K):
-                    if not w or not res[s].kept[t, k]:
+                    if not w or not res[s].source.kept[t, k]:
                         assert gws[s][t, k] == 0
                         continue
                     d = case.idx[s][t, k] // case.L
@@ -91,12 +91,12 @@ def test_adjointness(case):
 def test_round_trip_identity_experts(case):
     res = ref.dispatch(case.xs, case.idx, case.ws, **case.kw())
     ys = [r.expert_x.astype(F32) for r in res]               # identity experts
-    n = [r.kept.sum(axis=1).astype(F32)[:, None] for r in res]
+    n = [r.source.kept.sum(axis=1).astype(F32)[:, None] for r in res]
     unweighted = ref.combine(ys, res, weighted=False)
     weighted = ref.combine(ys, res, weighted=True)
     for s in range(case.R):
         x = case.xs[s].astype(np.float64)
-        wsum = (np.where(res[s].kept, case.ws[s], 0).astype(np.float64).sum(axis=1))[:, None]
+        wsum = (np.where(res[s].source.kept, case.ws[s], 0).astype(np.float64).sum(axis=1))[:, None]
         if case.values == "dyadic":       # exact: every partial sum is representable
             assert np.array_equal(unweighted[s], (x * n[s]).astype(F32).astype(case.dtype))
             assert np.array_equal(weighted[s], (x * wsum).astype(F32).astype(case.dtype))
@@ -126,6 +126,6 @@ def test_combine_backward_values(case):
                 assert abs(float(gws[s][t, k]) - exact) <= bound        # docs/design.md item 6
     for s in range(case.R):
         assert gws[s].dtype == np.float32 and gws[s].shape == case.idx[s].shape
-        assert not gws[s][~res[s].kept].any()
+        assert not gws[s][~res[s].source.kept].any()
     gys_u, gws_u = ref.combine_backward(go, ys, res, weighted=False)
     assert all(not g.any() for g in gws_u)

@@ -50,7 +50,7 @@ def test_expert_major_format(case):
                 assert r.expert_scale.dtype == SCALE_DTYPE[case.payload]
                 assert not bits(r.expert_scale[lo + n:hi]).any()
     assert len(seen) == len(set(seen))                    # every kept slot exactly once
-    assert set(seen) == {(s, t, k) for s, t, k, _ in used_slots(case) if res[s].kept[t, k]}
+    assert set(seen) == {(s, t, k) for s, t, k, _ in used_slots(case) if res[s].source.kept[t, k]}
 
 
 @settings(max_examples=60, deadline=None)
@@ -64,15 +64,15 @@ def test_capacity_and_conservation(case):
         kept_by_order[s, t, k] = case.capacity is None or used[e] < case.capacity
         used[e] += 1
     for s, r in enumerate(res):
-        for t in range(r.num_tokens):
+        for t in range(r.source.num_tokens):
             for k in range(case.K):
-                assert r.kept[t, k] == kept_by_order.get((s, t, k), False)
+                assert r.source.kept[t, k] == kept_by_order.get((s, t, k), False)
     for d, r in enumerate(res):
         u = used[d * L:(d + 1) * L]
         assert np.array_equal(r.tokens_per_expert + r.dropped_per_expert, u)     # conservation
         expect = u if case.capacity is None else np.minimum(u, case.capacity)
         assert np.array_equal(r.tokens_per_expert, expect)
-    total_kept = sum(int(r.kept.sum()) for r in res)
+    total_kept = sum(int(r.source.kept.sum()) for r in res)
     assert total_kept == sum(int(r.tokens_per_expert.sum()) for r in res)
 
 
@@ -87,18 +87,19 @@ def test_rank_major(case):
         # a row per token with a kept slot on d (a token capacity dropped there does not travel)
         expect = [(s, t) for s in range(case.R) for t in range(case.idx[s].shape[0])
                   if any(e >= 0 and e // L == d and kept
-                         for e, kept in zip(case.idx[s][t], res[s].kept[t]))]
-        assert [tuple(x) for x in r.recv_src] == expect
+                         for e, kept in zip(case.idx[s][t], res[s].source.kept[t]))]
+        assert [tuple(x) for x in r.rank_major.recv_src] == expect
         for n, (s, t) in enumerate(expect):
             for k in range(case.K):
                 e = case.idx[s][t, k]
-                want = e - d * L if (e >= 0 and e // L == d and res[s].kept[t, k]) else -1
-                assert r.recv_topk_idx[n, k] == want
-                assert r.recv_topk_weights[n, k] == (case.ws[s][t, k] if want >= 0 else 0)
+                want = e - d * L if (e >= 0 and e // L == d and res[s].source.kept[t, k]) else -1
+                assert r.rank_major.recv_topk_idx[n, k] == want
+                assert r.rank_major.recv_topk_weights[n, k] == (case.ws[s][t, k] if want >= 0
+                                                                else 0)
             if case.payload is None:
-                assert np.array_equal(bits(r.recv_x[n]), bits(case.xs[s][t]))
+                assert np.array_equal(bits(r.rank_major.recv_x[n]), bits(case.xs[s][t]))
         if case.payload == "mxfp8":
-            assert r.recv_scale.shape == (len(expect), case.H // 32)
+            assert r.rank_major.recv_scale.shape == (len(expect), case.H // 32)
 
 
 @settings(max_examples=40, deadline=None)

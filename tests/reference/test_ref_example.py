@@ -44,12 +44,12 @@ def test_worked_example(tier):
     assert r1.row_src.tolist() == [[0, 0, 1], [1, 0, 0], [1, 1, 0], pad, [0, 1, 0], [1, 1, 1]]
     assert r1.expert_x.tolist() == [[1, 2], [7, 8], [9, 10], [0, 0], [3, 4], [9, 10]]
     assert r1.row_weight.tolist() == [0.5, 0.5, 0.75, 0, 1.0, 0.25]
-    assert r0.recv_src.tolist() == [[0, 0], [0, 2], [1, 0]]
-    assert r0.recv_topk_idx.tolist() == [[0, -1], [1, 0], [-1, 0]]
-    assert r0.recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75], [0, 0.5]]
-    assert r1.recv_src.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
-    assert r1.recv_topk_idx.tolist() == [[-1, 0], [1, -1], [0, -1], [0, 1]]
-    assert r1.recv_topk_weights.tolist() == [[0, 0.5], [1, 0], [0.5, 0], [0.75, 0.25]]
+    assert r0.rank_major.recv_src.tolist() == [[0, 0], [0, 2], [1, 0]]
+    assert r0.rank_major.recv_topk_idx.tolist() == [[0, -1], [1, 0], [-1, 0]]
+    assert r0.rank_major.recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75], [0, 0.5]]
+    assert r1.rank_major.recv_src.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert r1.rank_major.recv_topk_idx.tolist() == [[-1, 0], [1, -1], [0, -1], [0, 1]]
+    assert r1.rank_major.recv_topk_weights.tolist() == [[0, 0.5], [1, 0], [0.5, 0], [0.75, 0.25]]
 
     ys = experts(res)
     assert [o.tolist() for o in tier.combine(ys, res)] == [[[2, 4], [12, 16], [6.25, 7.5]],
@@ -64,8 +64,9 @@ def test_worked_example(tier):
     out = tier.combine(experts(capped), capped)
     assert [o.tolist() for o in out] == [[[2, 4], [12, 16], [6.25, 7.5]], [[10.5, 12], [9, 10]]]
     # rank 1's token 0 lost its only slot on rank 0: it has no rank-major row there any more
-    assert [r.recv_src.tolist() for r in capped] == [[[0, 0], [0, 2]], res[1].recv_src.tolist()]
-    assert capped[0].recv_topk_idx.tolist() == [[0, -1], [1, 0]]
+    assert [r.rank_major.recv_src.tolist() for r in capped] == [[[0, 0], [0, 2]],
+                                                                res[1].rank_major.recv_src.tolist()]
+    assert capped[0].rank_major.recv_topk_idx.tolist() == [[0, -1], [1, 0]]
 
     kw = dict(num_experts=4, hidden=2, dtype="float32", exchange="ragged")
     assert tier.dispatch_bytes(IDX, transport="pairs", **kw).tolist() == [[72, 48], [24, 72]]

@@ -155,7 +155,7 @@ def test_a_token_crosses_to_each_node_at_most_once(case, data):
                        ranks_per_node=G, **case.kw())
     group = Group(case.R, case.E, case.H, case.K, case.dtype, 1, case.capacity, None, "hier",
                   "ragged", None, G)
-    kept = [r.kept for r in res]
+    kept = [r.source.kept for r in res]
     stage1, stage2 = res[0].wire.moved
     GL = G * case.L
     for s in range(case.R):

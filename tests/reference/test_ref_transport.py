@@ -77,7 +77,7 @@ def test_transports_equal_canonical(case, tr, weighted):
     want = (ref.combine(ys, base, weighted), ref.dispatch_backward(ys, base),
             ref.combine_backward(go, ys, base, weighted))
     max_t = max(x.shape[0] for x in case.xs)
-    base_kept, refused = [r.kept for r in base], False
+    base_kept, refused = [r.source.kept for r in base], False
     for ex in EXCHANGES:
         args = dict(kw, transport=tr, exchange=ex, max_tokens_per_rank=max_t + case.seed % 2)
         try:
@@ -109,7 +109,7 @@ def test_transports_equal_canonical(case, tr, weighted):
         assert len(moved_cb) == len(want_cb) == (2 if weighted and case.K else 1)
         for got_m, want_m in zip(moved_cb, want_cb):
             assert np.array_equal(got_m, want_m), (tr, ex, got_m, want_m)
-        tok, slots, _ = wire_counts(case, [r.kept for r in res])
+        tok, slots, _ = wire_counts(case, [r.source.kept for r in res])
         sections = (slots,) if tr == "pairs" else (tok, slots)
         variant = res[0].wire.plan.variant
         assert variant == (ex if ex != "auto" else
@@ -292,8 +292,8 @@ def test_dedup_wire_rows_of_the_worked_example():
     assert slots == [(0, 0, 0.5), (0, 1, 0.25), (1, 0, 0.75), (1, 0, 0.5), (0, 1, 1.0)]
     res = ref.dispatch(xs, idx, ws, num_experts=4, align=2, capacity=2, transport="dedup",
                        exchange="ragged", rank_major=True)
-    assert res[0].recv_topk_idx.tolist() == [[0, -1], [1, 0]]
-    assert res[0].recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75]]
+    assert res[0].rank_major.recv_topk_idx.tolist() == [[0, -1], [1, 0]]
+    assert res[0].rank_major.recv_topk_weights.tolist() == [[0.5, 0], [0.25, 0.75]]
     assert [r.bytes_sent.tolist() for r in res] == [[2 * 16 + 3 * 8, 2 * 16 + 2 * 8],
                                                     [0, 2 * 16 + 2 * 8]]
     p = res[0].wire.plan
