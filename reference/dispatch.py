@@ -17,7 +17,8 @@ Rank ``d`` holds local experts ``j = 0..L-1`` (global ``e = d * L + j``). Its ou
     row_weight        [M] float32   topk_weights_s[t, k]
     dropped_per_expert [L] int64    used slots to the expert (group-wide) minus kept ones
 
-Rank-major output (``rank_major=True``): rankmajor.py.
+Rank-major output (``rank_major=True``; each result's ``rank_major``, records.RankMajor):
+rankmajor.py.
 
 How the rows travel (``transport``, ``exchange``) is not part of the result: every combination
 gives these arrays bit for bit (transports/ carries them out for real).
@@ -79,7 +80,7 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
             uniform, else ragged).
         payload: None, "mxfp8" or "fp8_block128" (payloads.py).
-        rank_major: also return the rank-major fields.
+        rank_major: also return the rank-major output (each result's ``rank_major``).
         max_tokens_per_rank: the static exchange's bound on T_r.
         ranks_per_node: G, a divisor of R: ranks ``nG .. nG + G - 1`` are node n. It fixes the
             combine's summation order (combine.py; 1, the default: rank by rank) and the hier
