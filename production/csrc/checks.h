@@ -348,67 +348,6 @@ inline void check_first(const char* op, const std::optional<Tensor>& first, int6
   if (rows >= 0) check_size(op, "first", *first, 0, rows, what);  // (reduce_tokens: any rows)
 }
 
-// The expert side of the return path, per path. pairs copies a slot's row of y as is (any
-// dtype; recv_map [N, 1]); dedup reads each token row's K slots, forms float32 partials and
-// (weighted) multiplies by row_weight [M].
-inline void check_gather_path(Pairs, const char* op, const Tensor&, const Tensor& recv_map,
-                              const Tensor&, bool) {
-  check_size(op, "recv_map", recv_map, 1, 1, "pairs: one slot per row");
-}
-
-inline void check_gather_path(Dedup, const char* op, const Tensor& expert_y, const Tensor&,
-                              const Tensor& row_weight, bool weighted) {
-  check_float_dtype(op, "expert_y", expert_y.scalar_type());
-  if (weighted) {
-    check_dim(op, "row_weight", row_weight, 1);
-    check_dtype(op, "row_weight", row_weight, at::kFloat);
-    check_device(op, "row_weight", row_weight, expert_y.device());
-    check_size(op, "row_weight", row_weight, 0, expert_y.size(0), "rows of expert_y");
-  }
-}
-
-// Where gather_units writes, per path: pairs a row per received row (no first); dedup each
-// token row's units at first [N].
-inline void check_units_out(Pairs, const char* op, const Tensor& out, const Tensor& recv_map,
-                            const std::optional<Tensor>& first, c10::Device) {
-  TORCH_CHECK(!first.has_value(), op, ": pairs' rows are placed one per row (no first)");
-  check_size(op, "out", out, 0, recv_map.size(0), "pairs: rows of recv_map");
-}
-
-inline void check_units_out(Dedup, const char* op, const Tensor&, const Tensor& recv_map,
-                            const std::optional<Tensor>& first, c10::Device dev) {
-  TORCH_CHECK(first.has_value(), op, ": dedup places its units by first");
-  check_first(op, first, Dedup::kCode, recv_map.size(0), "rows of recv_map", dev);
-}
-
-inline void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_map,
-                                   const Tensor& row_weight, int64_t transport, bool weighted,
-                                   const char* op = "epkit.gather_rows") {
-  check_dim(op, "expert_y", expert_y, 2);
-  check_map(op, "recv_map", recv_map);
-  check_device(op, "recv_map", recv_map, expert_y.device());
-  with_transport(op, transport, [&](auto path) {
-    check_gather_path(path, op, expert_y, recv_map, row_weight, weighted);
-  });
-}
-
-// gather_units: gather_rows' arguments, and the buffer it writes: out [units, H] (pairs: [N, H])
-// in expert_y's dtype, contiguous, on its device; dedup places its units by first [N].
-inline void check_gather_units_args(const Tensor& expert_y, const Tensor& recv_map,
-                                    const Tensor& row_weight, int64_t transport, bool weighted,
-                                    const std::optional<Tensor>& first, const Tensor& out) {
-  constexpr const char* op = "epkit.gather_units";
-  check_gather_rows_args(expert_y, recv_map, row_weight, transport, weighted, op);
-  check_dim(op, "out", out, 2);
-  check_dtype(op, "out", out, expert_y.scalar_type());
-  check_device(op, "out", out, expert_y.device());
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
-  check_size(op, "out", out, 1, expert_y.size(1), "hidden of expert_y");
-  with_transport(op, transport, [&](auto path) {
-    check_units_out(path, op, out, recv_map, first, expert_y.device());
-  });
-}
-
 // The source side's send_map [T, C] (C = R for dedup, K for pairs) and topk_idx [T, K] of an
 // integer dtype, on back's device: reduce_tokens and scatter_slot_values.
 inline void check_send_map_args(const char* op, const Tensor& back, const Tensor& send_map,

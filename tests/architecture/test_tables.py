@@ -70,7 +70,8 @@ def test_kernel_paths_answer_one_interface_in_both_kernel_tiers():
     assert len(pairs) > 20 and pairs == dedup, f"csrc paths differ: {sorted(pairs ^ dedup)}"
     passes = [_cpp_passes(os.path.join(csrc, "cpu", f"{n.lower()}.cpp"), n)
               for n in ("Pairs", "Dedup")]
-    assert passes[0] == passes[1] == {"pack_rows", "index_rows", "gather_into"}, passes
+    assert passes[0] == passes[1] == {"pack_rows", "index_rows", "gather_into", "check_gather",
+                                      "check_units"}, passes
 
 
 def test_exchanges_have_a_row_in_every_tier():

@@ -23,6 +23,40 @@
 
 namespace epkit {
 
+namespace {
+
+// The expert side's arguments: what both paths check, then the path's own (pairs.cpp,
+// dedup.cpp).
+void check_gather_rows_args(const Tensor& expert_y, const Tensor& recv_map,
+                            const Tensor& row_weight, int64_t transport, bool weighted,
+                            const char* op = "epkit.gather_rows") {
+  check_dim(op, "expert_y", expert_y, 2);
+  check_map(op, "recv_map", recv_map);
+  check_device(op, "recv_map", recv_map, expert_y.device());
+  with_transport(op, transport, [&](auto path) {
+    check_gather(path, op, expert_y, recv_map, row_weight, weighted);
+  });
+}
+
+// gather_units: gather_rows' arguments, and the buffer it writes: out [units, H] (pairs: [N, H])
+// in expert_y's dtype, contiguous, on its device; dedup places its units by first [N].
+void check_gather_units_args(const Tensor& expert_y, const Tensor& recv_map,
+                             const Tensor& row_weight, int64_t transport, bool weighted,
+                             const std::optional<Tensor>& first, const Tensor& out) {
+  constexpr const char* op = "epkit.gather_units";
+  check_gather_rows_args(expert_y, recv_map, row_weight, transport, weighted, op);
+  check_dim(op, "out", out, 2);
+  check_dtype(op, "out", out, expert_y.scalar_type());
+  check_device(op, "out", out, expert_y.device());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_size(op, "out", out, 1, expert_y.size(1), "hidden of expert_y");
+  with_transport(op, transport, [&](auto path) {
+    check_units(path, op, out, recv_map, first, expert_y.device());
+  });
+}
+
+}  // namespace
+
 Tensor gather_rows_cpu(const Tensor& y_in, const Tensor& recv_map_in, const Tensor& row_weight,
                        int64_t transport, bool weighted) {
   check_gather_rows_args(y_in, recv_map_in, row_weight, transport, weighted);

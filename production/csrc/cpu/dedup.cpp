@@ -111,6 +111,23 @@ void index_rows(Dedup, const int64_t* plan, const PlanOffsets& o, const std::vec
                 "epkit.unpack: expert ", j, " received a count that disagrees with the plan");
 }
 
+void check_gather(Dedup, const char* op, const Tensor& expert_y, const Tensor&,
+                  const Tensor& row_weight, bool weighted) {
+  check_float_dtype(op, "expert_y", expert_y.scalar_type());
+  if (weighted) {
+    check_dim(op, "row_weight", row_weight, 1);
+    check_dtype(op, "row_weight", row_weight, at::kFloat);
+    check_device(op, "row_weight", row_weight, expert_y.device());
+    check_size(op, "row_weight", row_weight, 0, expert_y.size(0), "rows of expert_y");
+  }
+}
+
+void check_units(Dedup, const char* op, const Tensor&, const Tensor& recv_map,
+                 const std::optional<Tensor>& first, c10::Device dev) {
+  TORCH_CHECK(first.has_value(), op, ": dedup places its units by first");
+  check_first(op, first, Dedup::kCode, recv_map.size(0), "rows of recv_map", dev);
+}
+
 // Per received token row with n kept slots, its u = min(n, per) units: the n rows of expert_y
 // (k ascending, unweighted: the source multiplies) when n <= per, else the float32 partial
 // P_d(t) (its K slots summed, weighted by row_weight when weighted).

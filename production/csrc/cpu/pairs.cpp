@@ -97,6 +97,17 @@ void index_rows(Pairs, const int64_t* plan, const PlanOffsets& o, const std::vec
   TORCH_CHECK(n == Nd, "epkit.unpack: received ", Nd, " rows, the plan says ", n);
 }
 
+void check_gather(Pairs, const char* op, const Tensor&, const Tensor& recv_map, const Tensor&,
+                  bool) {
+  check_size(op, "recv_map", recv_map, 1, 1, "pairs: one slot per row");
+}
+
+void check_units(Pairs, const char* op, const Tensor& out, const Tensor& recv_map,
+                 const std::optional<Tensor>& first, c10::Device) {
+  TORCH_CHECK(!first.has_value(), op, ": pairs' rows are placed one per row (no first)");
+  check_size(op, "out", out, 0, recv_map.size(0), "pairs: rows of recv_map");
+}
+
 // Each received slot's row of expert_y, copied as is (the source multiplies); header and gap
 // rows of the static exchange (recv_map -1) are zeros.
 void gather_into(Pairs, const char* op_name, const Tensor& y, const Tensor& recv_map,

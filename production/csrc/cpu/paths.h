@@ -75,6 +75,21 @@ void index_rows(Dedup, const int64_t* plan, const PlanOffsets& o, const std::vec
                 int64_t P, int64_t K, int64_t* mp, std::vector<Source>& from);
 
 // ---- combine -------------------------------------------------------------------------------
+// The expert side's arguments, per path (after the checks both share, combine.cpp): pairs
+// copies a slot's row of y as is (any dtype; recv_map [N, 1]); dedup reads each token row's K
+// slots, forms float32 partials and (weighted) multiplies by row_weight [M].
+void check_gather(Pairs, const char* op, const Tensor& expert_y, const Tensor& recv_map,
+                  const Tensor& row_weight, bool weighted);
+void check_gather(Dedup, const char* op, const Tensor& expert_y, const Tensor& recv_map,
+                  const Tensor& row_weight, bool weighted);
+
+// Where gather_units writes, per path: pairs a row per received row (no first); dedup each
+// token row's units at first [N].
+void check_units(Pairs, const char* op, const Tensor& out, const Tensor& recv_map,
+                 const std::optional<Tensor>& first, c10::Device dev);
+void check_units(Dedup, const char* op, const Tensor& out, const Tensor& recv_map,
+                 const std::optional<Tensor>& first, c10::Device dev);
+
 // The expert side of the return path into `ob`, the output's bytes (U units of H elements):
 // pairs, received row n's slot row of y at n; dedup, token row n's units at unit fp[n] (fp
 // null: at n * per, its 4H bytes, the unused bytes zero).
