@@ -1,6 +1,6 @@
 // The kernels' transport table: a transport code resolved once, at an op's entry, to its path
 // (pairs.h: slot rows; dedup.h: token rows), whose rules the kernels then ask. hier is not a
-// kernel path: it runs pairs' and dedup's kernels stage by stage (production/hier.py).
+// kernel path: it runs dedup's kernels and moves its two stages in Python (production/hier.py).
 #pragma once
 
 #include "dedup.h"
