@@ -54,7 +54,7 @@ from .transports import path_of
 from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
                          ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
                          check_nonneg, check_plan_chunks, check_plan_header, check_plan_tensor,
-                         check_plan_transport, fail, row_bytes, status_bit)
+                         check_plan_transport, fail, row_bytes, status_bit, status_of)
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
@@ -200,7 +200,7 @@ def _unpack(recv, plan, path, P, K, N, M, p):
     rs = RowSpace(recv, NB, P, B, R, L, K, N, M, hdr, tokcap, ok, counts, nslots, kept, offsets,
                   tpe, rchunk, r, s, g, at, data)
     m, live, entry, k, wbits = path.unpack_slots(rs, bits)
-    status = torch.where(ok, sum(bits), 0).to(torch.int32)
+    status = torch.where(ok, status_of(bits), 0).to(torch.int32)
     good = status == 0
     C = path.recv_map_cols(K)
     src_slot = torch.where(good, place(M, m, live, torch.arange(N * C, **i64)), -1)

@@ -13,6 +13,8 @@ The checks that differ by transport take the path (pairs.py or dedup.py, resolve
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from epkit.reference import abi
@@ -47,6 +49,13 @@ STATUS_BITS = {
 def status_bit(cond: torch.Tensor, bit: int) -> torch.Tensor:
     """``bit`` where any element of cond holds, else 0 (a 0-d int64 tensor, no host read)."""
     return cond.any().to(torch.int64) * bit
+
+
+def status_of(bits) -> torch.Tensor:
+    """The status word of a list of :func:`status_bit` results: their OR (a check that fails
+    twice, or two checks of one kind, set their bit once; a sum would carry into the next
+    bit and name another failure)."""
+    return functools.reduce(torch.bitwise_or, bits)
 
 
 def check_routing_args(op, x, topk_idx, topk_weights):

@@ -255,3 +255,15 @@ def test_unpack_erroneous_device_plan(cpp, monkeypatch, transport):
 def test_status_word_is_one_per_device():
     w = tu.status_word("cpu")
     assert w.dtype == torch.int32 and w.shape == (1,) and w is tu.status_word(torch.device("cpu"))
+
+
+def test_status_bits_are_ored_not_added():
+    """Two failed checks of one kind set their bit once: added, two ST_SHAPE bits (32 + 32)
+    would read as ST_EXPERT_TOTAL (64), another failure."""
+    from epkit.triton.wirechecks import status_bit, status_of
+
+    yes, no = torch.tensor([True]), torch.tensor([False])
+    bits = [status_bit(yes, tu.ST_SHAPE), status_bit(yes, tu.ST_SHAPE), status_bit(no, tu.ST_ROWS),
+            status_bit(yes, tu.ST_INBAND)]
+    assert int(status_of(bits)) == tu.ST_SHAPE | tu.ST_INBAND
+    assert int(status_of(bits)) & tu.ST_EXPERT_TOTAL == 0
