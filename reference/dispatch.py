@@ -78,7 +78,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
             transports/__init__.py is the table); "hier" through the node-aware one
             (transports/hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
-            uniform, else ragged).
+            uniform, else ragged); "lazy" runs as "auto" (exchange.eager: the schedule changes
+            when the rows move, not what moves).
         payload: None, "mxfp8" or "fp8_block128" (payloads.py).
         rank_major: also return the rank-major output (each result's ``rank_major``).
         max_tokens_per_rank: the static exchange's bound on T_r.

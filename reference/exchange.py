@@ -105,8 +105,9 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
     Option("lazy", _auto, "lazy", eager="auto"),   # auto on the lazy schedule
 )}
 assert set(OPTIONS) == set(EXCHANGE_CODES), "abi.EXCHANGE_CODES and the option table differ"
-# What a reference operation's exchange= may name: the options on the eager schedule (the lazy
-# schedule is ``issue``).
+# The options on the eager schedule, what ``exchange_rows`` / ``exchange_bytes`` take (an
+# operation's exchange= may also name ``lazy``: it runs its eager twin, ``eager``; the lazy
+# schedule itself is ``issue``).
 NAMES: Tuple[str, ...] = tuple(n for n, o in OPTIONS.items() if o.schedule == "eager")
 
 

@@ -16,8 +16,8 @@ import numpy as np
 from . import payloads
 from .abi import TRANSPORT_CODES
 
-# Option values (abi.py's codes). The OPTION reason's detail ``b`` is -1 for a value not in
-# these tables; the exchange names are exchange.NAMES, the payload names payloads.NAMES.
+# Option values (abi.py's codes; validate.option_triple checks a name against them, and
+# reports OPTION with ``b`` -1 for a value that is none).
 TRANSPORTS = tuple(TRANSPORT_CODES)
 
 

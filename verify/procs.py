@@ -108,45 +108,67 @@ def run_ranks(target: Callable, world: int, args: tuple = (), *, deadline_s: flo
     answers by putting ``(rank, kind, payload)`` on ``queue``: ``kind`` ``"ok"`` or ``"error"``
     is its answer, any other kind is progress, handed to ``on_message(rank, kind, payload)``.
     Returns ``{rank: (kind, payload)}`` once ``answers`` ranks (default: all) have answered,
-    or at the first ``"error"`` when ``stop_on_error`` (its peers may wait on it forever). Raises :class:`RanksFailed` when ``deadline_s`` passes first or, unless ``allow_exit`` (a
-    rank that exits on purpose), when a rank exits without answering. The ranks die with this
-    process; whatever is still running on the way out is killed, the folder removed.
+    or at the first ``"error"`` when ``stop_on_error`` (its peers may wait on it forever).
+    Raises :class:`RanksFailed` when ``deadline_s`` passes first (progress does not extend it)
+    or, unless ``allow_exit`` (a rank that exits on purpose), when a rank exits without
+    answering. The ranks die with this process; whatever is still running on the way out is
+    killed, the folder removed.
     """
     want = world if answers is None else answers
     ctx = mp.get_context("spawn")
-    tmp = tempfile.mkdtemp(prefix=prefix)
-    queue = ctx.Queue()
-    store = os.path.join(tmp, "store")
-    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"{prefix}rank{r}",
-                         args=(target, os.getpid(), r, world, store, queue, tuple(args)))
-             for r in range(world)]
     got: dict = {}
+    procs: list = []
+    tmp = queue = None
     try:
+        tmp = tempfile.mkdtemp(prefix=prefix)
+        queue = ctx.Queue()
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main, daemon=True, name=f"{prefix}rank{r}",
+                             args=(target, os.getpid(), r, world, store, queue, tuple(args)))
+                 for r in range(world)]
         # A target in the main script itself (a script's rank function) needs the script
         # re-imported in the ranks, which its __main__ guard allows; any other target, not.
         with NoMainImport() if target.__module__ != "__main__" else contextlib.nullcontext():
             for p in procs:
                 p.start()
         end = time.monotonic() + deadline_s
+
+        def take(message) -> bool:
+            """Record one message; True when it ends the run (an error, stop_on_error)."""
+            rank, kind, payload = message
+            if kind not in ("ok", "error"):
+                if on_message is not None:
+                    on_message(rank, kind, payload)
+                return False
+            got[rank] = (kind, payload)
+            return kind == "error" and stop_on_error
+
         while len(got) < want:
+            if time.monotonic() > end:  # checked every message: progress never extends it
+                raise RanksFailed(f"{want - len(got)} of {world} ranks did not answer within "
+                                  f"{deadline_s:.0f} s", got)
             try:
-                rank, kind, payload = queue.get(timeout=max(0.05, min(1.0, end - time.monotonic())))
+                if take(queue.get(timeout=max(0.05, min(1.0, end - time.monotonic())))):
+                    break
+                continue
             except queue_mod.Empty:
-                if time.monotonic() > end:
-                    raise RanksFailed(f"{want - len(got)} of {world} ranks did not answer within "
-                                      f"{deadline_s:.0f} s", got) from None
-                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
-                if gone and not allow_exit:
+                pass
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in got]
+            if gone and not allow_exit:
+                # an answer put just before its rank exited may still be in the pipe
+                stop = False
+                try:
+                    while True:
+                        stop |= take(queue.get(timeout=0.2))
+                except queue_mod.Empty:
+                    pass
+                if stop:
+                    break
+                gone = [r for r in gone if r not in got]
+                if gone:
                     codes = [procs[r].exitcode for r in gone]
                     raise RanksFailed(f"rank(s) {gone} exited without answering (exit codes "
-                                      f"{codes})", got) from None
-                continue
-            if kind in ("ok", "error"):
-                got[rank] = (kind, payload)
-                if kind == "error" and stop_on_error:
-                    break
-            elif on_message is not None:
-                on_message(rank, kind, payload)
+                                      f"{codes})", got)
         for p in procs:
             p.join(timeout=0.5 if "error" in (k for k, _ in got.values()) else 5)
         return got
@@ -155,5 +177,7 @@ def run_ranks(target: Callable, world: int, args: tuple = (), *, deadline_s: flo
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        queue.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if queue is not None:
+            queue.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)

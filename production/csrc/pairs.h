@@ -47,7 +47,8 @@ struct Pairs {
                                           int64_t /*s*/) {
     return sec;
   }
-  static int64_t slots_in_row(const uint8_t* /*bytes*/, int64_t /*P*/) { return 1; }
+  // A row carries no slot rows: it is its slot.
+  static int64_t slots_in_row(const uint8_t* /*bytes*/, int64_t /*P*/) { return 0; }
   // The slot's k and weight: in the row's own metadata.
   static void slot_meta(const uint8_t* meta, const uint8_t* /*slot*/, int64_t* k, float* w) {
     *k = get<int32_t>(meta + kPairsMetaK);

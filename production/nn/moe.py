@@ -395,8 +395,9 @@ class ExpertParallelMoE(_MoEBase):
         # The issue / wait path: asked for, or the option's lazy twin (auto's: lazy) when the
         # shared expert overlaps and the transport has that schedule. (A bad name finds no row:
         # the Dispatcher reports it, on every rank, at dispatch.)
-        ex, tr = collectives.exchange_of(exchange), transports.of(transport)
-        lazy = None if ex is None else exchange if ex.deferred else ex.lazy_twin
+        ex = collectives.exchange_of(self.dispatcher.exchange)  # None: the default, resolved
+        tr = transports.of(self.dispatcher.transport)
+        lazy = None if ex is None else ex.name if ex.deferred else ex.lazy_twin
         if lazy and (ex.deferred or (overlap and shared_expert and tr is not None
                                      and tr.runs(lazy))):
             self.lazy_dispatcher = epkit.Dispatcher(

@@ -27,3 +27,10 @@ def first_rank_fails(rank, world, store, queue):
         queue.put((rank, "error", "boom"))
         return
     time.sleep(60)  # waits on rank 0 forever, as a peer in a collective would
+
+
+def chatters(rank, world, store, queue):
+    """Progress forever, never an answer: the deadline must still end the run."""
+    while True:
+        queue.put((rank, "progress", rank))
+        time.sleep(0.05)

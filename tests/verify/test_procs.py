@@ -38,3 +38,10 @@ def test_an_error_answer_ends_the_run():
     got = run_ranks(procs_fns.first_rank_fails, 2, deadline_s=50)
     assert got == {0: ("error", "boom")}
     assert time.monotonic() - start < 30
+
+
+def test_progress_does_not_extend_the_deadline():
+    start = time.monotonic()
+    with pytest.raises(RanksFailed, match="2 of 2 ranks did not answer within 6 s"):
+        run_ranks(procs_fns.chatters, 2, deadline_s=6, on_message=lambda *m: None)
+    assert time.monotonic() - start < 30

@@ -39,13 +39,17 @@ std::vector<RecvRow> received_rows(const int64_t* plan, const PlanOffsets& o, co
       const int64_t row = cap >= 0 ? s * (1 + cap) + 1 + i : compact + i;
       TORCH_CHECK(row < N, "epkit.unpack: row ", i, " from rank ", s, " lands on row ", row,
                   ", past recv_rows ", N);
-      rows.push_back({bytes, row, s, slot_sec + slot * kSlotRowBytes});
-      const int64_t n = Path::slots_in_row(bytes, P);
-      TORCH_CHECK(n >= 0 && n <= nslots - slot, "epkit.unpack: row ", i, " from rank ", s,
-                  " carries ", n, " slots, past the plan's ", nslots);
-      slot += n;
+      const uint8_t* slots = nullptr;  // where the row's slot rows start (a slot section's)
+      if constexpr (Path::kSlotSection) {
+        slots = slot_sec + slot * kSlotRowBytes;
+        const int64_t n = Path::slots_in_row(bytes, P);
+        TORCH_CHECK(n >= 0 && n <= nslots - slot, "epkit.unpack: row ", i, " from rank ", s,
+                    " carries ", n, " slots, past the plan's ", nslots);
+        slot += n;
+      }
+      rows.push_back({bytes, row, s, slots});
     }
-    TORCH_CHECK(slot == nslots, "epkit.unpack: rank ", s, " sent ", slot,
+    TORCH_CHECK(!Path::kSlotSection || slot == nslots, "epkit.unpack: rank ", s, " sent ", slot,
                 " slots, the plan says ", nslots);
     compact += count;
     chunk += plan[o.recv_bytes + s];
