@@ -19,7 +19,7 @@ from . import transports
 from .capacity import kept_mask
 from .dtypes import FLOAT_DTYPES, dtype_code
 from .errors import Reason, error
-from .exchange import eager, is_static
+from .exchange import is_static, split_option
 from .payloads import get as get_payload
 from .records import Group, resolve_options
 from .transports.direct import Plan
@@ -58,7 +58,7 @@ def bytes_group(topk_idx, num_experts, hidden, dtype, transport, exchange, capac
                 max_tokens_per_rank):
     """Validate the byte-accounting arguments; return ``(Group, idx int64 list)``."""
     transport, exchange = resolve_options(transport or "dedup", exchange)
-    exchange = eager(exchange)
+    exchange = split_option(exchange)[0]  # lazy runs its variant, auto
     R = len(topk_idx)
     check_options(R, align=1, capacity=capacity, num_experts=num_experts, transport=transport,
                   exchange=exchange, payload=payload, max_tokens_per_rank=max_tokens_per_rank)

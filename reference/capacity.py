@@ -11,10 +11,10 @@ A dropped slot behaves like ``-1`` from then on: it is not dispatched, contribut
 combine and gets zero gradient. ``capacity=None`` keeps every used slot. ``capacity_factor=f``
 (production) means the capacity ``capacity_from_factor(S, E, f)``.
 
-One body per rule, for both tiers: which slots of a run are kept is ``kept_slots`` (written
-over an array namespace: NumPy here, torch on the device in production/moves.py, the same
-lines), the group's kept mask ``kept_mask``, the kept counts a rank derives from the count
-exchange ``kept_counts``.
+One body per rule, for both tiers: a slot's place among its expert's slots is ``slot_places``
+(written over an array namespace: NumPy here, torch on the device in production/moves.py, the
+same lines), which slots of a run are kept ``kept_slots``, the group's kept mask
+``kept_mask``, the kept counts a rank derives from the count exchange ``kept_counts``.
 """
 
 from __future__ import annotations
@@ -37,20 +37,31 @@ def capacity_from_factor(used_slots: int, num_experts: int, capacity_factor: flo
     return math.ceil(Fraction(float(capacity_factor)) * int(used_slots) / int(num_experts))
 
 
-def kept_slots(xp, experts, limit):
-    """The rule on one run of slots in canonical order, in the array namespace ``xp`` (``numpy``
-    or ``torch``: only names both spell the same way, so production runs these lines on its
-    device tensors with no host read).
+def slot_places(xp, experts):
+    """Each slot's place among its expert's slots, in the array namespace ``xp`` (``numpy`` or
+    ``torch``: only names both spell the same way, so production runs these lines on its device
+    tensors with no host read).
 
-    Args: experts [S] int64, each slot's expert in ``[0, E]`` (``E``: a slot of no expert, an
-    unused one); limit [E + 1] int64, how many of each expert's slots are kept (``limit[E]`` 0).
-    Returns: keep [S] bool: slot ``i`` is kept iff fewer than ``limit[experts[i]]`` slots before
-    it name the same expert (its place among them: its index in the stable sort by expert minus
-    the index where its expert's run starts).
+    Args: experts [S] int64, a run of slots in canonical order, each slot's expert.
+    Returns: ``(order [S], e_sorted [S], place [S])``, all int64: the stable sort by expert, the
+    experts in that order, and each sorted slot's place (its index in the sort minus the index
+    where its expert's run starts: the slots before it naming the same expert).
     """
     order = xp.argsort(experts, stable=True)
     e_sorted = experts[order]
     place = xp.cumsum(xp.ones_like(experts), 0) - 1 - xp.searchsorted(e_sorted, e_sorted)
+    return order, e_sorted, place
+
+
+def kept_slots(xp, experts, limit):
+    """The rule on one run of slots in canonical order (``slot_places``, the same namespaces).
+
+    Args: experts [S] int64, each slot's expert in ``[0, E]`` (``E``: a slot of no expert, an
+    unused one); limit [E + 1] int64, how many of each expert's slots are kept (``limit[E]`` 0).
+    Returns: keep [S] bool: slot ``i`` is kept iff fewer than ``limit[experts[i]]`` slots before
+    it name the same expert.
+    """
+    order, e_sorted, place = slot_places(xp, experts)
     keep = xp.zeros_like(experts, dtype=xp.bool)
     keep[order] = place < limit[e_sorted]
     return keep
@@ -64,15 +75,14 @@ def sorted_slots(idx_all: np.ndarray, num_experts: int, capacity: Optional[int])
     (sorted order), kept_all [G * K] bool)``; a slot is kept iff its rank within its expert
     (the used slots to that expert before it) is below ``capacity``."""
     f_used = np.flatnonzero(idx_all >= 0)
-    f_sorted = f_used[np.argsort(idx_all[f_used], kind="stable")]
-    e_sorted = idx_all[f_sorted]
+    order, e_sorted, rank_in_e = slot_places(np, idx_all[f_used])
+    f_sorted = f_used[order]
     used = np.bincount(e_sorted, minlength=num_experts).astype(np.int64)
     start = np.concatenate([[0], np.cumsum(used)])
-    rank_in_e = np.arange(len(f_sorted)) - start[e_sorted]
-    limit = np.full(num_experts + 1, len(f_used) if capacity is None else capacity, np.int64)
-    limit[num_experts] = 0
-    kept_all = kept_slots(np, np.where(idx_all >= 0, idx_all, num_experts), limit)
-    return f_sorted, e_sorted, used, start, rank_in_e, kept_all[f_sorted], kept_all
+    keep = np.ones(len(f_sorted), bool) if capacity is None else rank_in_e < capacity
+    kept_all = np.zeros(idx_all.shape, bool)
+    kept_all[f_sorted[keep]] = True
+    return f_sorted, e_sorted, used, start, rank_in_e, keep, kept_all
 
 
 def kept_mask(topk_idx: Sequence[np.ndarray], num_experts: int,

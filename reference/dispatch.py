@@ -32,7 +32,7 @@ import numpy as np
 
 from . import transports
 from .capacity import kept_mask
-from .exchange import eager
+from .exchange import split_option
 from .records import DispatchResult, Group, resolve_options
 from .expertmajor import assemble
 from .payloads import wire_rows
@@ -44,7 +44,7 @@ def prepare(xs, topk_idx, topk_weights, num_experts, align, capacity, transport,
             payload, max_tokens_per_rank, ranks_per_node=1):
     """Validate, and fix the group's facts and the kept mask (shared by both tiers)."""
     transport, exchange = resolve_options(transport, exchange)
-    exchange = eager(exchange)
+    exchange = split_option(exchange)[0]  # lazy runs its variant, auto
     xs, idx, ws = check_dispatch(xs, topk_idx, topk_weights, num_experts=num_experts, align=align,
                                  capacity=capacity, transport=transport, exchange=exchange,
                                  payload=payload, max_tokens_per_rank=max_tokens_per_rank,
@@ -78,8 +78,8 @@ def dispatch(xs: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
             transports/__init__.py is the table); "hier" through the node-aware one
             (transports/hier.py).
         exchange: "ragged", "padded", "equal", "static" or "auto" (equal when the plan is
-            uniform, else ragged); "lazy" runs as "auto" (exchange.eager: the schedule changes
-            when the rows move, not what moves).
+            uniform, else ragged); "lazy" runs as "auto" (exchange.split_option: the schedule
+            changes when the rows move, not what moves).
         payload: None, "mxfp8" or "fp8_block128" (payloads.py).
         rank_major: also return the rank-major output (each result's ``rank_major``).
         max_tokens_per_rank: the static exchange's bound on T_r.

@@ -106,26 +106,20 @@ OPTIONS: Dict[str, Option] = {o.name: o for o in (
 )}
 assert set(OPTIONS) == set(EXCHANGE_CODES), "abi.EXCHANGE_CODES and the option table differ"
 # The options on the eager schedule, what ``exchange_rows`` / ``exchange_bytes`` take (an
-# operation's exchange= may also name ``lazy``: it runs its eager twin, ``eager``; the lazy
+# operation's exchange= may also name ``lazy``: it runs its variant, ``split_option``; the lazy
 # schedule itself is ``issue``).
 NAMES: Tuple[str, ...] = tuple(n for n, o in OPTIONS.items() if o.schedule == "eager")
 
 
 def split_option(exchange: str) -> Tuple[str, str]:
     """An ``exchange=`` option value -> ``(variant name, schedule)``: ``"lazy"`` is the auto
-    variant on the lazy schedule; every other name is itself, eager."""
-    option = OPTIONS.get(exchange)
+    variant on the lazy schedule; every other name is itself, eager (None and values that are
+    no option too: validation reports them). A reference operation runs the variant: the
+    schedule changes when the rows move, not what moves."""
+    option = OPTIONS.get(exchange) if isinstance(exchange, str) else None
     if option is None:
         return exchange, "eager"
     return option.eager or option.name, option.schedule
-
-
-def eager(exchange: Optional[str]) -> Optional[str]:
-    """The option a reference operation runs for ``exchange``: the option itself, or on another
-    schedule its eager twin (``"lazy"``: ``"auto"``; the schedule changes when, not what, moves).
-    None and names that are no option are returned as they are (validation reports them)."""
-    option = OPTIONS.get(exchange) if isinstance(exchange, str) else None
-    return option.eager or option.name if option is not None else exchange
 
 
 def resolve(variant: str, *counts: np.ndarray, ranks: Optional[Sequence] = None) -> str:

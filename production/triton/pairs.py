@@ -19,15 +19,6 @@ from .byterows import read_ints
 from .indexmaps import excl, place, take
 from .wirechecks import ST_EXPERT_ROW, ST_ROWS, status_bit
 
-# The interface every path module answers (transports.py says what each name is).
-__all__ = [
-    "NAME", "CODE", "META_BYTES", "TOKEN_ROWS", "SLOT_SECTIONS", "MAX_TOPK", "MAX_LOCAL",
-    "SEND_MAP", "UNMATCHED_SLOT", "back_dtype", "bad_rows", "check_back", "check_first",
-    "check_gather", "check_local_experts", "check_pack_topk", "check_units", "pack_rows",
-    "pack_slots", "recv_map_cols", "reduce_units", "send_map_cols", "send_map_entry",
-    "slot_places", "slot_rows", "unit_map", "units_per_row", "unpack_slots",
-]
-
 NAME = "pairs"
 CODE = abi.TRANSPORT_CODES[NAME]
 META_BYTES = abi.PAIRS_META_BYTES

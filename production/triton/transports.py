@@ -32,9 +32,19 @@ from epkit.reference import abi
 from . import dedup, pairs
 from .rowchecks import fail
 
-__all__ = ["PATHS", "path_of"]
+__all__ = ["PATHS", "INTERFACE", "path_of"]
 
+# The names above, what every path module defines (the ops ask nothing else of a path).
+INTERFACE = (
+    "NAME", "CODE", "META_BYTES", "TOKEN_ROWS", "SLOT_SECTIONS", "MAX_TOPK", "MAX_LOCAL",
+    "SEND_MAP", "UNMATCHED_SLOT", "send_map_cols", "recv_map_cols", "back_dtype",
+    "units_per_row", "check_pack_topk", "check_local_experts", "check_gather", "check_units",
+    "check_first", "check_back", "pack_rows", "pack_slots", "unpack_slots", "unit_map",
+    "slot_rows", "bad_rows", "reduce_units", "slot_places", "send_map_entry",
+)
 PATHS = {abi.TRANSPORT_CODES["pairs"]: pairs, abi.TRANSPORT_CODES["dedup"]: dedup}
+assert all(hasattr(path, name) for path in PATHS.values() for name in INTERFACE), \
+    "a path module without a name of the interface"
 _CHOICES = " or ".join(f"{code} ({path.NAME})" for code, path in PATHS.items())
 
 
