@@ -25,6 +25,9 @@ VIOLATIONS = ("duplicate_id", "id_out_of_range", "nonfinite_weight", "topk_diffe
               "idx_rows")
 # What a rank does with a case, in order (worker.py); a failure names its stage.
 STAGES = ("dispatch", "dispatch_backward", "combine", "combine_backward")
+# How a report names the call that runs in each stage ("dispatch wrote into topk_idx").
+CALLS = {"dispatch": "dispatch", "dispatch_backward": "dispatch's backward",
+         "combine": "combine", "combine_backward": "combine's backward"}
 
 
 def np_dtype(name: str) -> np.dtype:

@@ -31,7 +31,7 @@ from .accumulate import accumulation_dtype, parse_accumulate
 from .bounds import (_bounded, _token_sums, _weight_grad_exact, sum_bound, ulps,  # noqa: F401
                      unit_roundoff, weight_grad_tolerance)
 from .capabilities import Capabilities
-from .cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, sane_row_src
+from .cases import CALLS, STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, sane_row_src
 from .compare import compare_bitwise
 from .layout import _exact_dispatch, _not_exact_layout, _reordered_dispatch, _slot_keys
 from .rankmajor import _rank_major_checks
@@ -78,13 +78,13 @@ def _check_case(case, mode, results, impl, reference, contract, capabilities, ac
                                capacity=case.capacity, payload=case.payload,
                                ranks_per_node=case.ranks_per_node)
     except ValueError as exc:  # the reference's InputError: every rank must raise it
-        return c.expected_error(exc)
+        return _untouched(c.expected_error(exc), results)
     c.raised()
     rank_major = any((r or {}).get("layout") == "rank_major" for r in results)
     if rank_major:
         _rank_major_checks(case, results, c.ref, contract, c.v, c.todo, c.settle,
                            c.value_check)
-        return _finish(c.v)
+        return _finish(_untouched(c.v, results))
     c.dispatch()
     c.dispatch_backward()
     ys = c.fed(TAG_Y, case.y_dtype) if _STAGE["combine"] < c.reached else None
@@ -93,7 +93,7 @@ def _check_case(case, mode, results, impl, reference, contract, capabilities, ac
         gos = [np.asarray(results[r]["grad_out"]) for r in range(case.world_size)]
         c.combine_backward(gos, ys)
         c.weight_grad(gos, ys)
-    return _finish(c.v)
+    return _finish(_untouched(c.v, results))
 
 
 class _Check:
@@ -359,6 +359,18 @@ def _placed_grad_y(case, res, gys, gos, src, rows, R):
         factors[hit] = np.abs(g64) + (np.abs(c)[:, None] if case.weighted else 1.0)
         nterm[hit] = 1
     return want, ex64, nterm, factors
+
+
+def _untouched(v: Verdict, results) -> Verdict:
+    """An input the adapter wrote into (the worker's ``tampered``: the stage after which
+    x, topk_idx, topk_weights, a fed gradient or expert_y no longer held the harness's bytes)
+    fails the property of that stage, whatever its values: ``dispatch wrote into topk_idx``."""
+    for r, res in enumerate(results):
+        for stage, name in (res or {}).get("tampered") or ():
+            v.fail(stage, r, name, f"{CALLS[stage]} wrote into {name} (the caller's input, "
+                   "which it must leave unchanged)")
+            v.met[stage] = None
+    return v
 
 
 def _finish(v: Verdict) -> Verdict:

@@ -62,6 +62,33 @@ class _Stage:
         self.name = None
 
 
+class Handed:
+    """Everything the harness hands an adapter (x, topk_idx, topk_weights, the gradients and
+    expert_y it feeds), each with the harness's own copy of its bytes. :meth:`check` after
+    every call records, in ``out["tampered"]``, the first call after which an input no longer
+    holds those bytes: ``(stage, name)``. The adapter gets tensors over its own memory, so the
+    copies the parent reads back (``expert_y``, ``grad_out``, ...) stay the case's."""
+
+    def __init__(self, out: dict, device):
+        self.out, self.device, self.items = out, device, []
+
+    def give(self, name: str, a: np.ndarray) -> torch.Tensor:
+        a = np.ascontiguousarray(a)
+        t = to_torch(a.copy(), self.device)
+        self.items.append((name, t, a))
+        return t
+
+    def check(self, stage: str):
+        seen = {n for _, n in self.out.get("tampered", ())}
+        for name, t, want in self.items:
+            if name in seen:
+                continue
+            got = to_numpy(t)
+            if (got.shape != want.shape or got.dtype != want.dtype
+                    or got.tobytes() != want.tobytes()):
+                self.out.setdefault("tampered", []).append((stage, name))
+
+
 def run_rank(case: Case, mode: ModeSpec, adapter, rank: int, device="cpu") -> dict:
     """Run ``case`` on this rank through ``adapter``; a dict of NumPy outputs and the error."""
     out: dict = {"rank": rank, "error": None}
@@ -93,17 +120,19 @@ def _waited(obj, field=None):
 
 def _run(case, mode, adapter, rank, device, out, stage):
     x_np, idx_np, w_np = case.inputs(rank)
-    x = to_torch(x_np, device).requires_grad_(True)
-    idx = to_torch(idx_np, device)
-    w = to_torch(w_np, device).requires_grad_(case.weighted)
+    handed = Handed(out, device)
+    x = handed.give("x", x_np).requires_grad_(True)
+    idx = handed.give("topk_idx", idx_np)
+    w = handed.give("topk_weights", w_np).requires_grad_(case.weighted)
 
     stage.name = "dispatch"
     d = adapter.dispatch(
         x, idx, w, num_experts=case.num_experts, align=case.align, capacity=case.capacity
     )
     d = _waited(d, "expert_x")
+    handed.check("dispatch")
     if getattr(d, "expert_x", None) is None and getattr(d, "recv_x", None) is not None:
-        return _run_rank_major(case, adapter, d, x, rank, device, out, stage)
+        return _run_rank_major(case, adapter, d, x, rank, device, out, stage, handed)
     got = {name: to_numpy(getattr(d, name)) for name in FIELDS}
     for name in OPTIONAL_FIELDS:
         got[name] = to_numpy(getattr(d, name, None))
@@ -122,7 +151,9 @@ def _run(case, mode, adapter, rank, device, out, stage):
     g = case.slot_rows(rank, TAG_GRAD_X, src, g_dtype)
     out["grad_expert_x"] = g
     if expert_x.requires_grad:
-        (gx,) = torch.autograd.grad(expert_x, x, to_torch(g, device), retain_graph=True)
+        (gx,) = torch.autograd.grad(expert_x, x, handed.give("grad_expert_x", g),
+                                    retain_graph=True)
+        handed.check("dispatch_backward")
         out["grad_x"] = to_numpy(gx)
     elif case.payload is None:
         raise AssertionError("expert_x does not require grad: dispatch is not differentiable")
@@ -132,21 +163,23 @@ def _run(case, mode, adapter, rank, device, out, stage):
     stage.name = "combine"
     y_np = case.slot_rows(rank, TAG_Y, src, case.y_dtype)
     out["expert_y"] = y_np
-    y = to_torch(y_np, device).requires_grad_(True)
+    y = handed.give("expert_y", y_np).requires_grad_(True)
     o = _waited(adapter.combine(y, d, weighted=case.weighted))
+    handed.check("combine")
     out["out"] = to_numpy(o)
 
     stage.name = "combine_backward"
     go = case.grad_out(rank)
     out["grad_out"] = go
     inputs = [y, w] if case.weighted else [y]
-    grads = torch.autograd.grad(o, inputs, to_torch(go, device), allow_unused=True)
+    grads = torch.autograd.grad(o, inputs, handed.give("grad_out", go), allow_unused=True)
+    handed.check("combine_backward")
     out["grad_y"] = to_numpy(grads[0])
     out["grad_w"] = to_numpy(grads[1]) if case.weighted else None
     stage.name = None
 
 
-def _run_rank_major(case, adapter, d, x, rank, device, out, stage):
+def _run_rank_major(case, adapter, d, x, rank, device, out, stage, handed):
     """The stages for a rank-major result: one row per token and destination rank. The rows
     fed back are keyed by ``recv_src``; combine sums the per-rank rows of each token (the expert
     side applied the weights), so it is called with ``weighted=False``."""
@@ -160,20 +193,24 @@ def _run_rank_major(case, adapter, d, x, rank, device, out, stage):
     out["grad_expert_x"] = g
     if not d.recv_x.requires_grad:
         raise AssertionError("recv_x does not require grad: dispatch is not differentiable")
-    (gx,) = torch.autograd.grad(d.recv_x, x, to_torch(g, device), retain_graph=True)
+    (gx,) = torch.autograd.grad(d.recv_x, x, handed.give("grad_expert_x", g),
+                                retain_graph=True)
+    handed.check("dispatch_backward")
     out["grad_x"] = to_numpy(gx)
 
     stage.name = "combine"
     y_np = case.token_rows(rank, TAG_Y, src, case.y_dtype)
     out["expert_y"] = y_np
-    y = to_torch(y_np, device).requires_grad_(True)
+    y = handed.give("expert_y", y_np).requires_grad_(True)
     o = _waited(adapter.combine(y, d, weighted=False))
+    handed.check("combine")
     out["out"] = to_numpy(o)
 
     stage.name = "combine_backward"
     go = case.grad_out(rank)
     out["grad_out"] = go
-    (gy,) = torch.autograd.grad(o, [y], to_torch(go, device), allow_unused=True)
+    (gy,) = torch.autograd.grad(o, [y], handed.give("grad_out", go), allow_unused=True)
+    handed.check("combine_backward")
     out["grad_y"] = to_numpy(gy)
     out["grad_w"] = None
     stage.name = None
