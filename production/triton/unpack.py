@@ -208,9 +208,16 @@ def _unpack(recv, plan, path, P, K, N, M, p):
     has, qs = src_slot >= 0, src_slot.clamp(min=0)
     q = qs // max(C, 1)
     src = torch.where(has, q, -1)
-    row_src = torch.where(has[:, None], torch.stack([s[q], t[q], k[qs]], 1), -1)
-    row_weight = torch.where(has, wbits[qs], 0).to(torch.int32).view(torch.float32)
+    row_src = torch.where(has[:, None], torch.stack([_at(s, q), _at(t, q), _at(k, qs)], 1), -1)
+    row_weight = torch.where(has, _at(wbits, qs), 0).to(torch.int32).view(torch.float32)
     return status, src, at, row_src, row_weight, recv_map
+
+
+def _at(v: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """``v[i]`` for indices that are only read where an entry exists: when ``v`` is empty (no
+    slots: top-k 0, or no rows received) every such entry is masked, yet padding rows still
+    index it (with 0), so an empty ``v`` reads as zeros (a shape decision, no host read)."""
+    return v[i] if v.numel() else torch.zeros_like(i, dtype=v.dtype)
 
 
 def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,

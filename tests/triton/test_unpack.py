@@ -80,6 +80,18 @@ def test_unpack_wide_topk(cpp, transport):
     check_group(cpp, g)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("R,Ts", [(1, [2]), (2, [0, 3])])
+def test_unpack_topk_zero_padded_rows(cpp, transport, R, Ts):
+    """Fixed example (found by test_unpack_property, issue 33): top-k 0 under the static
+    exchange with align 2 has no slot at all, yet expert rows of padding (and static header
+    rows) exist; the Triton unpack indexed the empty slot tables for them (IndexError) where the
+    C++ unpack writes padding."""
+    g = make_group(cpp, R, 1, 0, Ts, 1, transport, "static", seed=0, align=2)
+    assert g.word(0, "EXPERT_ROWS") > 0 and g.word(0, "RECV_ROWS") > 0
+    check_group(cpp, g)
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(R=st.integers(1, 3), L=st.integers(1, 3), K=st.integers(0, 4), H=st.integers(1, 9),
        transport=st.sampled_from(TRANSPORTS), exchange=st.sampled_from(("ragged", "padded",
