@@ -217,7 +217,9 @@ def agree(group, words: list[int], what: str, cause: Optional[BaseException] = N
         mine = torch.empty(HEADER, dtype=torch.int64, device=dev)
         for i, v in enumerate(words):
             mine[i] = v
-    else:
+    elif dev.type == "cpu":  # a CPU backend's memory: host memory on the device path too
+        mine = mark_host(torch.tensor(words, dtype=torch.int64))
+    else:  # NCCL alone: a host-to-device copy (counted as a wait, epkit.device)
         mine = torch.tensor(words, dtype=torch.int64, device=dev)
     gathered = torch.empty(R * HEADER, dtype=torch.int64, device=dev)
     if dev.type == "cpu":  # a CPU backend's memory: host memory on the device path too

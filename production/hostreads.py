@@ -21,6 +21,14 @@ CUDA: ``nonzero``, a boolean mask index, ``masked_select``, ``bincount``, ``uniq
 duration of the context, not a ``TorchDispatchMode``: a mode is switched off inside the
 ``torch.library.custom_op`` bodies where epkit's collectives run, so it would see none of them.
 Each read is attributed to the innermost epkit operation on the stack (:data:`OPS`).
+
+A host-to-device copy is a wait too (from pageable memory a copy to the GPU is synchronous on
+CUDA, and a CUDA-graph capture forbids it), so the counter counts them with the reads (kind
+``"host-to-device copy"``): ``.to(device)`` or ``copy_`` of a host tensor (marked by
+:func:`mark_host`) into device memory, and a tensor made from Python or NumPy data on a device
+(``torch.tensor(data, device=...)``, ``torch.as_tensor``) by epkit's own code. On the
+interpreted path host and device are one ``torch.device``, so the copy is counted where it
+would happen on CUDA even though nothing is copied here.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import triton as kernels
 from .memory import device_path, is_host, mark_host
 
 __all__ = ["Read", "Counter", "count_host_reads", "record", "quiet", "to_host", "OPS"]
@@ -131,9 +140,26 @@ def record(kind: str, t) -> None:
         return
     if not device_path(t):
         return
-    op, where = _where()
+    _append(kind, *_where())
+
+
+def _append(kind: str, op: str, where: str) -> None:
     for c in list(_ACTIVE):
         c.reads.append(Read(op, kind, where))
+
+
+def _device_active() -> bool:
+    """Whether there is a device path at all: CUDA, or the Triton kernels on CPU."""
+    return torch.cuda.is_available() or "CPU" in kernels.registered_keys()
+
+
+def _record_upload(dst_on_device: bool) -> None:
+    """Count a host-to-device copy made by epkit's code (a line of the package on the stack)."""
+    if not _ACTIVE or getattr(_STATE, "inside", False) or not dst_on_device:
+        return
+    op, where = _where()
+    if where != "?":
+        _append("host-to-device copy", op, where)
 
 
 def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
@@ -194,6 +220,43 @@ def _host_target(t) -> bool:
     return is_host(t)
 
 
+def _device_target(a) -> bool:
+    """Whether ``a`` (a ``.to`` / ``device=`` argument) names device memory: a CUDA device, a
+    device-path tensor, or, where the Triton kernels stand in on CPU, a ``torch.device``
+    (the idiom ``t.to(u.device)``; the string ``"cpu"`` names the host)."""
+    if isinstance(a, torch.Tensor):
+        return device_path(a)
+    if isinstance(a, torch.device):
+        return a.type == "cuda" or _device_active()
+    return isinstance(a, str) and a.split(":")[0] == "cuda"
+
+
+def _uploading(fn, is_upload):
+    """Wrap ``fn``: count a host-to-device copy when ``is_upload(args, kwargs)``."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _record_upload(is_upload(args, kwargs))
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _to_device(args, kwargs) -> bool:
+    t = args[0]
+    return (isinstance(t, torch.Tensor) and is_host(t)
+            and any(_device_target(a) for a in list(args[1:]) + [kwargs.get("device")]))
+
+
+def _copy_from_host(args, kwargs) -> bool:
+    dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
+    return isinstance(src, torch.Tensor) and is_host(src) and device_path(dst)
+
+
+def _made_on_device(args, kwargs) -> bool:
+    """``torch.tensor(data, device=...)`` / ``torch.as_tensor``: host data onto a device."""
+    data = args[0] if args else kwargs.get("data")
+    return not isinstance(data, torch.Tensor) and _device_target(kwargs.get("device"))
+
+
 def _copy_into_host(args, kwargs):
     dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
     return src if isinstance(src, torch.Tensor) and _host_target(dst) else None
@@ -238,8 +301,12 @@ def _install() -> list:
         patch(torch.Tensor, name, _counted(kind, getattr(torch.Tensor, name)))
     for name, kind in _TORCH_READS.items():
         patch(torch, name, _counted(kind, getattr(torch, name)))
-    patch(torch.Tensor, "to", _counted("to cpu", torch.Tensor.to, _to_cpu))
-    patch(torch.Tensor, "copy_", _counted("copy to host", torch.Tensor.copy_, _copy_into_host))
+    patch(torch.Tensor, "to", _uploading(_counted("to cpu", torch.Tensor.to, _to_cpu),
+                                         _to_device))
+    patch(torch.Tensor, "copy_", _uploading(
+        _counted("copy to host", torch.Tensor.copy_, _copy_into_host), _copy_from_host))
+    for name in ("tensor", "as_tensor"):
+        patch(torch, name, _uploading(getattr(torch, name), _made_on_device))
     patch(torch.Tensor, "__getitem__", _counted("mask index", torch.Tensor.__getitem__,
                                                 _bool_index))
     patch(torch.Tensor, "__setitem__", _counted("mask index", torch.Tensor.__setitem__,

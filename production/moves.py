@@ -13,7 +13,7 @@ import torch
 
 from . import _build, workspace
 from .collectives import all_gather, all_to_all, group_from_name, variant_of
-from .memory import device_path, mark_host
+from .memory import device_path
 from .plan import *  # noqa: F401,F403  (the plan's word positions)
 from .plan import _F
 from .transports import by_code
@@ -147,7 +147,7 @@ def _ragged_bounds(hp, per: int) -> list:
     for ``per = 1`` (float32: a unit per token row) and whenever no token row has more than
     ``per`` kept slots; else a bound, the rest of the chunk unread padding. The exact counts
     (``min(n, per)`` summed) live only on the device: reading them is a host wait per combine
-    and backward pass, which this avoids."""
+    and backward pass, which this avoids. :func:`_ragged_chunks` is the same on the device."""
     sl = plan_slices(int(hp[RANKS]), int(hp[EXPERTS]))
 
     def chunks(rows, slots):
@@ -156,29 +156,40 @@ def _ragged_bounds(hp, per: int) -> list:
     return [chunks("recv_counts", "recv_slots"), chunks("send_counts", "send_slots")]
 
 
-def _row_chunks(hp, n: int, recv: bool) -> torch.Tensor:
-    """``[n] int64``: the peer (chunk) of each row of the dispatch's row space (``recv``: the
-    received rows, else the sent ones): compact along the plan's counts, or static chunks."""
+def _ragged_chunks(hp, plan: torch.Tensor, per: int) -> list:
+    """:func:`_ragged_bounds` as ``[R] int64`` tensors on ``plan``'s device (the places are
+    computed there: no host table copied over)."""
+    sl = plan_slices(int(hp[RANKS]), int(hp[EXPERTS]))
+    return [torch.minimum(plan[sl[slots]], per * plan[sl[rows]])
+            for rows, slots in (("recv_counts", "recv_slots"), ("send_counts", "send_slots"))]
+
+
+def _row_chunks(hp, plan: torch.Tensor, n: int, recv: bool) -> torch.Tensor:
+    """``[n] int64`` on ``plan``'s device: the peer (chunk) of each row of the dispatch's row
+    space (``recv``: the received rows, else the sent ones): compact along the plan's counts, or
+    static chunks. Built on the device from the device plan (a table built on the host would be
+    a host-to-device copy: a wait on CUDA, and not allowed in a CUDA-graph capture); ``hp``,
+    the host mirror, gives only sizes."""
     R = int(hp[RANKS])
+    ar = torch.arange(n if int(hp[STATIC_CAP]) >= 0 else R, device=plan.device)
     if int(hp[STATIC_CAP]) >= 0:
-        return mark_host(torch.arange(n) // (1 + int(hp[STATIC_CAP])))
-    counts = hp[plan_slices(R, int(hp[EXPERTS]))["recv_counts" if recv else "send_counts"]]
-    return mark_host(torch.repeat_interleave(torch.arange(R), counts.cpu(), output_size=n))
+        return ar // (1 + int(hp[STATIC_CAP]))
+    counts = plan[plan_slices(R, int(hp[EXPERTS]))["recv_counts" if recv else "send_counts"]]
+    return torch.repeat_interleave(ar, counts, output_size=n)
 
 
 def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
     """Where the return path puts each token row's rows. ``u [n]``: rows of each token row (row
     space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact), the rows
-    of every chunk (fixed chunks), or a list of each peer's chunk rows (bounded chunks, from
-    the plan's host words). Returns ``(pos [n, per] int64``: the way-back row of its i-th row,
+    of every chunk (fixed chunks), or ``[R] int64`` on the device, each peer's chunk rows
+    (bounded chunks, :func:`_ragged_chunks`). Returns ``(pos [n, per] int64``: the way-back row of its i-th row,
     -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
     per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
     base = torch.cumsum(u, 0) - u                                    # compact: rows before it
     if chunk is not None:                                            # fixed or bounded chunks
         first = torch.cumsum(per_chunk, 0) - per_chunk
-        if isinstance(chunk, list):
-            starts = mark_host(torch.tensor([sum(chunk[:p]) for p in range(R)]))
-            start = starts.to(u.device)[chunk_of]
+        if isinstance(chunk, torch.Tensor):
+            start = (torch.cumsum(chunk, 0) - chunk)[chunk_of]
         else:
             start = chunk_of * chunk
         base = start + hdr + base - first[chunk_of]
@@ -230,10 +241,11 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     chunk, hdr = _back_layout(hp, per)
     # ragged on the device path: each peer's chunk from the plan's host words (no host read)
     bounds = _ragged_bounds(hp, per) if chunk is None and device_path(expert_y) else None
+    places = chunk if bounds is None else _ragged_chunks(hp, plan, per)
     # expert side: each received token row's first unit, laid out for the variant
     u = (recv_map >= 0).sum(1).clamp(max=per)
-    first, send = _unit_positions(u, _row_chunks(hp, N, True).to(u.device), R, 1,
-                                  chunk if bounds is None else bounds[0], hdr)
+    first, send = _unit_positions(u, _row_chunks(hp, plan, N, True), R, 1,
+                                  places if bounds is None else places[0], hdr)
     total = (R * chunk if chunk is not None else sum(bounds[0]) if bounds is not None
              else int(send.sum()))
     buf = workspace.empty(workspace.allocator(ws, workspace.SEND), (total, expert_y.shape[1]),
@@ -242,8 +254,8 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     # source side: where each of its token rows' units arrive
     S = int(hp[SEND_ROWS])
     u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
-    at, recv = _unit_positions(u_row, _row_chunks(hp, S, False).to(u_row.device), R, 1,
-                               chunk if bounds is None else bounds[1], hdr)
+    at, recv = _unit_positions(u_row, _row_chunks(hp, plan, S, False), R, 1,
+                               places if bounds is None else places[1], hdr)
     sizes = ([[chunk] * R] * 2 if chunk is not None else bounds if bounds is not None
              else [send.tolist(), recv.tolist()])
     move = all_to_all(buf, *sizes, group_from_name(group_name),
@@ -308,24 +320,26 @@ class SlotPlaces(NamedTuple):
 
 
 def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.Tensor,
-                transport: int) -> SlotPlaces:
+                transport: int, plan: Optional[torch.Tensor] = None) -> SlotPlaces:
     """The weight gradients' return path along the dispatch's slot section (pairs' rows, dedup's
     slot rows), transposed: one float32 per kept slot, in slot-row order (dedup: a token row's n
     values k ascending). Ragged: chunks of the plan's slot counts; padded and equal: the section's
     chunk (its largest count); static: its ``1 + cap`` rows, the first a zero row; so pairs' own
     chunks. Each side counts the values of its rows itself (the expert side its received rows'
     kept slots, ``recv_map >= 0``; the source its kept routing's ``idx``): sizes from the host
-    plan ``hp``, places as device tensors, nothing read back."""
+    plan ``hp``, places as device tensors built from ``plan`` (the device plan; ``hp`` when
+    None), nothing read back and nothing copied over."""
+    plan = hp if plan is None else plan
     R, E, L, S = (int(hp[f]) for f in (RANKS, EXPERTS, LOCAL_EXPERTS, SEND_ROWS))
     dedup = by_code(transport).token_rows
     v = variant_of(hp)
     chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
     front = v.header_rows
     u = (recv_map >= 0).sum(1)
-    first, _ = _unit_positions(u, _row_chunks(hp, recv_map.shape[0], True).to(u.device), R, 1,
+    first, _ = _unit_positions(u, _row_chunks(hp, plan, recv_map.shape[0], True), R, 1,
                                chunk, front)
     u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
-    first_src, _ = _unit_positions(u_src, _row_chunks(hp, S, False).to(u_src.device), R, 1,
+    first_src, _ = _unit_positions(u_src, _row_chunks(hp, plan, S, False), R, 1,
                                    chunk, front)
     if chunk is None:
         sl = plan_slices(R, E)
@@ -346,7 +360,7 @@ def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: tor
     :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels
     (:func:`slot_places`; docs/design.md, wire format)."""
     hp = host_plan(plan)
-    at = slot_places(hp, recv_map, send_map, idx, transport)
+    at = slot_places(hp, recv_map, send_map, idx, transport, plan)
     vals = C.gather_slot_values(values, recv_map, at.first, at.rows)
     back = all_to_all(vals, at.send, at.recv, group_from_name(group_name),
                       "equal" if at.fixed else "ragged", at.send[0] if at.fixed else 0, what=what)

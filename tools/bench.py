@@ -13,6 +13,7 @@ part of the run finishes.
     epkit bench                          # the default workload, full report
     epkit bench --quick --json out.json  # about 30 s on 2 idle cores, 60 s at a load of 4
     epkit bench --plot docs/bench.png    # adds the sweeps over tokens per rank and world size
+    epkit bench --launches --world-size 2  # kernels, collectives, host waits per phase
 
 Figures of merit (in the JSON):
     speedup_vs_naive      fastest baseline median / epkit dedup median (target >= 3); the
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "torch's THP_MEM_ALLOC_ENABLE=1 (2 MiB-aligned, transparent huge "
                          "pages); 'reuse': glibc's mmap off and trim threshold high, so freed "
                          "large buffers are reused rather than mapped and first-touched anew")
+    ap.add_argument("--launches", action="store_true",
+                    help="instead of timing: count the kernel launches, collectives and host "
+                         "waits of one training step per transport and exchange on the device "
+                         "path (epkit.tools.bench_launches; uses --world-size, --json)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds a collective may wait before the group gives up")
     ap.add_argument("--no-progress", action="store_true",
@@ -463,6 +468,10 @@ def main(argv=None) -> int:
     """Parse, build the extension outside the timed groups, run the groups with a progress bar
     and each table printed as it finishes, then the figures of merit, JSON and plot."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.launches:
+        from . import bench_launches
+
+        return bench_launches.main(args)
     started = time.monotonic()
     os.environ.update(ALLOC_ENV[args.alloc])  # read by glibc / torch when each rank starts
     import epkit.ops  # noqa: F401  (builds the extension here, if stale, not inside a timed group)

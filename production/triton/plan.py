@@ -23,8 +23,8 @@ shape, rank, option codes) raises here with the C++ messages. The remaining opti
 (align, capacity, max_tokens_per_rank) are checked, as in the C++ kernel, only when no rank's
 words carry an error: when they are bad (never on epkit's path, which checks them first) the
 words' headers are read on the host to decide. Words that are corrupt (a negative or absurd count,
-rank 0's H or K negative, an unknown payload: never made by ``prepare``) raise on CPU tensors as
-the C++ kernel does; on a GPU that would be a host wait, so the kernel records them in a small
+rank 0's H or K negative, an unknown payload: never made by ``prepare``) raise off the device
+path (``rowchecks.on_host``) as the C++ kernel does; on a GPU that would be a host wait, so the kernel records them in a small
 ``fault`` tensor, read there only with ``EPKIT_CUDA_CHECKS=1``.
 """
 
@@ -35,6 +35,8 @@ import os
 import torch
 
 from ._runtime import launch, specialization, tl, triton
+from ..memory import mark_host
+from .rowchecks import on_host
 from .layout import MAX_EXPERTS, MAX_RANKS, _fail, check_dim, check_experts_ranks, dtype_name
 from .transports import path_of
 from epkit.reference import abi
@@ -425,10 +427,12 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     work = torch.empty(max(R * E, 1), dtype=torch.int64, device=g.device)
     bound = torch.empty(R * R, dtype=torch.int64, device=g.device)
     fault = torch.empty(3, dtype=torch.int64, device=g.device)
+    if on_host(g):  # words in host memory (the static mirror's template): so is their fault
+        mark_host(fault)
     for phase in (0, 1, 2):  # each reads what the ones before wrote (module comment)
         launch(_plan_kernel, (1,), g, p, work, bound, fault, R, E, L, rank, align, capacity,
                transport, int(path.TOKEN_ROWS), path.META_BYTES, exchange, max_tokens,
                PHASE=phase, BS=_BS, BX=_BX)
-    if g.device.type == "cpu" or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
-        _raise_fault(g, fault)
+    if on_host(g) or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
+        _raise_fault(g, fault)  # on the device path a host read: as on CUDA, only when asked
     return p
