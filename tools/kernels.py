@@ -89,19 +89,14 @@ def _import(module: str):
 def declared(modules: list[str] | None):
     """The Specializations that ``modules`` declare at import (all of epkit.triton's kernel
     modules by default)."""
-    from epkit.triton import OPS, _runtime
+    from epkit.triton import _runtime
 
     before = len(_runtime.SPECIALIZATIONS)
     if modules:
         for module in modules:
             _import(module)
         return list(_runtime.SPECIALIZATIONS[before:])
-    for module in sorted(set(OPS.values())):
-        try:
-            importlib.import_module(f"epkit.triton.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"epkit.triton.{module}":
-                raise
+    _runtime.kernel_modules()
     return list(_runtime.SPECIALIZATIONS)
 
 

@@ -37,3 +37,17 @@ def race_checked():
         yield
     finally:
         _runtime.LAUNCH_HOOKS.remove(race.check_races)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def tile_sizes():
+    """``EPKIT_TILES=gpu``: every test runs its kernels interpreted at the tile sizes and
+    program counts of a GPU launch (``_runtime.gpu_tiles``), so the race checker sees the
+    programs a GPU would run (slower: many small programs)."""
+    if os.environ.get("EPKIT_TILES", "") != "gpu":
+        yield "interpreter"
+        return
+    from epkit.triton import _runtime
+
+    with _runtime.gpu_tiles():
+        yield "gpu"

@@ -129,3 +129,45 @@ def test_off_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(_runtime, "INTERPRETED", False)
     with race.check_races(copy_tile, (4,), (), {}):
         pass
+
+
+# ---- at a GPU launch's tile sizes --------------------------------------------------------------
+# The interpreter's tiles are large (few programs: it pays per operation), so most launches are
+# one program and the checker, which compares programs, has nothing to compare. Under
+# _runtime.gpu_tiles() the same kernels launch with a GPU's tiles and program counts.
+
+def _row_writer_with_two_writers_of_row_0():
+    """byterows.write_rows (the row mover of pack, unpack and scatter_rows) with a planted
+    defect: its last output row is row 0 again (an index map with a duplicate entry)."""
+    from epkit.triton import byterows
+
+    Q, W = 40, 64  # 16 int32 units a row: a GPU tile of 32 rows, so rows 0 and 39 are two programs
+    src = torch.arange(Q * W, dtype=torch.int32).view(torch.uint8)[: Q * W].clone()
+    out = torch.zeros(Q * W, dtype=torch.uint8)
+    out_off = torch.arange(Q, dtype=torch.int64) * W
+    out_off[-1] = 0
+    src_off = torch.arange(Q, dtype=torch.int64) * W
+    byterows.write_rows(out, out_off, W, src, src_off, W, align=4)
+
+
+def test_two_writers_of_one_row_caught_at_gpu_tile_sizes():
+    from epkit.triton import _runtime, byterows
+
+    if _runtime.tiles() == "interpreter":  # (not under EPKIT_TILES=gpu)
+        # interpreter tiles: one program owns all 40 rows; writing row 0 twice is its own business
+        assert byterows.tile(16)[0] >= 40
+        _row_writer_with_two_writers_of_row_0()
+    with _runtime.gpu_tiles():
+        assert _runtime.tiles() == "gpu" and byterows.tile(16) in byterows.GPU_TILES
+        with pytest.raises(race.RaceError, match=r"_rows_kernel over grid \(2,\): programs \(0, 0, 0\) "
+                                                 r"and \(1, 0, 0\) both write byte 0 of argument 'out'"):
+            _row_writer_with_two_writers_of_row_0()
+
+
+def test_gpu_tiles_switches_every_module_and_restores():
+    from epkit.triton import _runtime, backward, combine
+
+    before = (combine.ROWS, combine.BLOCK, backward.ROWS)
+    with _runtime.gpu_tiles():
+        assert (combine.ROWS, combine.BLOCK, backward.ROWS) == (4, 128, 8)
+    assert (combine.ROWS, combine.BLOCK, backward.ROWS) == before
