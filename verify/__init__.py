@@ -51,7 +51,7 @@ def __getattr__(name):
 
 def check(impl, *, examples=20, contract="exact", world_size=4, seed=0, supports=None,
           accumulate=None, modes=None, pool=None, timeout=60.0, max_tokens=24,
-          shrink_seconds=10.0, check_errors=None):
+          max_hidden=72, shrink_seconds=10.0, check_errors=None):
     """Run the whole harness on ``impl`` (``"module:factory"``, ``"path.py:factory"``, or the
     factory itself when it lives in an importable module) and raise ``AssertionError`` with the
     report unless every mode passed ``contract`` for ``examples`` examples per property::
@@ -61,7 +61,8 @@ def check(impl, *, examples=20, contract="exact", world_size=4, seed=0, supports
 
     ``supports``: capability declarations as on the command line (``["capacity=no"]`` or a
     dict); ``modes``: fnmatch patterns over mode names; ``accumulate``: as ``--accumulate``;
-    ``check_errors``: as ``--check-errors``. The group has ``world_size`` ranks (default 4) and
+    ``check_errors``: as ``--check-errors``; ``max_tokens``, ``max_hidden``: as
+    ``--max-tokens``, ``--max-hidden``. The group has ``world_size`` ranks (default 4) and
     every mode's corner cases run at each world size 1..4 within it, so 2, 3 and 4 are all
     checked; a world size from 2 up that no case reached (every one refused) is reported in
     the AssertionError. Returns the :class:`SuiteResult`."""
@@ -77,7 +78,8 @@ def check(impl, *, examples=20, contract="exact", world_size=4, seed=0, supports
     pool = pool or Pool(world_size, timeout=timeout)
     try:
         result = Suite(pool, impl=impl, modes=chosen, examples=examples, seed=seed,
-                       max_tokens=max_tokens, shrink_seconds=shrink_seconds, contract=contract,
+                       max_tokens=max_tokens, max_hidden=max_hidden,
+                       shrink_seconds=shrink_seconds, contract=contract,
                        accumulate=accumulate, supports=supports,
                        check_errors=check_errors).run()
     finally:

@@ -4,21 +4,23 @@ A declaration maps the dtype of the data an implementation sums to the dtype it 
 
 - ``float32``: every sum in float32 (the default);
 - ``native`` (or ``bfloat16``): every sum in the dtype of the data it sums: bfloat16 data in
-  bfloat16, float32 data in float32 (a bfloat16 declaration never loosens a float32 case);
+  bfloat16, float16 data in float16, float32 data in float32 (a bfloat16 declaration never
+  loosens a float32 case);
 - ``bfloat16:bfloat16,float32:float32``: explicit, per dtype (a dtype left out: float32).
 
 The data of a sum is bfloat16 when any array it reads or writes is (x, expert_y, a gradient,
-the output): a sum of bfloat16 rows into a float32 output may be taken in either dtype.
+the output): a sum of bfloat16 rows into a float32 output may be taken in either dtype; else
+float16 when any is float16; else float32.
 """
 
 from __future__ import annotations
 
 __all__ = ["ACC_DTYPES", "accumulation_dtype", "describe_accumulate", "parse_accumulate"]
 
-DATA_DTYPES = ("bfloat16", "float32")
-ACC_DTYPES = ("bfloat16", "float32", "float64")
-NATIVE = {"bfloat16": "bfloat16", "float32": "float32"}
-USAGE = ("float32, native, bfloat16 (the same as native), or per dtype such as "
+DATA_DTYPES = ("bfloat16", "float32", "float16")
+ACC_DTYPES = ("bfloat16", "float32", "float64", "float16")
+NATIVE = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+USAGE = ("float32, native, bfloat16 or float16 (the same as native), or per dtype such as "
          "bfloat16:bfloat16,float32:float32")
 
 
@@ -31,7 +33,7 @@ def parse_accumulate(spec) -> dict | None:
         pairs = list(spec.items())
     else:
         text = str(spec).strip().lower()
-        if text in ("native", "bfloat16"):
+        if text in ("native", "bfloat16", "float16"):
             return dict(NATIVE)
         if text in ACC_DTYPES:
             return {d: text for d in DATA_DTYPES}
@@ -61,10 +63,11 @@ def describe_accumulate(acc: dict | None) -> str:
         return next(iter(acc.values()))
     if acc == NATIVE:
         return "native"
-    return ",".join(f"{d}:{acc[d]}" for d in DATA_DTYPES)
+    return ",".join(f"{d}:{acc[d]}" for d in DATA_DTYPES if d != "float16" or acc[d] != "float32")
 
 
 def accumulation_dtype(acc: dict | None, *dtypes) -> str:
     """The accumulation dtype of a sum that reads or writes arrays of ``dtypes``."""
-    data = "bfloat16" if any(str(d) == "bfloat16" for d in dtypes) else "float32"
+    names = {str(d) for d in dtypes}
+    data = next((d for d in ("bfloat16", "float16") if d in names), "float32")
     return (acc or {}).get(data, "float32")

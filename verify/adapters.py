@@ -99,8 +99,9 @@ def epkit_factory(group=None, **options) -> EpkitAdapter:
 
 
 epkit_factory.modes = epkit_modes()
-# epkit raises the reference's InputError on every rank: check it on every run
-epkit_factory.capabilities = {"check_errors": True}
+# epkit raises the reference's InputError on every rank: check it on every run; x and
+# expert_y are float32 or bfloat16 (float16 is an InputError, as in the reference)
+epkit_factory.capabilities = {"check_errors": True, "x_dtypes": ("float32", "bfloat16")}
 
 
 def plain_torch(group=None, exchange="ragged"):

@@ -26,6 +26,9 @@ def unit_roundoff(dtype) -> float:
 
 
 _TINY = 2.0**-133  # half the smallest bfloat16 subnormal: an underflow's absolute error
+# float16's: half its smallest subnormal (2**-24), far above the others' (which _TINY covers)
+_TINY16 = 2.0**-25
+_F16_OVERFLOW = 65520.0  # float16 rounds a value of this magnitude or more to infinity
 
 
 def sum_bound(abs_sum, exact, nterms, out_dtype, accumulate="float32"):
@@ -40,24 +43,33 @@ def sum_bound(abs_sum, exact, nterms, out_dtype, accumulate="float32"):
     term to the result, plus the product and one conversion of each factor into the
     accumulation dtype: ``n + 2`` roundings, each by at most ``u_acc`` (Higham, Accuracy and
     Stability of Numerical Algorithms, 2nd ed., Lemma 3.1 and eq. 4.4); then one rounding to
-    the output dtype. The last two terms cover underflow and the float64 reference itself."""
+    the output dtype. The last two terms cover underflow and the float64 reference itself
+    (float16, in the accumulation or the output, underflows at 2**-25, half its smallest
+    subnormal, not 2**-133)."""
     n = np.asarray(nterms, dtype=np.float64)
     u = unit_roundoff(accumulate)
     u_out = unit_roundoff(out_dtype)
     m = (n + 2) * u
     gamma = np.where(m < 1, m / np.maximum(1 - m, 1e-300), np.inf)
     a = np.asarray(abs_sum, dtype=np.float64)
-    return (gamma * a * (1 + u_out) + u_out * np.abs(exact) + (n + 2) * _TINY
-            + n * 2.0**-53 * a)
+    tiny = (n + 2) * (_TINY16 if _name(accumulate) == "float16" else _TINY)
+    tiny = tiny + (_TINY16 if _name(out_dtype) == "float16" else 0.0)
+    return gamma * a * (1 + u_out) + u_out * np.abs(exact) + tiny + n * 2.0**-53 * a
+
+
+def _name(dtype) -> str:
+    return np.dtype(np_dtype(str(dtype))).name
 
 
 def ulps(err, exact, dtype):
-    """``err`` in units of the last place of ``exact`` in ``dtype`` (float32 / bfloat16)."""
-    bits = {"float32": 24, "bfloat16": 8}.get(np.dtype(np_dtype(str(dtype))).name, 53)
+    """``err`` in units of the last place of ``exact`` in ``dtype`` (float32 / bfloat16 /
+    float16)."""
+    bits, emin = {"float32": (24, -126), "bfloat16": (8, -126),
+                  "float16": (11, -14)}.get(_name(dtype), (53, -1022))
     e = np.abs(np.asarray(exact, dtype=np.float64))
     expo = np.floor(np.log2(np.where(e > 0, e, 1.0)))
-    spacing = np.where(e > 0, np.exp2(np.maximum(expo, -126) - (bits - 1)),
-                       2.0**(-126 - (bits - 1)))
+    spacing = np.where(e > 0, np.exp2(np.maximum(expo, emin) - (bits - 1)),
+                       2.0**(emin - (bits - 1)))
     return np.asarray(err) / spacing
 
 
@@ -80,8 +92,9 @@ def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None,
     ``exact`` is NaN the result must be NaN, where it is infinite the same infinity; an
     error against an exact zero is reported in absolute terms.
 
-    ``narrowed``: the sum converts float32 factors to a bfloat16 accumulation. A factor in
-    the subnormal range then loses up to a bfloat16 subnormal step (2**-133) absolutely, which
+    ``narrowed``: the sum converts float32 factors to a bfloat16 (float16) accumulation. A
+    factor in the subnormal range then loses up to half a subnormal step (2**-133, float16:
+    2**-25) absolutely, which
     the product scales by the other factor: the bound grows by ``2**-133 * factors`` (the sum
     of the factors' magnitudes, ``|c_i| + |v_i|``), and an infinite exact value may come out
     NaN (a subnormal factor of the infinity became 0)."""
@@ -99,8 +112,12 @@ def _bounded(got, exact, abs_sum, nterms, out_dtype, accumulate, mask=None,
     bound = sum_bound(np.where(special, 0.0, abs_sum), finite_exact, nterms, out_dtype,
                       accumulate)
     if narrowed and factors is not None:
-        bound = bound + 2.0**-133 * np.where(special, 0.0, np.asarray(factors, np.float64))
+        step = _TINY16 if _name(accumulate) == "float16" else 2.0**-133
+        bound = bound + step * np.where(special, 0.0, np.asarray(factors, np.float64))
     err = np.where(special, np.where(special_good, 0.0, np.inf), np.abs(g - finite_exact))
+    if _name(out_dtype) == "float16":  # a finite sum within its bound of float16's overflow
+        over16 = np.isinf(g) & (np.sign(g) == np.sign(finite_exact)) & ~special
+        err = np.where(over16 & (np.abs(finite_exact) + bound >= _F16_OVERFLOW), 0.0, err)
     over = ~(err <= bound)  # NaN counts as over
     if mask is not None:
         over &= mask

@@ -18,6 +18,7 @@ __all__ = ["ALIGNS", "ANY", "Capabilities", "FEATURES", "Feature", "declarations
 ALIGNS = (1, 2, 4, 3, 8)  # the aligns drawn when any is allowed
 ANY = "any"
 INDEX_DTYPES = ("int64", "int32")
+X_DTYPES = ("float32", "bfloat16", "float16")  # what x and expert_y may be (cases.FLOAT_DTYPES)
 WIDE_TOPK = 8  # a top-k above this is a "wide" draw (max_topk)
 
 
@@ -27,7 +28,8 @@ class Capabilities:
 
     capacity, unused_slots (``-1`` slots), mixed_dtypes (x and expert_y of different dtypes),
     weighted, unweighted, zero_token_ranks: yes / no. align: ``(1,)``, a tuple of aligns, or
-    ``"any"``. index_dtypes: a tuple of ``int32`` / ``int64``. max_topk: the largest top-k.
+    ``"any"``. index_dtypes: a tuple of ``int32`` / ``int64``. x_dtypes: the dtypes x and
+    expert_y may have (``float32``, ``bfloat16``, ``float16``). max_topk: the largest top-k.
     padding: ``"zeros"`` (padding rows of expert_x / grad expert_y hold zeros) or ``"ignored"``
     (they are not looked at; contracts reordered / bounded only). accumulate: the accumulation
     dtype of the sums, per dtype of the data summed (:mod:`epkit.verify.accumulate`: ``float32``,
@@ -42,6 +44,7 @@ class Capabilities:
     weighted: bool | None = None
     unweighted: bool | None = None
     index_dtypes: tuple | None = None
+    x_dtypes: tuple | None = None
     max_topk: int | None = None
     zero_token_ranks: bool | None = None
     padding: str = "zeros"
@@ -66,6 +69,8 @@ class Capabilities:
             return v == ANY or (case is not None and case.align in v)
         if key == "index_dtypes":
             return case is not None and case.idx_dtype in v
+        if key == "x_dtypes":
+            return case is not None and {case.dtype, case.y_dtype} <= set(v)
         if key == "max_topk":
             return case is not None and case.topk <= v
         return v is True
@@ -124,12 +129,13 @@ def _value(key: str, raw):
         if not aligns or min(aligns) < 1:
             raise ValueError(f"--supports align: aligns are >= 1, got {raw!r}")
         return aligns
-    if key == "index_dtypes":
+    if key in ("index_dtypes", "x_dtypes"):
         names = tuple(raw) if isinstance(raw, (tuple, list)) else tuple(
             a.strip() for a in str(raw).split(",") if a.strip())
-        bad = [n for n in names if n not in INDEX_DTYPES]
+        known = INDEX_DTYPES if key == "index_dtypes" else X_DTYPES
+        bad = [n for n in names if n not in known]
         if bad or not names:
-            raise ValueError(f"--supports index_dtypes: int32 and/or int64, got {raw!r}")
+            raise ValueError(f"--supports {key}: some of {', '.join(known)}, got {raw!r}")
         return names
     if key == "max_topk":
         v = int(raw)
@@ -197,6 +203,8 @@ class Feature:
         """The ``--supports`` declaration that keeps ``case``'s refused value out of draws."""
         if self.key == "index_dtypes":
             return "index_dtypes=" + ("int32" if case.idx_dtype == "int64" else "int64")
+        if self.key == "x_dtypes":
+            return "x_dtypes=float32,bfloat16"
         return f"{self.key}=" + {"align": "1", "max_topk": str(WIDE_TOPK)}.get(self.key, "no")
 
 
@@ -218,6 +226,10 @@ def _no_zero_ranks(case):
     return case.replace(tokens=tuple(t or 1 for t in case.tokens))
 
 
+def _no_half(dtype: str) -> str:
+    return "float32" if dtype == "float16" else dtype
+
+
 FEATURES = (
     Feature("capacity", lambda c: c.capacity is not None, lambda c: c.replace(capacity=None),
             ("capacity", "drop")),
@@ -225,6 +237,9 @@ FEATURES = (
     Feature("unused_slots", _has_unused, _no_unused, ("-1", "unused", "negative")),
     Feature("mixed_dtypes", lambda c: c.y_dtype != c.dtype,
             lambda c: c.replace(y_dtype=c.dtype), ("dtype",)),
+    Feature("x_dtypes", lambda c: "float16" in (c.dtype, c.y_dtype),
+            lambda c: c.replace(dtype=_no_half(c.dtype), y_dtype=_no_half(c.y_dtype)),
+            ("float16", "half", "fp16", "dtype")),
     Feature("weighted", lambda c: c.weighted, lambda c: c.replace(weighted=False,
                                                                   special_weights=False),
             ("weight", "prob"), flip=True),

@@ -17,7 +17,7 @@ import numpy as np
 
 __all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "STAGES", "VIOLATIONS", "np_dtype"]
 
-FLOAT_DTYPES = ("float32", "bfloat16")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Invalid inputs a case can carry (``Case.violation``, drawn under ``check_errors``): each is an
 # InputError of the reference, which every rank of the implementation must raise too.
 VIOLATIONS = ("duplicate_id", "id_out_of_range", "nonfinite_weight", "topk_differs",
@@ -93,7 +93,7 @@ class Case:
     dtype: str = "float32"  # x
     y_dtype: str = "float32"  # expert_y fed to combine
     idx_dtype: str = "int64"
-    routing: str = "random"  # "random" | "hot" | "grouped" | "uniform"
+    routing: str = "random"  # "random" | "hot" | "grouped" | "uniform" | "every"
     unused_pct: int = 20  # chance (percent) that a slot is -1 (all but "uniform" routing)
     align: int = 1
     capacity: int | None = None
@@ -138,7 +138,13 @@ class Case:
             rows = rng.random(T) < 0.25
             x[rows] = np.where(rng.random((int(rows.sum()), 1)) < 0.5, 0.0, -0.0).astype(x.dtype)
         idx = np.full((T, K), -1, dtype=np.int64)
-        if self.routing == "uniform":
+        if self.routing == "every":
+            # every token routes to every expert (K = E), in its own random order: each expert
+            # gets every token of the group (the count-overflow corner; drawn vectorized)
+            if K != E:
+                raise ValueError("routing 'every' needs topk == num_experts")
+            idx = np.argsort(rng.random((T, K)), axis=1).astype(np.int64)
+        elif self.routing == "uniform":
             # Token t uses one expert on each of the ranks (t + j) % R, j < min(K, R): every
             # source sends every destination the same number of tokens and of slots.
             used = min(K, R)

@@ -64,6 +64,9 @@ def build_parser(prog: str = "epkit verify") -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_count(1), default=24,
                    help="largest tokens per rank of an ordinary draw (one draw in eight has up "
                         "to 320, H <= 8; default 24)")
+    p.add_argument("--max-hidden", type=_count(1), default=72,
+                   help="largest hidden size of an ordinary draw (default 72; the corner cases "
+                        "reach 4096 and 7168 whatever it is)")
     p.add_argument("--shrink-seconds", type=_count(0, float), default=20.0,
                    help="time spent shrinking a failing case (default 20)")
     p.add_argument("--no-progress", action="store_true",
@@ -145,6 +148,8 @@ def _rerun_args(args, mode: str, seed: int, world_size: int) -> str:
              "--world-size", str(world_size), "--examples", str(args.examples)]
     if args.max_tokens != build_parser().get_default("max_tokens"):
         parts += ["--max-tokens", str(args.max_tokens)]
+    if args.max_hidden != build_parser().get_default("max_hidden"):
+        parts += ["--max-hidden", str(args.max_hidden)]
     if args.contract != "exact":
         parts += ["--contract", args.contract]
     if args.accumulate:
@@ -230,7 +235,8 @@ def _run_suite(args, modes, runner) -> int:
             print(text, flush=True)
 
     suite = Suite(runner, impl=args.impl, modes=modes, examples=args.examples, seed=args.seed,
-                  max_tokens=args.max_tokens, shrink_seconds=args.shrink_seconds,
+                  max_tokens=args.max_tokens, max_hidden=args.max_hidden,
+                  shrink_seconds=args.shrink_seconds,
                   progress=bar.update if bar is not None else None, on_failure=on_failure,
                   contract=args.contract, accumulate=args.accumulate, supports=args.supports,
                   check_errors=args.check_errors,

@@ -387,7 +387,8 @@ class Suite:
     mode finishes (after ``on_failure``)."""
 
     def __init__(self, runner, *, impl: str = DEFAULT_IMPL, modes=None, examples: int = 20,
-                 seed: int | None = None, max_tokens: int = 24, shrink_seconds: float = 20.0,
+                 seed: int | None = None, max_tokens: int = 24, max_hidden: int = 72,
+                 shrink_seconds: float = 20.0,
                  reference=None, progress=None, on_failure=None, strategy_kwargs=None,
                  contract: str = "exact", accumulate: str | None = None, supports=None,
                  check_errors: bool | None = None, corners: bool = True, on_mode=None):
@@ -402,6 +403,7 @@ class Suite:
         self.examples = int(examples)
         self.seed = random.randrange(2**31) if seed is None else int(seed)
         self.max_tokens = max_tokens
+        self.max_hidden = max_hidden
         self.shrink_seconds = shrink_seconds
         self.reference = reference
         self.progress = progress or (lambda n: None)
@@ -514,8 +516,9 @@ class _ModeRun:
         vr, mr = self.vr, self.mr
         errors = mr.check_errors
         corner_failure = self.run_corners(errors) if vr.corners else None
+        kw = {"max_hidden": vr.max_hidden, **vr.strategy_kwargs}
         strategy = cases(vr.runner.world_size, self.mode, max_tokens=vr.max_tokens,
-                         capabilities=self.caps, check_errors=errors, **vr.strategy_kwargs)
+                         capabilities=self.caps, check_errors=errors, **kw)
         base_seed = vr.seed ^ zlib.crc32(self.mode.name.encode())
         if not self.no_shrink:
             try:

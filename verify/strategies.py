@@ -78,10 +78,11 @@ def cases(
     H = _hidden(draw, payload, max_h)
     routing, K, tokens = _routing_and_tokens(draw, R, E, K, caps, uniform_only, no_unused,
                                              max_tokens_drawn, many)
-    dtype = FLOAT_DTYPES[mix.random() < 0.5]
+    dtypes = x_dtypes(caps)
+    dtype = _float_dtype(mix.random(), dtypes)
     y_dtype = dtype
     if caps.allows("mixed_dtypes") and not draw(st.integers(0, 3), label="mixed dtypes?"):
-        y_dtype = draw(st.sampled_from(FLOAT_DTYPES), label="y_dtype")
+        y_dtype = draw(st.sampled_from(dtypes), label="y_dtype")
     capacity = None
     if not uniform_only and caps.allows("capacity") and draw(st.booleans(), label="use capacity"):
         capacity = draw(st.integers(0, 16), label="capacity")
@@ -117,6 +118,20 @@ def cases(
         special_weights=special_weights,
     )
     return with_violation(case, violation) if violation else case
+
+
+def x_dtypes(caps) -> tuple:
+    """The dtypes x and expert_y may be drawn in (the ``x_dtypes`` capability)."""
+    return tuple(d for d in FLOAT_DTYPES if d in (caps.x_dtypes or FLOAT_DTYPES))
+
+
+def _float_dtype(r: float, dtypes) -> str:
+    """x's dtype from a uniform ``r``: float16 a quarter of the draws where allowed, the rest
+    bfloat16 and float32 (bfloat16 for ``r < 0.5``, as before float16 was drawn)."""
+    if "float16" in dtypes and r >= 0.75:
+        return "float16"
+    pick = "bfloat16" if r < 0.5 else "float32"
+    return pick if pick in dtypes else dtypes[0]
 
 
 def _weighted(caps, choose) -> bool:
@@ -160,8 +175,8 @@ def _hidden(draw, payload, max_h) -> int:
     """H: a multiple of a quantized payload's block (1..3 blocks of 32, 1..2 of 128)."""
     block = payloads.get(payload).block
     if block:
-        return block * (1 if max_h <= 16 else draw(st.integers(1, max(2, 96 // block)),
-                                                    label="hidden/block"))
+        return block * (1 if max_h <= 16 else draw(
+            st.integers(1, max(2, max(96, max_h) // block)), label="hidden/block"))
     return draw(st.integers(1, max_h), label="hidden")
 
 
@@ -206,20 +221,31 @@ def with_violation(case: Case, kind: str) -> Case:
 
 
 # -- the corner matrix ---------------------------------------------------------------------------
+WIDE_ROWS = {"float32": 4096, "bfloat16": 7168}  # H of the wide-row corners (14,336 B a bf16 row)
+MANY_EXPERTS = 384  # the many-experts corners: ids past 8 bits, at every world size
+COUNT_ROWS = 2**16  # the count-overflow corner sends one expert more rows than this
+
+
 def corner_cases(world_size: int, mode: ModeSpec | None = None,
                  capabilities: Capabilities | None = None, *, max_tokens: int = 24,
                  check_errors: bool = False) -> list[Case]:
     """The fixed cases every mode runs before its random draws (inside ``capabilities``):
 
-    - for every world size ``R`` in 1..min(``world_size``, 4), x float32 and bfloat16, weighted
-      and unweighted: a case with a rank without tokens (the last one), and in turn K = 1,
-      K = E (every expert), every slot unused, one hot expert; NaN padding, special values
-      (NaN, infinities, -0, subnormals in real rows) and special weights (0, -0, 1) in half
-      of them;
+    - for every world size ``R`` in 1..min(``world_size``, 4), every x dtype allowed (float32,
+      bfloat16, float16), weighted and unweighted: a case with a rank without tokens (the last
+      one), and in turn K = 1, K = E (every expert), every slot unused, one hot expert; NaN
+      padding, special values (NaN, infinities, -0, subnormals in real rows) and special
+      weights (0, -0, 1) in half of them. The hot-expert one of every ``R`` has 384 experts
+      and routes to an id past 255 (ids packed in 8 bits); at the full world size the first
+      float32 and bfloat16 ones with tokens have wide rows (H 4096 and 7168);
     - at the full world size, top-k wide: K = E = 40 (every slot past 16 used) and K = 255
-      (within ``max_topk``), two tokens per rank, H = 4;
+      (within ``max_topk``) over 384 experts, two tokens per rank, H = 4;
     - at the full world size, tokens enough that each rank sends a peer more than 64, 128 and
-      256 rows (the sizes of per-peer buffers), H = 4;
+      256 rows (the sizes of per-peer buffers), H = 4, on block boundaries: the ranks hold
+      ``M``, ``M - 1`` and ``M + 1`` tokens (then again), ``M`` a multiple of 64, 128, 256;
+    - without a quantized payload: the count overflow, on a group of two (one rank if that
+      is all there is): every token routed to every expert (K = E = R), so one expert gets
+      more than 65,536 rows and a rank holds more than 65,536 slots; H = 1;
     - with ``check_errors``: one case per kind of invalid input (``VIOLATIONS``).
 
     Features the capabilities exclude are left out of a corner (a corner never leaves them).
@@ -229,6 +255,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
     payload = mode.payload if mode is not None else None
     block = payloads.get(payload).block
     H = block or 8
+    dtypes = x_dtypes(caps)
     aligns = list(caps.aligns())
     idx_dtypes = list(caps.index_dtypes or ("int64", "int32"))
     weights = [w for w in (True, False) if caps.allows("weighted" if w else "unweighted")]
@@ -236,45 +263,57 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
     no_unused = not caps.allows("unused_slots")
     cap_k = _topk_cap(caps, MAX_TOPK)
     out, i = [], 0
-    for R in range(1, min(world_size, 4) + 1):
-        for dtype in FLOAT_DTYPES:
-            for weighted in weights:
-                kind = ("k1", "kE", "unused", "hot")[i % 4]
-                if kind == "unused" and no_unused:
-                    kind = "k1"
-                L = 2
-                E = R * L
-                K = {"k1": 1, "kE": min(E, cap_k), "unused": min(3, cap_k),
-                     "hot": min(2, cap_k, E)}[kind]
-                T = 3 + i % 3
-                tokens = [T] * R
-                if zero_ok:
-                    tokens[-1] = 0
-                routing = {"hot": "hot"}.get(kind, "random")
-                if uniform:
-                    routing, tokens = "uniform", [0 if zero_ok else R] * R
-                    K = min(K, R) if no_unused else K
-                out.append(Case(
-                    world_size=R, num_experts=E, topk=K, hidden=H, tokens=tuple(tokens),
-                    dtype=dtype, y_dtype=dtype, idx_dtype=idx_dtypes[i % len(idx_dtypes)],
-                    routing=routing, unused_pct=100 if kind == "unused" else 0,
-                    align=aligns[i % len(aligns)], weighted=weighted, payload=payload,
-                    nan_padding=True, zero_rows=i % 3 == 1, max_tokens=max(max_tokens, T),
-                    seed=1000 + i, ranks_per_node=_nodes(mode, R), specials=i % 2 == 0,
-                    special_weights=weighted and i % 4 < 2))
-                i += 1
-    R = min(world_size, 4)
+    full = min(world_size, 4)
+    for R in range(1, full + 1):
+        wide = set()
+        combos = [(d, w) for d in dtypes for w in weights]
+        kinds = [("k1", "kE", "unused", "hot")[(i + n) % 4] for n in range(len(combos))]
+        kinds = ["k1" if k == "unused" and no_unused else k for k in kinds]
+        # the many-experts one: the hot expert's, else the last with slots in use
+        many_at = kinds.index("hot") if "hot" in kinds else max(
+            n for n, k in enumerate(kinds) if k != "unused")
+        for n, (dtype, weighted) in enumerate(combos):
+            kind = kinds[n]
+            many = n == many_at
+            L = MANY_EXPERTS // R if many else 2
+            E = R * L
+            K = {"k1": 1, "kE": min(E, cap_k, 2 if many else E), "unused": min(3, cap_k),
+                 "hot": min(2, cap_k, E)}[kind]
+            h = H
+            if R == full and kind != "unused" and dtype in WIDE_ROWS and dtype not in wide:
+                wide.add(dtype)
+                h = WIDE_ROWS[dtype]
+            T = 3 + i % 3
+            tokens = [T] * R
+            if zero_ok and not ((many or h != H) and R == 1):  # R = 1: keep its only tokens
+                tokens[-1] = 0
+            routing = {"hot": "hot"}.get(kind, "random")
+            if uniform:
+                routing = "uniform"
+                tokens = [R if many or h != H or not zero_ok else 0] * R
+                K = min(K, R) if no_unused else K
+            case = Case(
+                world_size=R, num_experts=E, topk=K, hidden=h, tokens=tuple(tokens),
+                dtype=dtype, y_dtype=dtype, idx_dtype=idx_dtypes[i % len(idx_dtypes)],
+                routing=routing, unused_pct=100 if kind == "unused" else 0,
+                align=aligns[i % len(aligns)], weighted=weighted, payload=payload,
+                nan_padding=True, zero_rows=i % 3 == 1, max_tokens=max(max_tokens, T),
+                seed=1000 + i, ranks_per_node=_nodes(mode, R), specials=i % 2 == 0,
+                special_weights=weighted and i % 4 < 2)
+            out.append(_routed_past(case, 255) if many else case)
+            i += 1
+    R = full
     for j, K in enumerate(k for k in sorted({min(cap_k, 40), cap_k}) if k > 8):
         # wide top-k: every slot past 16 used (K = E), then K = 255 with unused slots
-        E = R * -(-K // R) if j == 0 else R * -(-max(K, 256) // R)
+        E = R * -(-K // R) if j == 0 else R * -(-max(K, MANY_EXPERTS) // R)
         E = min(E, R * (MAX_EXPERTS // R))
         K = min(E, cap_k) if j == 0 else min(K, E)
         if uniform and no_unused:  # a uniform plan uses min(K, R) slots per token
             K = min(K, R)
         out.append(Case(
             world_size=R, num_experts=E, topk=K, hidden=block or 4,
-            tokens=(R,) * R if uniform else (2,) * R, dtype=FLOAT_DTYPES[j % 2],
-            y_dtype=FLOAT_DTYPES[j % 2], idx_dtype=idx_dtypes[0],
+            tokens=(R,) * R if uniform else (2,) * R, dtype=_dtype(FLOAT_DTYPES[j % 2], dtypes),
+            y_dtype=_dtype(FLOAT_DTYPES[j % 2], dtypes), idx_dtype=idx_dtypes[0],
             routing="uniform" if uniform else "random", unused_pct=0 if no_unused else 20 * j,
             align=aligns[0], weighted=weights[-1 - j % len(weights)], payload=payload,
             nan_padding=True, max_tokens=max(max_tokens, R), seed=2500 + j,
@@ -283,24 +322,61 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
         K = min(4, cap_k, R * 2, R if uniform and no_unused else 4)
         for rows in PEER_ROWS:
             T = rows * R * 5 // 4 // K + 1  # each peer gets about 1.25 x rows rows
-            if uniform:
-                T = -(-T // R) * R
+            M = -(-T // rows) * rows  # ... on a block boundary: M, M - 1, M + 1 tokens
+            tokens = tuple(M + (0, -1, 1)[r % 3] for r in range(R))
+            if uniform:  # equal counts, a multiple of R: the one of M, M - 1, M + 1 that is
+                tokens = (next(t for t in (M, M - 1, M + 1) if t % R == 0),) * R
+            dtype = _dtype(FLOAT_DTYPES[rows % 3 % 2], dtypes)
             out.append(Case(
-                world_size=R, num_experts=R * 2, topk=K, hidden=block or 4, tokens=(T,) * R,
-                dtype=FLOAT_DTYPES[rows % 3 % 2], y_dtype=FLOAT_DTYPES[rows % 3 % 2],
-                idx_dtype=idx_dtypes[0], routing="uniform" if uniform else "random",
-                unused_pct=0, align=aligns[0], weighted=weights[0], payload=payload,
-                nan_padding=True, max_tokens=max(max_tokens, T), seed=2000 + rows,
+                world_size=R, num_experts=R * 2, topk=K, hidden=block or 4, tokens=tokens,
+                dtype=dtype, y_dtype=dtype, idx_dtype=idx_dtypes[0],
+                routing="uniform" if uniform else "random", unused_pct=0, align=aligns[0],
+                weighted=weights[0], payload=payload, nan_padding=True,
+                max_tokens=max(max_tokens, *tokens), seed=2000 + rows,
                 ranks_per_node=_nodes(mode, R)))
+    if payload is None:
+        out.append(count_overflow_case(world_size, caps, mode, max_tokens))
     if check_errors:
         base = Case(world_size=min(world_size, 2), num_experts=2 * min(world_size, 2), topk=2,
                     hidden=H, tokens=(3,) * min(world_size, 2), payload=payload,
                     weighted=weights[0], idx_dtype=idx_dtypes[0], max_tokens=max_tokens,
-                    seed=3000, unused_pct=0)
+                    seed=3000, unused_pct=0, dtype=_dtype("float32", dtypes),
+                    y_dtype=_dtype("float32", dtypes))
         out += [with_violation(base.replace(seed=3000 + j), kind)
                 for j, kind in enumerate(VIOLATIONS)
                 if world_size > 1 or kind not in _GROUP_VIOLATIONS]
     return out
+
+
+def count_overflow_case(world_size: int, caps: Capabilities, mode=None,
+                        max_tokens: int = 24) -> Case:
+    """The count-overflow corner: ``R = min(world_size, 2)`` ranks (1 where top-k is capped
+    at 1), ``K = E = R``, every token routed to every expert (routing ``every``: a uniform
+    plan too), ``65536 // R + 1`` tokens a rank: each expert gets more than 65,536 rows and
+    each rank holds more than 65,536 slots. H = 1, so it costs what moving 2**17 rows costs."""
+    R = max(1, min(world_size, 2, _topk_cap(caps, MAX_TOPK)))
+    T = COUNT_ROWS // R + 1
+    dtypes = x_dtypes(caps)
+    return Case(world_size=R, num_experts=R, topk=R, hidden=1, tokens=(T,) * R,
+                dtype=_dtype("bfloat16", dtypes), y_dtype=_dtype("bfloat16", dtypes),
+                idx_dtype=(caps.index_dtypes or ("int32",))[0], routing="every", unused_pct=0,
+                align=caps.aligns()[0], weighted=caps.allows("weighted"), nan_padding=True,
+                max_tokens=max(max_tokens, T), seed=4000, ranks_per_node=_nodes(mode, R))
+
+
+def _dtype(want: str, dtypes) -> str:
+    """``want`` where the capabilities allow it, else the first allowed x dtype."""
+    return want if want in dtypes else dtypes[0]
+
+
+def _routed_past(case: Case, top: int, tries: int = 64) -> Case:
+    """``case`` with the first seed (from its own) whose routing names an expert id above
+    ``top``: a fixed corner that is sure to reach the ids a narrow packing loses."""
+    for seed in range(case.seed, case.seed + tries):
+        c = case.replace(seed=seed)
+        if any(i.size and int(i.max()) > top for i in c.all_inputs()[1]):
+            return c
+    return case
 
 
 def _nodes(mode, R) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +34,8 @@ def _raise_invalid(x, idx, w, num_experts, align, capacity, group, dedupe=False)
     :class:`MergesDuplicates`)."""
     R = dist.get_world_size(group)
     xn, idn, wn = to_numpy(x.detach()), to_numpy(idx), to_numpy(w.detach())
+    if xn.dtype == np.float16:  # this dispatcher takes float16 (the reference's checks do not)
+        xn = xn.astype(np.float32)
     triple = validate.option_triple(align, capacity, num_experts, R)
     if triple[0] == 0:
         if dedupe and idn.ndim == 2:

@@ -6,6 +6,7 @@ by path (``--impl path.py:factory``).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -60,12 +61,80 @@ class CombineBackwardWritesGrad(Validating):
         return _ScalesGradInPlace.apply(super().combine(expert_y, dispatched, weighted=weighted))
 
 
+# -- corners -----------------------------------------------------------------------------------
+_OtherSum = load_factory(_ESCAPES + ":_OtherSum")
+
+
+class Float16SumsInFloat16(_OtherSum):
+    """Sums a float16 token's slots in float16 (float32 and bfloat16 in float32)."""
+
+    def sum_rows(self, rows, c, plan):
+        acc = torch.float16 if rows.dtype == torch.float16 else torch.float32
+        rows = rows.to(acc) * (c.to(acc)[:, None] if c is not None else 1.0)
+        return torch.zeros((plan.T, plan.H), dtype=acc).index_add(0, plan.send_t, rows)
+
+
+class StagesRowsThrough4KiB(Validating):
+    """Moves each row through a 4 KiB staging buffer: bytes past 4096 of a row are lost
+    (zeros arrive)."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        d = super().dispatch(x, topk_idx, topk_weights, **kw)
+        keep = 4096 // d.expert_x.element_size()
+        if d.expert_x.shape[1] > keep:
+            ex = d.expert_x.clone()
+            with torch.no_grad():
+                ex[:, keep:] = 0
+            d = dataclasses.replace(d, expert_x=d.expert_x + (ex - d.expert_x).detach())
+        return d
+
+
+class Counts16Bit(Validating):
+    """Keeps tokens_per_expert (and the offsets built from it) in 16 bits."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        d = super().dispatch(x, topk_idx, topk_weights, **kw)
+        tpe = d.tokens_per_expert % 65536
+        off = torch.cat([d.expert_offsets[:1], (d.expert_offsets[1:] % 65536)])
+        return dataclasses.replace(d, tokens_per_expert=tpe, expert_offsets=off)
+
+
+class DropsLastFullBlock(Validating):
+    """A 64-token block loop in combine that stops one block short when the token count is
+    a multiple of 64: those tokens' outputs stay zero."""
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        out = super().combine(expert_y, dispatched, weighted=weighted)
+        T = out.shape[0]
+        if T and T % 64 == 0:
+            out = torch.cat([out[:T - 64], out[T - 64:] * 0])
+        return out
+
+
+class Ids8Bit(Validating):
+    """Packs expert ids in 8 bits (uint8 routing): an id past 255 wraps around."""
+
+    def route(self, x, topk_idx, topk_weights):
+        return torch.where(topk_idx >= 0, topk_idx % 256, topk_idx)
+
+
+float16_sums_in_float16 = Float16SumsInFloat16
+stages_rows_through_4kib = StagesRowsThrough4KiB
+counts_16bit = Counts16Bit
+drops_last_full_block = DropsLastFullBlock
+ids_8bit = Ids8Bit
+
 writes_topk_idx = WritesTopkIdx
 zeroes_padding_of_expert_y = ZeroesPaddingOfExpertY
 combine_backward_writes_grad = CombineBackwardWritesGrad
 
 # factory -> (the property that must fail, a text its report must hold)
 BUGS = {
+    "float16_sums_in_float16": ("combine", "x float16"),
+    "stages_rows_through_4kib": ("dispatch", "expert_x"),
+    "counts_16bit": ("dispatch", "tokens_per_expert"),
+    "drops_last_full_block": ("combine", "combine"),
+    "ids_8bit": ("dispatch", "dispatch"),
     "writes_topk_idx": ("dispatch", "dispatch wrote into topk_idx"),
     "zeroes_padding_of_expert_y": ("combine", "combine wrote into expert_y"),
     "combine_backward_writes_grad": ("combine_backward", "combine's backward wrote into "

@@ -324,14 +324,18 @@ def test_accumulation_is_declared_per_dtype_and_never_loosens_float32():
     from epkit.verify.accumulate import accumulation_dtype, describe_accumulate, parse_accumulate
 
     native = parse_accumulate("bfloat16")
-    assert native == parse_accumulate("native") == parse_accumulate(
-        "bfloat16:bfloat16,float32:float32")
+    assert native == parse_accumulate("native") == parse_accumulate("float16") == \
+        parse_accumulate("bfloat16:bfloat16,float32:float32,float16:float16")
+    # float16 data left out of a per-dtype declaration sums in float32
+    assert parse_accumulate("bfloat16:bfloat16,float32:float32")["float16"] == "float32"
+    assert accumulation_dtype(native, "float16", "float32") == "float16"
+    assert accumulation_dtype(native, "float16", "bfloat16") == "bfloat16"
     assert accumulation_dtype(native, "float32", "float32") == "float32"
     assert accumulation_dtype(native, "float32", "bfloat16") == "bfloat16"
     assert accumulation_dtype(parse_accumulate("float32"), "bfloat16") == "float32"
     assert describe_accumulate(native) == "native"
     assert describe_accumulate(parse_accumulate("bfloat16:float64")) == "bfloat16:float64,float32:float32"
-    for bad in ("float16", "bfloat16:half", "int8:float32", "bfloat16=bfloat16"):
+    for bad in ("float8", "bfloat16:half", "int8:float32", "bfloat16=bfloat16"):
         with pytest.raises(ValueError):
             parse_accumulate(bad)
 

@@ -166,7 +166,8 @@ def test_a_short_mode_exits_1_with_a_one_line_reason(capsys):
     ["--world-size", "0"],
     ["--examples", "-1"],
     ["--timeout", "zero"],
-    ["--accumulate", "float16"],
+    ["--accumulate", "float8"],
+    ["--max-hidden", "0"],
     ["--supports", "capacity=perhaps"],
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv):

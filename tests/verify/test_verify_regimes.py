@@ -4,11 +4,12 @@ tried, named the way its report must name it; the valid variants keep passing.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from epkit.verify.runner import Suite
 from regime_adapters import BUGS
-from verify_testlib import HERE
+from verify_testlib import HERE, PLAIN
 
 REGIMES = str(HERE / "regime_adapters.py")
 EXAMPLES = 30
@@ -30,3 +31,62 @@ def test_every_planted_regime_bug_is_caught_and_named(pool, name, seed):
     assert not res.ok and prop in failed, (name, seed, res.table())
     report = "\n".join(v.report() for v in res.failures)
     assert text in report, report
+
+
+class _Tracing:
+    """The pool, recording every case it hands the adapter."""
+
+    def __init__(self, pool):
+        self.pool, self.cases = pool, []
+        self.world_size, self.timeout = pool.world_size, pool.timeout
+
+    def run(self, case, impl, mode):
+        self.cases.append(case)
+        return self.pool.run(case, impl, mode)
+
+
+def _regimes(cases) -> set:
+    """The regimes of issue 34 that ``cases`` reach (from the inputs the adapter got)."""
+    seen = set()
+    for c in cases:
+        if c.violation is not None:
+            continue
+        _, idx, _ = c.all_inputs()
+        used = [i[i >= 0] for i in idx]
+        if not sum(u.size for u in used):
+            continue
+        if "float16" in (c.dtype, c.y_dtype):
+            seen.add("float16")
+        if c.dtype == "bfloat16" and c.hidden >= 7168:
+            seen.add("wide rows bfloat16")
+        if c.dtype == "float32" and c.hidden >= 4096:
+            seen.add("wide rows float32")
+        seen.update(f"tokens {t}" for t in c.tokens if t in BOUNDARY_TOKENS)
+        if c.num_experts > 256 and any(u.size and int(u.max()) > 255 for u in used):
+            seen.add(f"ids past 255 at world size {c.world_size}")
+        per_expert = np.bincount(np.concatenate(used), minlength=c.num_experts)
+        if per_expert.max() > 2**16 and max(u.size for u in used) > 2**16:
+            seen.add("count overflow")
+    return seen
+
+
+BOUNDARY_TOKENS = {m + d for m in (64, 128, 256) for d in (-1, 0, 1)}
+REGIMES_ALL = ({"float16", "wide rows bfloat16", "wide rows float32", "count overflow"}
+               | {f"tokens {t}" for t in BOUNDARY_TOKENS}
+               | {f"ids past 255 at world size {n}" for n in (1, 2, 3)})
+
+
+@pytest.mark.parametrize("seed", (1, 2, 3))
+def test_a_default_bounded_run_reaches_every_regime_whatever_the_seed(pool, seed):
+    tracing = _Tracing(pool)
+    res = Suite(tracing, impl=PLAIN, examples=EXAMPLES, seed=seed, shrink_seconds=0,
+                contract="bounded").run()
+    assert res.ok, res.table()
+    assert REGIMES_ALL - _regimes(tracing.cases) == set()
+
+
+def test_without_the_corners_the_trace_misses_regimes(pool):
+    tracing = _Tracing(pool)
+    Suite(tracing, impl=PLAIN, examples=3, seed=1, shrink_seconds=0, corners=False).run()
+    missing = REGIMES_ALL - _regimes(tracing.cases)
+    assert {"count overflow", "wide rows bfloat16", "tokens 64"} <= missing, missing
