@@ -238,6 +238,95 @@ def ttir_exact_violations(ttir: str) -> list[tuple[str, str]]:
     return _cap(found)
 
 
+_FLOAT_TYPE = re.compile(r"(^|[x<(, ])(f16|bf16|f32|f64)\b")
+
+
+def ttir_reduce_violations(ttir: str) -> list[tuple[str, str]]:
+    """An exact kernel's TTIR: no reduction or scan over floats (``tl.sum`` / ``tl.reduce`` /
+    ``tl.cumsum`` of a float tile: ``tt.reduce`` / ``tt.scan``). Their order is the layout's
+    (a tree over lanes and warps, another per target), never the spec's sequential one; float
+    sums are written-out loops, integer reductions are exact in any order."""
+    found = []
+    lines = [re.sub(r"\s+loc\(.*$", "", line.strip()) for line in ttir.splitlines()]
+    for i, text in enumerate(lines):
+        m = re.search(r'"(tt\.reduce|tt\.scan)"\(', text)
+        if not m:
+            continue
+        for close in lines[i:]:  # the op's types follow its combine region: }) : (operands) -> results
+            if close.startswith("})") and " : (" in close:
+                operands = close.split(" : (", 1)[1].split(") ->", 1)[0]
+                if _FLOAT_TYPE.search(operands):
+                    found.append((f"float {'reduction' if m.group(1) == 'tt.reduce' else 'scan'} "
+                                  f"({m.group(1)}: tl.sum / tl.reduce / tl.cumsum of floats) in an exact "
+                                  "kernel: its order is the layout's; write the sum out in the spec's order",
+                                  f"{text} ... {close}"))
+                break
+    return _cap(found)
+
+
+_FUNC_PTR_ARG = re.compile(r"(%[\w.$-]+): !tt\.ptr<")
+
+
+def ttir_barrier_violations(ttir: str) -> list[tuple[str, str]]:
+    """Any kernel's TTIR: no load of a buffer that this kernel stored to before a
+    ``tl.debug_barrier()`` (``gpu.barrier`` / ``ttg.barrier``). The barrier orders the threads
+    of one program and, on AMD, only shared memory (LDS), not global memory; and other programs
+    of the launch are not ordered by it at all: a store-then-load through global memory belongs
+    in two launches. Each pointer value is traced back to the kernel's pointer arguments it
+    derives from (through splat / addptr / select / loop arguments; a loaded value starts
+    afresh); the check follows the text order of one kernel."""
+    args: set[str] = set()
+    lines = []
+    for line in ttir.splitlines():
+        text = line.strip()
+        if not text or text.startswith("#loc"):
+            continue
+        if text.startswith("tt.func"):
+            args |= set(_FUNC_PTR_ARG.findall(text))
+            continue
+        text = re.sub(r"\s+loc\(.*$", "", text)
+        defs = _SSA_DEF.findall(text.split("(", 1)[0] if "scf.for" not in text else text)
+        lines.append((text, defs, [u for u in _SSA_USE.findall(text) if u not in defs]))
+    roots: dict[str, set[str]] = {a: {a} for a in args}
+    changed = True
+    while changed:  # to a fixed point, as ttir_violations
+        changed = False
+        for text, defs, uses in lines:
+            if not defs or re.search(r"=\s*tt\.(load|atomic)", text):
+                continue
+            got = set().union(*(roots.get(u, set()) for u in uses)) if uses else set()
+            for d in defs:
+                if not got <= roots.get(d, set()):
+                    roots[d] = roots.get(d, set()) | got
+                    changed = True
+    found = []
+    stored: set[str] = set()
+    fenced: set[str] = set()  # stored to before a barrier
+    for text, defs, uses in lines:
+        body = text.split("=", 1)[1].strip() if defs else text
+        if re.match(r"(gpu\.barrier|ttg\.barrier)\b", body):
+            fenced |= stored
+        elif body.startswith("tt.store") and uses:
+            stored |= roots.get(uses[0], set())
+        elif body.startswith("tt.load") and uses:
+            hit = roots.get(uses[0], set()) & fenced
+            if hit:
+                found.append((f"load of {', '.join(sorted(hit))} after a store to it and a "
+                              "tl.debug_barrier(): the barrier does not order global memory "
+                              "(gfx942) nor other programs; use a second launch", text))
+    return _cap(found)
+
+
+def launch_option_violations(options: dict, exact: bool) -> list[tuple[str, str]]:
+    """A launch's options: an exact kernel is launched with ``enable_fp_fusion=False`` (the
+    default of ``_runtime.launch``; a launch site that turns it on lets the backend fuse every
+    multiply-add, whatever the kernel's code shows today)."""
+    if exact and options.get("enable_fp_fusion", False):
+        return [("exact kernel launched with enable_fp_fusion=True (a fused sum differs from the "
+                 "spec's): drop the option at its launch site", "enable_fp_fusion=True")]
+    return []
+
+
 def _cap(found: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """At most MAX_EVIDENCE occurrences of each rule, in order."""
     seen: dict[str, int] = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 from typing import Any, Callable
@@ -83,13 +84,16 @@ class Specialization:
     compiles for each target. ``signature`` maps every argument to its Triton type
     (``"*fp32"``, ``"*u8"``, ``"i64"``, ``"constexpr"``); ``constexprs`` gives the constexpr
     values; ``exact`` kernels must keep the spec's bits (no fused multiply-add, no approximate
-    division, no flush-to-zero, no hardware float conversions in their assembly)."""
+    division, no flush-to-zero, no hardware float conversions in their assembly). The gate
+    compiles the forms recorded from launches (``launched.py``, ``launch_form``); a declaration
+    is for kernels outside that record (the gate's own planted tests)."""
 
     name: str
     kernel: Any
     signature: dict
     constexprs: dict
     exact: bool = True
+    aligned: tuple = ()  # arguments specialised 16-byte aligned / divisible by 16, as a launch's
 
 
 SPECIALIZATIONS: list[Specialization] = []
@@ -174,3 +178,149 @@ def gpu_tiles(*modules):
         _TILES[0] = "interpreter"
         for module, name, value in reversed(saved):
             setattr(module, name, value)
+
+
+# ----- what is launched: the compiled form of each launch ------------------------------------
+def _is_constexpr(param) -> bool:
+    ann = param.annotation
+    return ann is tl.constexpr or "constexpr" in str(ann)
+
+
+def kernel_name(kernel) -> str:
+    """``module:function`` of a kernel (interpreted or compiled)."""
+    fn = getattr(kernel, "fn", kernel)
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def launch_form(kernel, args, constexprs) -> dict:
+    """The compiled form a GPU launch of ``kernel`` with ``args`` / ``constexprs`` (as given to
+    :func:`launch`) gets, by Triton's own rule (``native_specialize_impl``, as ``JITFunction``
+    binds a launch): each argument's type (``*fp32``, ``i32``, ``i64``, ``u1``...), the pointers
+    and integers it specialises as 16-byte aligned / divisible by 16 (``aligned``), the integers
+    equal to 1 (``ones``: Triton makes them constexprs); the constexprs; the launch options
+    (``num_warps``, ``enable_fp_fusion``...). Plain data (JSON), what ``epkit kernels --compile``
+    compiles."""
+    import inspect
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    fn = getattr(kernel, "fn", kernel)
+    params = list(inspect.signature(fn).parameters.values())
+    bound = dict(zip((p.name for p in params), args))
+    signature, aligned, ones, consts = {}, [], [], {}
+    for p in params:
+        if p.name in constexprs:
+            value = constexprs[p.name]
+        elif p.name in bound:
+            value = bound[p.name]
+        elif p.default is not inspect.Parameter.empty:
+            value = p.default
+        else:
+            raise TypeError(f"{kernel_name(kernel)}: no value for {p.name}")
+        if _is_constexpr(p):
+            signature[p.name], consts[p.name] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if ty == "constexpr" and isinstance(value, int):  # Triton's "equal to 1" specialisation
+            ty, spec = ("i64" if value >= 1 << 31 else "i32"), ""
+            ones.append(p.name)
+        signature[p.name] = ty
+        if ty == "constexpr":
+            consts[p.name] = spec
+        elif spec == "D":
+            aligned.append(p.name)
+    options = {k: v for k, v in constexprs.items() if k not in signature}
+    return {"kernel": kernel_name(kernel), "signature": signature, "aligned": aligned,
+            "ones": ones, "constexprs": consts, "options": dict(sorted(options.items()))}
+
+
+_INT_TYPES = ("i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+
+
+def form_key(form: dict, with_tiles: bool = True) -> str:
+    """What identifies a launch site's form, as one string: the kernel, its pointer types, its
+    constexprs, its launch options; not what the data decides (an integer's width and whether
+    it is 1, the 16-byte alignment: ``canonical`` merges those). Without tiles: the tile-size
+    constexprs left out too (a run at the interpreter's tiles against a GPU recording)."""
+    sig = {k: "int" if v in _INT_TYPES else v for k, v in form["signature"].items()}
+    consts = {k: v for k, v in form["constexprs"].items()
+              if with_tiles or k not in TILE_CONSTEXPRS}
+    return json.dumps([form["kernel"], sig, consts, form["options"]], sort_keys=True)
+
+
+def canonical(forms) -> list[dict]:
+    """One form per :func:`form_key` for the gate to compile: the widest integer type seen for
+    each argument, no "equal to 1" specialisation, and every argument aligned that was aligned
+    in some launch (a real model's launches: pointers 16-byte aligned, sizes multiples of 16, the
+    case that decides the vector width). Sorted: a recording gives one text."""
+    merged: dict[str, dict] = {}
+    for form in forms:
+        key = form_key(form)
+        if key not in merged:
+            merged[key] = dict(form, signature=dict(form["signature"]),
+                               aligned=list(form["aligned"]), ones=[])
+            continue
+        m = merged[key]
+        for name, ty in form["signature"].items():
+            if ty == "i64":
+                m["signature"][name] = "i64"
+        m["aligned"] = sorted(set(m["aligned"]) | set(form["aligned"]),
+                              key=list(m["signature"]).index)
+    return [merged[k] for k in sorted(merged)]
+
+
+class LaunchRecorder:
+    """A launch hook that collects the distinct launch forms (:func:`record_launches`), each
+    as launched (``canonical`` merges them per launch site form)."""
+
+    def __init__(self, keep=None):
+        self.forms: dict[str, dict] = {}
+        self.keep = keep or (lambda kernel: True)
+
+    @contextlib.contextmanager
+    def __call__(self, kernel, grid, args, constexprs):
+        if self.keep(kernel):
+            form = launch_form(kernel, args, constexprs)
+            self.forms.setdefault(json.dumps(form, sort_keys=True), form)
+        yield
+
+
+@contextlib.contextmanager
+def record_launches(keep=None):
+    """Within: every launch's form is recorded (``keep(kernel)`` chooses the kernels); yields
+    the :class:`LaunchRecorder` (``.forms``: key -> form)."""
+    recorder = LaunchRecorder(keep)
+    LAUNCH_HOOKS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        LAUNCH_HOOKS.remove(recorder)
+
+
+class UnrecordedLaunch(AssertionError):
+    """A launch whose form the committed record (``launched.py``) does not hold: the compile
+    gate has not compiled what it launches."""
+
+
+def check_recorded(forms, keep=None):
+    """A launch hook that raises :class:`UnrecordedLaunch` for a launch whose :func:`form_key`
+    (with the tile sizes when the kernels run at a GPU's tiles, without them at the
+    interpreter's) is not among ``forms``' (``keep(kernel)``: the kernels checked)."""
+    known = {True: {form_key(f) for f in forms}, False: {form_key(f, False) for f in forms}}
+    keep = keep or (lambda kernel: kernel_name(kernel).startswith("epkit."))
+
+    @contextlib.contextmanager
+    def hook(kernel, grid, args, constexprs):
+        if keep(kernel):
+            gpu = tiles() == "gpu"
+            form = launch_form(kernel, args, constexprs)
+            if form_key(form, gpu) not in known[gpu]:
+                raise UnrecordedLaunch(
+                    f"{form['kernel']} launched in a form the compile gate does not compile "
+                    f"({'at GPU tiles' if gpu else 'tile sizes aside'}): signature "
+                    f"{form['signature']}, constexprs {form['constexprs']}, options "
+                    f"{form['options']}. If the launch is meant, record it: epkit kernels --record")
+        yield
+
+    return hook

@@ -51,3 +51,42 @@ def tile_sizes():
 
     with _runtime.gpu_tiles():
         yield "gpu"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def recorded_launches():
+    """``EPKIT_RECORD_LAUNCHES=PATH``: every launch of an epkit kernel in this session is
+    recorded (``_runtime.record_launches``) and the distinct forms written to PATH as JSON at
+    the end (what ``epkit kernels --record`` runs)."""
+    path = os.environ.get("EPKIT_RECORD_LAUNCHES")
+    if not path:
+        yield None
+        return
+    import json
+
+    from epkit.triton import _runtime
+
+    with _runtime.record_launches(lambda k: _runtime.kernel_name(k).startswith("epkit.")) as rec:
+        yield rec
+    with open(path, "w") as f:
+        json.dump({"tiles": _runtime.tiles(), "forms": list(rec.forms.values())}, f)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def launches_recorded():
+    """Every launch of an epkit kernel here must be one of the forms the compile gate compiles
+    (``production/triton/launched.py``, written by ``epkit kernels --record``): a launch site
+    with another tile size, launch option or argument type fails its test. At the interpreter's
+    tiles the tile sizes are left out of the comparison (the record holds a GPU's).
+    ``EPKIT_LAUNCH_CHECK=0`` turns it off (as --record does)."""
+    if os.environ.get("EPKIT_LAUNCH_CHECK", "1") == "0":
+        yield
+        return
+    from epkit.triton import _runtime, launched
+
+    hook = _runtime.check_recorded(launched.FORMS)
+    _runtime.LAUNCH_HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _runtime.LAUNCH_HOOKS.remove(hook)

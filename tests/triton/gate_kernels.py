@@ -1,8 +1,9 @@
 """Small kernels with one planted violation each (and clean twins), for the compile gate's tests
 (``test_compile_gate.py``): ``epkit kernels --compile ... --module tests/triton/gate_kernels.py``
-compiles exactly the specialisations declared here. Each name says what the gate must find."""
+compiles exactly the specialisations declared here (and, with ``--launches``, the forms recorded
+from the launch sites below). Each name says what the gate must find."""
 
-from epkit.triton._runtime import specialization, tl, triton
+from epkit.triton._runtime import launch, specialization, tl, triton
 
 F32x3 = {"x": "*fp32", "y": "*fp32", "o": "*fp32", "n": "i64", "BLOCK": "constexpr"}
 
@@ -82,6 +83,32 @@ def uses_global(x, o, n, BLOCK: tl.constexpr):
     tl.store(o + offs, tl.load(x + offs, mask=offs < n) + LIMIT, mask=offs < n)
 
 
+@triton.jit
+def float_sum(x, o, n, BLOCK: tl.constexpr, INTS: tl.constexpr):
+    # tl.sum in the layout's order (a tree over lanes and warps): over floats not the spec's
+    offs = tl.arange(0, BLOCK)
+    a = tl.load(x + offs, mask=offs < n, other=0)
+    if INTS:
+        tl.store(o, tl.sum(a.to(tl.int32, bitcast=True), 0).to(tl.float32, bitcast=True))
+    else:
+        tl.store(o, tl.sum(a, 0))
+
+
+@triton.jit
+def phases(x, o, n, BLOCK: tl.constexpr, FENCED: tl.constexpr):
+    # the plan's two phases merged into one launch: the second reads what the first stored (at
+    # another program's place), with only a tl.debug_barrier() between
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(o + offs, tl.load(x + offs, mask=m), mask=m)
+    if FENCED:
+        tl.debug_barrier()
+        v = tl.load(o + (offs + BLOCK) % n, mask=m)
+    else:
+        v = tl.load(x + (offs + BLOCK) % n, mask=m)
+    tl.store(x + offs, v, mask=m)
+
+
 F32x3_FUSED = dict(F32x3, FUSED="constexpr")
 F32x3_ROUNDED = dict(F32x3, ROUNDED="constexpr")
 specialization("fused_mul_add", mul_add, F32x3_FUSED, {"BLOCK": 128, "FUSED": True})
@@ -99,10 +126,30 @@ specialization("int32_pid_product", rows, ROWS, {"BLOCK": 128, "WIDE": False})
 specialization("clean_int64_rows", rows, ROWS, {"BLOCK": 128, "WIDE": True})
 # maxnreg (NVIDIA) and waves_per_eu (AMD: 8 waves leave 64 VGPRs) bound the registers so that a
 # 4,096-element tile in one warp spills on both targets within a second of compiling.
+# (not exact: its tl.max over floats is what makes every element live, and the float-reduction
+# rule is another test's)
 specialization("spill", live_tile, {"x": "*fp32", "o": "*fp32", "BLOCK": "constexpr"},
-               {"BLOCK": 4096, "num_warps": 1, "maxnreg": 32, "waves_per_eu": 8})
+               {"BLOCK": 4096, "num_warps": 1, "maxnreg": 32, "waves_per_eu": 8}, exact=False)
 specialization("clean_tile", live_tile, {"x": "*fp32", "o": "*fp32", "BLOCK": "constexpr"},
-               {"BLOCK": 256})
+               {"BLOCK": 256}, exact=False)
 specialization("too_much_shared", big_shared, {"x": "*fp64", "o": "*fp64", "A": "constexpr", "B": "constexpr"},
                {"A": 128, "B": 256, "num_warps": 16})
-specialization("does_not_compile", uses_global, F32x3, {"BLOCK": 128})
+specialization("does_not_compile", uses_global, {"x": "*fp32", "o": "*fp32", "n": "i64", "BLOCK": "constexpr"},
+               {"BLOCK": 128})
+X_O_N = {"x": "*fp32", "o": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+specialization("float_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 128, "INTS": False})
+specialization("clean_int_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 128, "INTS": True})
+specialization("not_exact_float_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 128, "INTS": False},
+               exact=False)
+specialization("barrier_store_then_load", phases, dict(X_O_N, FENCED="constexpr"), {"BLOCK": 128, "FENCED": True})
+specialization("clean_two_buffers", phases, dict(X_O_N, FENCED="constexpr"), {"BLOCK": 128, "FENCED": False})
+
+
+# ---- launch sites: the gate compiles what they launch (recorded, --launches) --------------------
+def fused_launch_site(x, y, o):
+    """A launch site that turns multiply-add fusion on for an exact kernel."""
+    launch(mul_add, (1,), x, y, o, x.numel(), BLOCK=128, FUSED=False, enable_fp_fusion=True)
+
+
+def clean_launch_site(x, y, o):
+    launch(divide, (1,), x, y, o, x.numel(), BLOCK=128, ROUNDED=True)

@@ -14,6 +14,11 @@ program is the builder's ``grid_idx``. Each access becomes byte intervals (addre
 unmasked lanes, runs of consecutive elements merged, so a row is one interval); at the end of a
 program they are merged into disjoint intervals; at the end of the launch, sorted intervals of
 all programs are compared with NumPy (no per-byte sets). Same-program overlaps are never races.
+
+Only programs are compared, so the tile sizes decide what can be seen: at the interpreter's
+(large tiles, mostly one program a launch) a launch has little to compare; under
+``_runtime.gpu_tiles()`` (``EPKIT_TILES=gpu`` for a whole run) the kernels take a GPU launch's
+tiles and program counts, and two programs writing one row are two programs here too.
 """
 
 from __future__ import annotations

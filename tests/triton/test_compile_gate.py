@@ -27,11 +27,30 @@ def gate(*args, tmp_path=None):
     return proc.returncode, proc.stdout + proc.stderr, rows
 
 
+def record_launch_sites(path):
+    """Run gate_kernels' launch sites (interpreted) under the recorder; write the forms to
+    ``path`` as ``epkit kernels --launches`` reads them."""
+    import torch
+
+    import gate_kernels
+    from epkit.triton import _runtime
+
+    x, y, o = torch.rand(100), torch.rand(100) + 1, torch.zeros(100)
+    with _runtime.record_launches() as rec:
+        gate_kernels.fused_launch_site(x, y, o)
+        gate_kernels.clean_launch_site(x, y, o)
+    with open(path, "w") as f:
+        json.dump({"tiles": _runtime.tiles(), "forms": list(rec.forms.values())}, f)
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """(kernel, target) -> the rules broken, for every specialisation of gate_kernels.py."""
+    """(kernel, target) -> the rules broken, for every specialisation of gate_kernels.py and
+    every form its launch sites launch."""
+    tmp = tmp_path_factory.mktemp("gate")
+    record_launch_sites(tmp / "launches.json")
     rc, out, rows = gate("--compile", ",".join(TARGETS), "--module", GATE_KERNELS,
-                         tmp_path=tmp_path_factory.mktemp("gate"))
+                         "--launches", str(tmp / "launches.json"), tmp_path=tmp)
     assert rows is not None, out
     assert rc == 1, out  # planted violations: the gate must fail
     return {(r["kernel"], r["target"]): [v["rule"] for v in r["violations"]] for r in rows}
@@ -80,8 +99,28 @@ def test_shared_memory_over_the_limit_is_caught(planted, target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kernel", ["fusion_on", "gate_kernels.mul_add[BLOCK=128,FUSED=False]"])
+def test_fusion_enabled_at_a_launch_site_is_caught(planted, kernel, target):
+    # the option itself, whatever the code compiles to today; the second is a recorded launch
+    assert broken(planted, kernel, target, "launched with enable_fp_fusion=True"), planted[(kernel, target)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_float_reduction_is_caught(planted, target):
+    assert broken(planted, "float_sum", target, "float reduction (tt.reduce"), planted[("float_sum", target)]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_store_then_load_across_a_barrier_is_caught(planted, target):
+    rules = planted[("barrier_store_then_load", target)]
+    assert broken(planted, "barrier_store_then_load", target, "load of %o after a store to it and a "
+                  "tl.debug_barrier()"), rules
+
+
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kernel", ["clean_mul_add", "clean_div_rn", "clean_int64_rows", "clean_tile",
-                                    "not_exact_division"])
+                                    "not_exact_division", "clean_int_sum", "not_exact_float_sum",
+                                    "clean_two_buffers", "gate_kernels.divide[BLOCK=128,ROUNDED=True]"])
 def test_clean_kernels_pass(planted, kernel, target):
     # clean_div_rn multiplies and adds after an IEEE division: on gfx942 its Newton-step fmas
     # must not be taken for fusion; not_exact_division is exempt from the numeric rules.
@@ -166,3 +205,58 @@ def test_epkit_specialisations_keep_the_rules(tmp_path):
     rc, out, rows = gate("--compile", ",".join(TARGETS), tmp_path=tmp_path)
     assert rows, out
     assert rc == 0, out
+
+
+# ---- the record: every launch is one of the forms the gate compiles -----------------------------
+
+def _write_rows_40x64():
+    import torch
+
+    from epkit.triton import byterows
+
+    Q, W = 40, 64
+    out, src = torch.zeros(Q * W, dtype=torch.uint8), torch.ones(Q * W, dtype=torch.uint8)
+    offs = torch.arange(Q, dtype=torch.int64) * W
+    byterows.write_rows(out, offs, W, src, offs, W, align=4)
+    assert bool((out == 1).all())
+
+
+def test_a_tile_size_outside_the_record_fails_its_launch(monkeypatch):
+    """conftest.py installs this check for every test here; built again so that the test does
+    not depend on it. A launch site whose tile size nobody recorded fails at launch (at a GPU's
+    tiles); the recorded one passes, at the interpreter's tiles too (tile sizes aside)."""
+    from epkit.triton import _runtime, byterows, launched
+
+    hook = _runtime.check_recorded(launched.FORMS)
+    monkeypatch.setattr(_runtime, "LAUNCH_HOOKS", [hook])
+    _write_rows_40x64()
+    with _runtime.gpu_tiles():
+        _write_rows_40x64()  # 16 int32 units a row: the recorded GPU tile (32, 16)
+        monkeypatch.setattr(byterows, "GPU_TILES", ((4, 1024), (8, 128), (16, 16)))
+        with pytest.raises(_runtime.UnrecordedLaunch, match=r"byterows:_rows_kernel launched in a "
+                                                            r"form the compile gate does not compile"):
+            _write_rows_40x64()
+
+
+def test_the_record_is_canonical():
+    """launched.py is what write_launched makes of its own forms: one form per launch site form,
+    sorted (a hand edit, or a record from another version, reads differently)."""
+    from epkit.triton import _runtime, launched
+
+    assert launched.FORMS and launched.TILES == "gpu"
+    assert _runtime.canonical(launched.FORMS) == launched.FORMS
+
+
+def test_a_form_that_is_not_the_kernels_is_refused(tmp_path):
+    """A recorded form whose arguments are no longer the kernel's (the kernel changed after
+    the record) is a failure naming --record, found before compiling."""
+    import gate_kernels
+    from epkit.tools.kernels import compile_one
+    from epkit.triton._runtime import Specialization
+
+    spec = Specialization("stale", gate_kernels.to_bf16, {"x": "*fp32", "o": "*bf16", "BLOCK": "constexpr"},
+                          {"BLOCK": 128})  # no n
+    row = compile_one(spec, "sm_90", str(tmp_path))
+    assert [v["rule"] for v in row["violations"]] == [
+        "does not compile: the form's arguments are not the kernel's (changed since it was "
+        "recorded? epkit kernels --record)"]
