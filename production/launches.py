@@ -33,7 +33,8 @@ from . import triton as kernels
 
 __all__ = ["Launches", "count_launches", "LAUNCH_FREE", "DELEGATES"]
 
-# aten ops that launch nothing on a GPU: views, allocations without a fill, metadata.
+# aten ops that launch nothing on a GPU: views, allocations without a fill, metadata, and a
+# scalar read (of host memory nothing; of device memory a host wait, count_host_reads' job).
 LAUNCH_FREE = frozenset(f"aten::{n}" for n in (
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
     "resize_", "set_", "view", "_unsafe_view", "as_strided", "slice", "select", "expand",
@@ -43,6 +44,7 @@ LAUNCH_FREE = frozenset(f"aten::{n}" for n in (
     "_has_compatible_shallow_copy_type", "record_stream", "is_nonzero", "size", "stride",
     "resolve_conj", "resolve_neg", "_conj", "numpy_T", "expand_as", "broadcast_tensors",
     "_nested_tensor_from_mask_left_aligned", "pin_memory", "_pin_memory", "is_pinned",
+    "item", "_local_scalar_dense",
 ))
 # aten ops that launch only what they delegate to (a copy when one is needed).
 DELEGATES = frozenset(f"aten::{n}" for n in (
@@ -66,8 +68,14 @@ class Launches:
         return self.aten + self.triton
 
     def add(self, events) -> None:
-        """Count the profiler's ``events`` (their trees, walked from the roots)."""
-        stack = [e for e in events if e.cpu_parent is None]
+        """Count the profiler's ``events`` (their trees, walked from the roots), in the threads
+        that run the program's code: a thread with an op, an autograd node or a Python frame
+        besides bare aten ops. A gloo worker copying a collective's buffers on CPU runs bare
+        aten ops in a thread of its own; it is the collective's work, counted once as the
+        collective (NCCL does it in its kernel)."""
+        ours = {e.thread for e in events
+                if not e.name.startswith(("aten::", "gloo:", "nccl:", "record_param_comms"))}
+        stack = [e for e in events if e.cpu_parent is None and e.thread in ours]
         while stack:
             e = stack.pop()
             name = e.name

@@ -51,18 +51,20 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 
 # ---- the expert side -----------------------------------------------------------------------
 @triton.jit
-def _units_kernel(y, umap, recv_map, row_weight, out, U, H, M, C,
+def _units_kernel(y, umap, recv_map, row_weight, out, U, H, M, C, US,
                   PARTIAL: tl.constexpr, PER: tl.constexpr, BF16: tl.constexpr,
                   WEIGHTED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """out [U, H] (the units, integer view) from umap [U] int64: m >= 0, the unit is y's row m
-    (bits); -1, zeros (padding, gaps, a raw token row's unused units); -2 - (n * PER + j),
-    unit j of token row n's float32 partial (its bytes j H .. (j + 1) H of y's dtype), the
-    partial formed here from recv_map [N, C] row n, c ascending."""
+    """out [U, H] (the units, integer view) from umap [U] int64 (stride US: pairs reads
+    recv_map's column in place): m in [0, M), the unit is y's row m (bits); -1 or out of range,
+    zeros (padding, gaps, a raw token row's unused units); -2 - (n * PER + j) (PARTIAL), unit
+    j of token row n's float32 partial (its bytes j H .. (j + 1) H of y's dtype), the partial
+    formed here from recv_map [N, C] row n, c ascending."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < U
     cmask = cols < H
-    src = tl.load(umap + rows, mask=rmask, other=-1)
+    src = tl.load(umap + rows * US, mask=rmask, other=-1)
+    src = tl.where(src < M, src, -1)
     raw = rmask & (src >= 0)
     v = tl.load(y + src[:, None] * H + cols[None, :], mask=raw[:, None] & cmask[None, :], other=0)
     if PARTIAL:
@@ -119,7 +121,7 @@ def _gather(op, y, recv_map, row_weight, path, weighted, first, out):
     w = row_weight.contiguous() if partial and weighted else yi  # (unread otherwise)
     oi = out.view(yi.dtype).view(U, yi.shape[1])
     launch(_units_kernel, (cdiv(U, ROWS), cdiv(yi.shape[1], BLOCK)), yi, umap, recv_map, w, oi,
-           U, yi.shape[1], M, recv_map.shape[1], PARTIAL=partial, PER=per,
+           U, yi.shape[1], M, recv_map.shape[1], umap.stride(0), PARTIAL=partial, PER=per,
            BF16=partial and y.dtype == torch.bfloat16, WEIGHTED=partial and weighted, ROWS=ROWS,
            BLOCK=BLOCK)
 
@@ -156,50 +158,95 @@ def gather_units(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: tor
 
 
 # ---- the source side -----------------------------------------------------------------------
-ADD, PART, FLUSH, NODE_SHIFT = 1, 2, 4, 3  # the slot steps' meta word
-
-
 @triton.jit
-def _reduce_kernel(back, unit, meta, w, out, T, H, K,
+def _reduce_kernel(back, send_map, idx, w, first, out, T, H, K, C, E, R, L, G, S, U,
+                   TOKEN_ROWS: tl.constexpr, COMPACT: tl.constexpr, PER: tl.constexpr,
                    BACK_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
-                   GROUPED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """out [T, H] (integer view of out_dtype): per token, K steps in its (rank, k) order, each
-    from meta [T, K] int32 (bits ADD: add w * back[unit]; PART: the group's float32 partial at
-    unit; FLUSH: the group ends; node = meta >> 3) and unit [T, K] int64, w [T, K] float32."""
+                   GROUPED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """out [T, H] (integer view of out_dtype): each token's sum over its used slots in (rank,
+    k) order, the steps found here from its routing (no bookkeeping launched before it).
+
+    idx [T, K] (the kept routing: dropped slots -1), send_map [T, C] int64 (pairs: C = K, a
+    slot's row; dedup: C = R, the token row to each rank), w [T, K] float32 (read when
+    WEIGHTED), first [S] int64 (dedup COMPACT: token row r's units at first[r]; else r * PER),
+    back [U, H] (integer view). A slot is used when its expert is in [0, E) and its row in [0,
+    S). Step i takes the token's i-th used slot in (rank d, k) order: the smallest key d * KP +
+    k above the last one (an integer min over the token's slots: order-free). pairs: the slot
+    adds its row. dedup: a group of n used slots to one rank shares its token row; n <= PER:
+    each adds its own unit (first + place in the group), else the group's first slot takes its
+    float32 partial. The group's last slot flushes the partial into the total (or the node
+    partial, GROUPED: nodes of G ranks). A group whose units lie outside back's U adds
+    nothing (the C++ kernel raises; on the device path it is masked)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ks = tl.arange(0, KP)
     rmask = rows < T
     cmask = cols < H
+    tk = rmask[:, None] & (ks < K)[None, :]
+    e = tl.load(idx + rows[:, None] * K + ks[None, :], mask=tk, other=-1).to(tl.int64)
+    ok_e = tk & (e >= 0) & (e < E)
+    d = tl.where(ok_e, e // L, R)
+    if TOKEN_ROWS:
+        col = tl.minimum(d, R - 1)
+    else:
+        col = ks[None, :].to(tl.int64) + tl.zeros([ROWS, KP], tl.int64)
+    r = tl.load(send_map + rows[:, None] * C + col, mask=ok_e, other=-1)
+    used = ok_e & (r >= 0) & (r < S)
+    NONE = (R + 1) * KP  # above every used key
+    key = tl.where(used, d * KP + ks[None, :], NONE)
+    cur = tl.min(key, axis=1)
     part = tl.zeros([ROWS, BLOCK], tl.float32)
     node = tl.zeros([ROWS, BLOCK], tl.float32)
     total = tl.zeros([ROWS, BLOCK], tl.float32)
-    open_node = tl.full([ROWS], -1, tl.int32)
+    open_node = tl.full([ROWS], -1, tl.int64)
+    prev_d = tl.full([ROWS], -1, tl.int64)
+    q = tl.zeros([ROWS], tl.int64)
     for i in range(K):
-        at = rows * K + i
-        un = tl.load(unit + at, mask=rmask, other=0)
-        mt = tl.load(meta + at, mask=rmask, other=0)
-        add = (mt & 1) != 0
+        on = rmask & (cur < NONE)
+        kc = cur % KP
+        dc = cur // KP
+        nxt = tl.min(tl.where(key > cur[:, None], key, NONE), axis=1)
+        last = on & ((nxt >= NONE) | (nxt // KP != dc))
+        start = on & (dc != prev_d)
+        q = tl.where(start, 0, q + 1)
+        this = ks[None, :] == kc[:, None]
+        rs = tl.sum(tl.where(this, r, 0), axis=1)  # the slot's row (an integer sum of one)
+        if TOKEN_ROWS:
+            n = tl.sum((used & (d == dc[:, None])).to(tl.int64), axis=1)
+            r0 = tl.minimum(tl.maximum(rs, 0), tl.maximum(S - 1, 0))
+            if COMPACT:
+                at0 = tl.load(first + r0, mask=on, other=0)  # (S = 0: no slot is on)
+            else:
+                at0 = r0 * PER
+            fits = (at0 >= 0) & (at0 + tl.minimum(n, PER) <= U)
+            add = on & fits & (n <= PER)
+            take = on & fits & (n > PER) & (q == 0)
+            un = tl.where(add, at0 + q, at0)
+        else:
+            add = on
+            un = rs
         am = add[:, None] & cmask[None, :]
         v = bits.to_f32(tl.load(back + un[:, None] * H + cols[None, :], mask=am, other=0),
                         BACK_BF16)
         if WEIGHTED:
-            v = tl.load(w + at, mask=rmask & add, other=0.0)[:, None] * v
+            v = tl.load(w + rows * K + kc, mask=add, other=0.0)[:, None] * v
         part = tl.where(am, part + v, part)
-        pm = ((mt & 2) != 0)[:, None] & cmask[None, :]
-        if BACK_BF16:  # a partial spans 2 units and may start at an odd element: two halves
-            el = back + un[:, None] * H + 2 * cols[None, :]
-            lo = tl.load(el, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            hi = tl.load(el + 1, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
-            pv = (lo | (hi << 16)).to(tl.float32, bitcast=True)
-        else:
-            pv = tl.load(back + un[:, None] * H + cols[None, :], mask=pm, other=0)
-            pv = pv.to(tl.float32, bitcast=True)
-        part = tl.where(pm, pv, part)
-        flush = (mt & 4) != 0
-        fm = flush[:, None]
+        if TOKEN_ROWS:
+            pm = take[:, None] & cmask[None, :]
+            if BACK_BF16:  # a partial spans 2 units and may start at an odd element: two halves
+                el = back + un[:, None] * H + 2 * cols[None, :]
+                lo = tl.load(el, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+                hi = tl.load(el + 1, mask=pm, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+                pv = (lo | (hi << 16)).to(tl.float32, bitcast=True)
+            else:
+                pv = tl.load(back + un[:, None] * H + cols[None, :], mask=pm, other=0)
+                pv = pv.to(tl.float32, bitcast=True)
+            part = tl.where(pm, pv, part)
+        fm = last[:, None]
         if GROUPED:  # N = +0.0 + P + ... per node, added into total when the next node opens
-            nd = mt >> 3
-            opens = flush & (nd != open_node)
+            nd = dc // G
+            opens = last & (nd != open_node)
             total = tl.where((opens & (open_node >= 0))[:, None], total + node, total)
             node = tl.where(opens[:, None], 0.0, node)
             open_node = tl.where(opens, nd, open_node)
@@ -207,17 +254,19 @@ def _reduce_kernel(back, unit, meta, w, out, T, H, K,
         else:
             total = tl.where(fm, total + part, total)
         part = tl.where(fm, 0.0, part)
+        prev_d = tl.where(on, dc, prev_d)
+        cur = nxt
     if GROUPED:
         total = tl.where((open_node >= 0)[:, None], total + node, total)
     tl.store(out + rows[:, None] * H + cols[None, :], bits.from_f32(total, OUT_BF16),
              mask=rmask[:, None] & cmask[None, :])
 
 
-def _steps(send_map, idx, E, R, path, per, first, S, U, G):
-    """Each token's slots as the kernel's steps, in (rank, k) order (a stable sort by rank):
-    (unit [T, K] int64, meta [T, K] int32, order [T, K], bad, bad_first) where bad / bad_first
-    [T, K] mark what the C++ kernel raises for (used only on CPU). Which unit a step reads and
-    whether it adds a row or takes a partial is the path's (reduce_units)."""
+def _steps(send_map, idx, E, R, path, per, first, S, U):
+    """What the C++ kernel raises for, per slot [T, K]: (bad, bad_first), from each token's
+    slots in (rank, k) order (a stable sort by rank) as the kernel walks them. Torch ops, run
+    only where reading them is free (a CPU tensor off the device path): the kernel itself
+    masks these slots."""
     T, K = idx.shape
     dev = idx.device
     L = E // R
@@ -234,17 +283,16 @@ def _steps(send_map, idx, E, R, path, per, first, S, U, G):
     nxt = torch.cat([ds[:, 1:], torch.full_like(ds[:, :1], -1)], 1)
     start, last = on & (ds != prev), on & (ds != nxt)
     rs = torch.gather(r, 1, order)
-    node = ds // G
-    unit, add, part, bad_first = path.reduce_units(rs, on, start, last, i, first, per, S, U)
-    meta = add.int() * ADD | part.int() * PART | last.int() * FLUSH
-    return unit, meta | (node.int() << NODE_SHIFT), order, bad, bad_first
+    _, _, _, bad_first = path.reduce_units(rs, on, start, last, i, first, per, S, U)
+    return bad, bad_first
 
 
 def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Tensor,
                   topk_weights: torch.Tensor, num_experts: int, num_ranks: int, transport: int,
                   weighted: bool, out_dtype: torch.dtype, ranks_per_node: int = 1,
                   first: torch.Tensor | None = None) -> torch.Tensor:
-    """The source side's sum (cpu/combine.cpp reduce_tokens_cpu): out [T, H] out_dtype.
+    """The source side's sum (cpu/combine.cpp reduce_tokens_cpu): out [T, H] out_dtype, one
+    launch on the device path.
 
     back: pairs [S, H] (a slot's row of y), dedup [U, H] with first [S] int64 (token row r's
     units at first[r]) or [S, per * H] without (at r * per), float32 or bfloat16; send_map
@@ -259,7 +307,7 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
                                 out_dtype, first)
     back = back.contiguous()
     send_map = send_map.contiguous()
-    idx = topk_idx.to(torch.int64).contiguous()
+    idx = topk_idx.contiguous()
     compact = first is not None
     first = first.contiguous() if compact else None
     per = path.units_per_row(back.element_size())  # pairs: 1, a row per slot
@@ -267,21 +315,29 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
     S = first.shape[0] if compact else back.shape[0]
     U = back.shape[0] if compact else S * per
     T, K = idx.shape
-    unit, meta, order, bad, bad_first = _steps(send_map, idx, E, R, path, per, first, S, U, G)
-    if ck.on_host(back) and bool((bad | bad_first).any()):
-        ck.check_map_range(op, "send_map", send_map, S, "rows of back")
-        ck.check_expert_range(op, idx, E)
-        if bool(bad_first.any()):
-            ck.fail(op, f"a token row whose units lie outside back's {U} units (first names a "
-                        "unit out of range)")
-        ck.fail(op, path.UNMATCHED_SLOT)
-    w = torch.gather(topk_weights, 1, order).contiguous() if weighted else meta
+    if ck.on_host(back):
+        bad, bad_first = _steps(send_map, idx.to(torch.int64), E, R, path, per, first, S, U)
+        if bool((bad | bad_first).any()):
+            ck.check_map_range(op, "send_map", send_map, S, "rows of back")
+            ck.check_expert_range(op, idx, E)
+            if bool(bad_first.any()):
+                ck.fail(op, f"a token row whose units lie outside back's {U} units (first "
+                            "names a unit out of range)")
+            ck.fail(op, path.UNMATCHED_SLOT)
+    w = topk_weights.contiguous() if weighted else idx  # (unread unweighted)
     out = torch.empty((T, H), dtype=out_dtype, device=back.device)
     launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, BLOCK)), int_view(back).view(U, H),
-           unit.contiguous(), meta.contiguous(), w, int_view(out), T, H, K,
-           BACK_BF16=back.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
-           WEIGHTED=weighted, GROUPED=G > 1, ROWS=ROWS, BLOCK=BLOCK)
+           send_map, idx, w, first if compact else send_map, int_view(out), T, H, K,
+           send_map.shape[1], E, R, E // R, G, S, U, TOKEN_ROWS=path.TOKEN_ROWS,
+           COMPACT=compact, PER=per, BACK_BF16=back.dtype == torch.bfloat16,
+           OUT_BF16=out_dtype == torch.bfloat16, WEIGHTED=weighted, GROUPED=G > 1,
+           KP=kp(K), ROWS=ROWS, BLOCK=BLOCK)
     return out
+
+
+def kp(K: int) -> int:
+    """The slot tile of a token: K rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(max(K, 1)))
 
 
 # ---- what the compile gate compiles (the forms the ops launch on a GPU) ---------------------
@@ -295,22 +351,27 @@ for _yt, _partial, _bf16 in [(torch.int16, True, True), (torch.int32, True, Fals
             f"{',weighted' if _w else ''}]", _units_kernel,
             {"y": _INT_PTR[_yt], "umap": "*i64", "recv_map": "*i64",
              "row_weight": "*fp32" if _w else _INT_PTR[_yt], "out": _INT_PTR[_yt], "U": "i32",
-             "H": "i32", "M": "i32", "C": "i32", "PARTIAL": "constexpr", "PER": "constexpr",
-             "BF16": "constexpr", "WEIGHTED": "constexpr", "ROWS": "constexpr",
-             "BLOCK": "constexpr"},
+             "H": "i32", "M": "i32", "C": "i32", "US": "i32", "PARTIAL": "constexpr",
+             "PER": "constexpr", "BF16": "constexpr", "WEIGHTED": "constexpr",
+             "ROWS": "constexpr", "BLOCK": "constexpr"},
             {"PARTIAL": _partial, "PER": 2 if _bf16 else 1, "BF16": _bf16, "WEIGHTED": _w,
              "ROWS": ROWS, "BLOCK": BLOCK})
-for _bb in (True, False):
-    for _ob in (True, False):
-        for _w in (True, False):
-            for _g in (True, False):
-                specialization(
-                    f"combine.reduce[{'bf16' if _bb else 'f32'}->{'bf16' if _ob else 'f32'}"
-                    f"{',weighted' if _w else ''}{',grouped' if _g else ''}]", _reduce_kernel,
-                    {"back": "*i16" if _bb else "*i32", "unit": "*i64", "meta": "*i32",
-                     "w": "*fp32" if _w else "*i32", "out": "*i16" if _ob else "*i32",
-                     "T": "i32", "H": "i32", "K": "i32", "BACK_BF16": "constexpr",
-                     "OUT_BF16": "constexpr", "WEIGHTED": "constexpr", "GROUPED": "constexpr",
-                     "ROWS": "constexpr", "BLOCK": "constexpr"},
-                    {"BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g,
-                     "ROWS": ROWS, "BLOCK": BLOCK})
+_REDUCE_FORMS = [(tr, bb, ob, wt, False) for tr in ("pairs", "dedup")
+                 for bb, ob in ((True, True), (False, False), (False, True))
+                 for wt in (True, False)] + [("dedup", True, True, True, True),
+                                             ("pairs", False, False, True, True)]
+for _tr, _bb, _ob, _w, _g in _REDUCE_FORMS:
+    _dedup = _tr == "dedup"
+    specialization(
+        f"combine.reduce[{_tr},{'bf16' if _bb else 'f32'}->{'bf16' if _ob else 'f32'}"
+        f"{',weighted' if _w else ''}{',grouped' if _g else ''}]", _reduce_kernel,
+        {"back": "*i16" if _bb else "*i32", "send_map": "*i64", "idx": "*i64",
+         "w": "*fp32" if _w else "*i64", "first": "*i64", "out": "*i16" if _ob else "*i32",
+         "T": "i32", "H": "i32", "K": "i32", "C": "i32", "E": "i32", "R": "i32", "L": "i32",
+         "G": "i32", "S": "i32", "U": "i32", "TOKEN_ROWS": "constexpr", "COMPACT": "constexpr",
+         "PER": "constexpr", "BACK_BF16": "constexpr", "OUT_BF16": "constexpr",
+         "WEIGHTED": "constexpr", "GROUPED": "constexpr", "KP": "constexpr",
+         "ROWS": "constexpr", "BLOCK": "constexpr"},
+        {"TOKEN_ROWS": _dedup, "COMPACT": _dedup, "PER": 2 if _dedup and _bb else 1,
+         "BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g, "KP": 8,
+         "ROWS": ROWS, "BLOCK": BLOCK})

@@ -125,11 +125,11 @@ def unpack_slots(rs, bits: list):
 
 # ---- combine and the backward passes ---------------------------------------------------------
 def unit_map(op, recv_map, M: int, per: int, first, U: int) -> torch.Tensor:
-    """The expert side's units [N]: received row n is expert row recv_map[n, 0] (-1: zeros)."""
+    """The expert side's units [N]: received row n is expert row recv_map[n, 0] (out of
+    range: zeros, the kernel masks), a strided view of recv_map (nothing launched)."""
     if ck.on_host(recv_map):
         ck.check_map_range(op, "recv_map", recv_map, M, "rows of expert_y")
-    m = recv_map[:, 0]
-    return torch.where((m >= 0) & (m < M), m, -1)
+    return recv_map[:, 0]
 
 
 def slot_rows(send_map, d, R: int) -> torch.Tensor:
