@@ -38,7 +38,9 @@ import triton.language as tl  # noqa: E402
 
 __all__ = ["triton", "tl", "INTERPRETED", "launch", "Specialization", "SPECIALIZATIONS",
            "specialization", "cdiv", "LAUNCH_HOOKS", "gpu_tiles", "tiles", "gpu_constants",
-           "TILES_ENV", "TILE_CONSTEXPRS"]
+           "TILES_ENV", "TILE_CONSTEXPRS", "SIZE_CONSTEXPRS", "kernel_modules", "kernel_name",
+           "launch_form", "form_key", "canonical", "record_launches", "check_recorded",
+           "UnrecordedLaunch"]
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
@@ -115,6 +117,10 @@ def specialization(name: str, kernel, signature: dict, constexprs: dict | None =
 # compile. The module's own line stays the one source of each size.
 TILES_ENV = "EPKIT_TILES"  # "gpu": tests/triton runs every test at the GPU's tiles
 TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR")  # the launch constexprs that are tile sizes
+# Constexprs whose value follows the data (a power of two covering a data dimension, such as
+# top-k): a launch may take a value the recording never saw, so the record's check takes any
+# value of these (the gate compiles the values recorded).
+SIZE_CONSTEXPRS = ("KP",)
 _TILE_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s+if\s+INTERPRETED\s+else\s+(.+?)\s*(#.*)?$")
 _TILES = ["gpu" if not INTERPRETED else "interpreter"]
 
@@ -238,14 +244,15 @@ def launch_form(kernel, args, constexprs) -> dict:
 _INT_TYPES = ("i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
 
 
-def form_key(form: dict, with_tiles: bool = True) -> str:
+def form_key(form: dict, with_tiles: bool = True, with_sizes: bool = True) -> str:
     """What identifies a launch site's form, as one string: the kernel, its pointer types, its
     constexprs, its launch options; not what the data decides (an integer's width and whether
     it is 1, the 16-byte alignment: ``canonical`` merges those). Without tiles: the tile-size
-    constexprs left out too (a run at the interpreter's tiles against a GPU recording)."""
+    constexprs left out too (a run at the interpreter's tiles against a GPU recording); without
+    sizes: the SIZE_CONSTEXPRS' values."""
     sig = {k: "int" if v in _INT_TYPES else v for k, v in form["signature"].items()}
-    consts = {k: v for k, v in form["constexprs"].items()
-              if with_tiles or k not in TILE_CONSTEXPRS}
+    consts = {k: v if with_sizes or k not in SIZE_CONSTEXPRS else "any"
+              for k, v in form["constexprs"].items() if with_tiles or k not in TILE_CONSTEXPRS}
     return json.dumps([form["kernel"], sig, consts, form["options"]], sort_keys=True)
 
 
@@ -306,8 +313,9 @@ class UnrecordedLaunch(AssertionError):
 def check_recorded(forms, keep=None):
     """A launch hook that raises :class:`UnrecordedLaunch` for a launch whose :func:`form_key`
     (with the tile sizes when the kernels run at a GPU's tiles, without them at the
-    interpreter's) is not among ``forms``' (``keep(kernel)``: the kernels checked)."""
-    known = {True: {form_key(f) for f in forms}, False: {form_key(f, False) for f in forms}}
+    interpreter's; any SIZE_CONSTEXPRS value) is not among ``forms``' (``keep(kernel)``: the
+    kernels checked)."""
+    known = {gpu: {form_key(f, gpu, False) for f in forms} for gpu in (True, False)}
     keep = keep or (lambda kernel: kernel_name(kernel).startswith("epkit."))
 
     @contextlib.contextmanager
@@ -315,7 +323,7 @@ def check_recorded(forms, keep=None):
         if keep(kernel):
             gpu = tiles() == "gpu"
             form = launch_form(kernel, args, constexprs)
-            if form_key(form, gpu) not in known[gpu]:
+            if form_key(form, gpu, False) not in known[gpu]:
                 raise UnrecordedLaunch(
                     f"{form['kernel']} launched in a form the compile gate does not compile "
                     f"({'at GPU tiles' if gpu else 'tile sizes aside'}): signature "
