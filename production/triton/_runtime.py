@@ -257,21 +257,27 @@ def form_key(form: dict, with_tiles: bool = True, with_sizes: bool = True) -> st
 
 
 def canonical(forms) -> list[dict]:
-    """One form per :func:`form_key` for the gate to compile: the widest integer type seen for
-    each argument, no "equal to 1" specialisation, and every argument aligned that was aligned
-    in some launch (a real model's launches: pointers 16-byte aligned, sizes multiples of 16, the
-    case that decides the vector width). Sorted: a recording gives one text."""
+    """One form per :func:`form_key` (sizes aside) for the gate to compile: the widest integer
+    type seen for each argument, no "equal to 1" specialisation, every argument aligned that was
+    aligned in some launch (a real model's launches: pointers 16-byte aligned, sizes multiples
+    of 16, the case that decides the vector width), the largest value of each SIZE_CONSTEXPRS
+    (the most registers; the numeric rules do not depend on it). Sorted: a recording gives one
+    text."""
     merged: dict[str, dict] = {}
     for form in forms:
-        key = form_key(form)
+        key = form_key(form, True, False)
         if key not in merged:
             merged[key] = dict(form, signature=dict(form["signature"]),
+                               constexprs=dict(form["constexprs"]),
                                aligned=list(form["aligned"]), ones=[])
             continue
         m = merged[key]
         for name, ty in form["signature"].items():
             if ty == "i64":
                 m["signature"][name] = "i64"
+        for name in SIZE_CONSTEXPRS:
+            if name in form["constexprs"]:
+                m["constexprs"][name] = max(m["constexprs"][name], form["constexprs"][name])
         m["aligned"] = sorted(set(m["aligned"]) | set(form["aligned"]),
                               key=list(m["signature"]).index)
     return [merged[k] for k in sorted(merged)]
