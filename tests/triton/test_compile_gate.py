@@ -260,3 +260,29 @@ def test_a_form_that_is_not_the_kernels_is_refused(tmp_path):
     assert [v["rule"] for v in row["violations"]] == [
         "does not compile: the form's arguments are not the kernel's (changed since it was "
         "recorded? epkit kernels --record)"]
+
+
+def test_launch_form_reads_what_triton_specialises():
+    """A launch's form by Triton's rule: an int equal to 1 is specialised (``ones``), one past
+    2^31 is i64, 16-byte aligned pointers and ints divisible by 16 are ``aligned``, launch
+    options apart from constexprs."""
+    import torch
+
+    import gate_kernels
+    from epkit.triton._runtime import form_key, launch_form
+
+    x, odd = torch.zeros(64), torch.zeros(65)[1:]
+    form = launch_form(gate_kernels.mul_add, (x, odd, x, 1),
+                       {"BLOCK": 128, "FUSED": False, "num_warps": 2, "enable_fp_fusion": False})
+    assert form["signature"] == {"x": "*fp32", "y": "*fp32", "o": "*fp32", "n": "i32",
+                                 "BLOCK": "constexpr", "FUSED": "constexpr"}
+    assert form["aligned"] == ["x", "o"] and form["ones"] == ["n"]
+    assert form["constexprs"] == {"BLOCK": 128, "FUSED": False}
+    assert form["options"] == {"enable_fp_fusion": False, "num_warps": 2}
+    wide = launch_form(gate_kernels.mul_add, (x, x, x, 1 << 36), {"BLOCK": 128, "FUSED": False,
+                                                                  "num_warps": 2, "enable_fp_fusion": False})
+    assert wide["signature"]["n"] == "i64" and wide["aligned"] == ["x", "y", "o", "n"]
+    assert form_key(wide) == form_key(form)  # what the data decides is not the launch site's form
+    fused = launch_form(gate_kernels.mul_add, (x, x, x, 16), {"BLOCK": 128, "FUSED": False,
+                                                              "num_warps": 2, "enable_fp_fusion": True})
+    assert form_key(fused) != form_key(form)
