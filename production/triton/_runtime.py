@@ -198,6 +198,25 @@ def kernel_name(kernel) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
+_PARAMS: dict = {}
+
+
+def _params(fn) -> list:
+    """``fn``'s parameters as (name, is constexpr, default or _NONE), cached (inspect is slow;
+    a launch hook runs at every launch)."""
+    params = _PARAMS.get(fn)
+    if params is None:
+        import inspect
+
+        params = _PARAMS[fn] = [
+            (p.name, _is_constexpr(p), _NONE if p.default is inspect.Parameter.empty else p.default)
+            for p in inspect.signature(fn).parameters.values()]
+    return params
+
+
+_NONE = object()
+
+
 def launch_form(kernel, args, constexprs) -> dict:
     """The compiled form a GPU launch of ``kernel`` with ``args`` / ``constexprs`` (as given to
     :func:`launch`) gets, by Triton's own rule (``native_specialize_impl``, as ``JITFunction``
@@ -206,36 +225,33 @@ def launch_form(kernel, args, constexprs) -> dict:
     equal to 1 (``ones``: Triton makes them constexprs); the constexprs; the launch options
     (``num_warps``, ``enable_fp_fusion``...). Plain data (JSON), what ``epkit kernels --compile``
     compiles."""
-    import inspect
-
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     fn = getattr(kernel, "fn", kernel)
-    params = list(inspect.signature(fn).parameters.values())
-    bound = dict(zip((p.name for p in params), args))
+    params = _params(fn)
     signature, aligned, ones, consts = {}, [], [], {}
-    for p in params:
-        if p.name in constexprs:
-            value = constexprs[p.name]
-        elif p.name in bound:
-            value = bound[p.name]
-        elif p.default is not inspect.Parameter.empty:
-            value = p.default
+    for i, (name, is_constexpr, default) in enumerate(params):
+        if name in constexprs:
+            value = constexprs[name]
+        elif i < len(args):
+            value = args[i]
+        elif default is not _NONE:
+            value = default
         else:
-            raise TypeError(f"{kernel_name(kernel)}: no value for {p.name}")
-        if _is_constexpr(p):
-            signature[p.name], consts[p.name] = "constexpr", value
+            raise TypeError(f"{kernel_name(kernel)}: no value for {name}")
+        if is_constexpr:
+            signature[name], consts[name] = "constexpr", value
             continue
         ty, spec = native_specialize_impl(BaseBackend, value, False, True, True)
         if ty == "constexpr" and isinstance(value, int):  # Triton's "equal to 1" specialisation
             ty, spec = ("i64" if value >= 1 << 31 else "i32"), ""
-            ones.append(p.name)
-        signature[p.name] = ty
+            ones.append(name)
+        signature[name] = ty
         if ty == "constexpr":
-            consts[p.name] = spec
+            consts[name] = spec
         elif spec == "D":
-            aligned.append(p.name)
+            aligned.append(name)
     options = {k: v for k, v in constexprs.items() if k not in signature}
     return {"kernel": kernel_name(kernel), "signature": signature, "aligned": aligned,
             "ones": ones, "constexprs": consts, "options": dict(sorted(options.items()))}
