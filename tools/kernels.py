@@ -1,12 +1,18 @@
 """``epkit kernels``: epkit's Triton kernels, as the ops launch them, compiled without a GPU.
 
-``epkit kernels`` lists the specialisations the kernel modules of ``epkit.triton`` declare
-(``_runtime.SPECIALIZATIONS``). ``epkit kernels --compile sm_90,gfx942`` compiles each of them
-for each target (``triton.compile`` on an ``ASTSource``, no driver needed), prints registers,
-spills, scratch, shared memory / LDS and compile time, and fails (exit 1) on any rule the
+``epkit kernels`` lists what the ops launch: the launch forms recorded in
+``epkit.triton.launched`` (kernel, argument types, 16-byte alignment, constexprs with the tile
+sizes, launch options), which ``epkit kernels --record`` writes by running tests/triton at a GPU
+launch's tile sizes under the launch hook (``_runtime.record_launches``); every launch in
+tests/triton is checked against that record, so it cannot drift from what is launched.
+``epkit kernels --compile sm_90,gfx942`` compiles each of them for each target
+(``triton.compile`` on an ``ASTSource``, no driver needed), prints registers, spills, scratch,
+shared memory / LDS and compile time, and fails (exit 1) on any rule the
 compiled code breaks (``kernel_rules.py``): in an exact kernel, fused multiply-add, approximate
 division, flush-to-zero or hardware float narrowing in the PTX / AMDGCN; in every kernel, a
-spill, shared memory over the target's limit, an int32 multiply fed by a program id. The
+spill, shared memory over the target's limit, an int32 multiply fed by a program id; from the
+launch and the TTIR, an exact kernel launched with ``enable_fp_fusion=True`` or reducing floats
+(``tl.sum``), and any kernel loading a buffer it stored to before a ``tl.debug_barrier()``. The
 interpreter cannot see any of these: it never fuses, divides exactly and has no registers.
 
 Compiling needs ``TRITON_INTERPRET=0`` before Triton is imported (``epkit.triton`` otherwise
@@ -65,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="check the specialisations this module (dotted name or .py path) declares "
                          "instead of epkit.triton's; repeatable")
     ap.add_argument("--launches", metavar="PATH", default=None,
-                    help="compile the launch forms recorded in this JSON file (a recording's, as "
-                         "--record writes) instead of epkit's committed record (epkit.triton.launched)")
+                    help="compile the launch forms in this JSON file ({\"tiles\", \"forms\"}, as "
+                         "_runtime.record_launches collects them) instead of epkit's record "
+                         "(epkit.triton.launched)")
     ap.add_argument("--record", metavar="PATH", nargs="?", const=LAUNCHED, default=None,
                     help="run tests/triton at a GPU launch's tile sizes, record every launch's form "
                          "and write the record (default: production/triton/launched.py)")

@@ -103,7 +103,9 @@ SPECIALIZATIONS: list[Specialization] = []
 
 def specialization(name: str, kernel, signature: dict, constexprs: dict | None = None,
                    exact: bool = True) -> None:
-    """Declare a specialisation the ops launch (kernel modules call this at import)."""
+    """Declare a specialisation. The gate compiles declarations only for ``epkit kernels
+    --module`` (its own planted kernels); epkit's launches are compiled from their record
+    (``launched.py``), so the kernel modules' declarations are no longer what is checked."""
     SPECIALIZATIONS.append(Specialization(name, kernel, dict(signature), dict(constexprs or {}),
                                           exact))
 
