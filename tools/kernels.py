@@ -195,7 +195,9 @@ def _record(args) -> int:
     tmp = tempfile.mkdtemp(prefix="epkit-record-")
     try:
         out = os.path.join(tmp, "launches.json")
-        env = dict(os.environ, EPKIT_TILES="gpu", EPKIT_RECORD_LAUNCHES=out, EPKIT_LAUNCH_CHECK="0")
+        # derandomized: a fixed seed, and no example database replaying earlier failures
+        env = dict(os.environ, EPKIT_TILES="gpu", EPKIT_RECORD_LAUNCHES=out, EPKIT_LAUNCH_CHECK="0",
+                   HYPOTHESIS_STORAGE_DIRECTORY=os.path.join(tmp, "hypothesis"))
         cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-m", "not slow and not cuda",
                "--hypothesis-seed=0", "-p", "no:cacheprovider", tests,
                *[f"--ignore={os.path.join(tests, name)}" for name in RECORD_IGNORE]]
