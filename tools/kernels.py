@@ -123,6 +123,15 @@ def _resolve(name: str, modules: list):
     return getattr(importlib.import_module(mod_name), fn)
 
 
+def _missing(name: str):
+    """A stand-in for a recorded kernel that no longer exists (compile_one reports it)."""
+    def missing():
+        pass
+    missing.__name__ = missing.__qualname__ = name.rsplit(":", 1)[-1]
+    missing.missing = name
+    return missing
+
+
 def load_forms(path: str | None) -> dict:
     """The recorded launches: ``{"tiles": ..., "forms": [...]}`` from a JSON file written by a
     recording (``_runtime.record_launches``), or epkit's committed record
@@ -143,7 +152,10 @@ def recorded(path: str | None, modules: list | None = None):
     mods = [_import(m) for m in modules or []]
     out, seen = [], {}
     for form in load_forms(path)["forms"]:
-        kernel = _resolve(form["kernel"], mods)
+        try:
+            kernel = _resolve(form["kernel"], mods)
+        except (ImportError, AttributeError):
+            kernel = _missing(form["kernel"])
         mod, fn = form["kernel"].rsplit(":", 1)
         consts = ",".join(f"{k}={v}" for k, v in form["constexprs"].items())
         name = f"{mod.rsplit('.', 1)[-1]}.{fn}[{consts}]"
@@ -227,6 +239,8 @@ def specifications(modules: list[str] | None, launches: str | None, only: str | 
 
 
 def _where(kernel) -> str:
+    if getattr(kernel, "missing", None):
+        return kernel.missing
     fn = getattr(kernel, "fn", kernel)
     code = getattr(fn, "__code__", None)
     path = code.co_filename if code else "?"
@@ -284,6 +298,11 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
     row = {"kernel": spec.name, "where": _where(spec.kernel), "target": target_name,
            "exact": bool(spec.exact), "registers": None, "spills": None, "scratch": None,
            "shared": None, "compile_ms": None, "violations": []}
+    if getattr(spec.kernel, "missing", None):
+        row["violations"].append({"rule": "does not compile: the recorded kernel is gone (renamed "
+                                          "or removed since it was recorded? epkit kernels --record)",
+                                  "evidence": spec.kernel.missing})
+        return row
     params = list(getattr(spec.kernel, "arg_names", []))
     if params and sorted(signature) != sorted(params):
         row["violations"].append({"rule": "does not compile: the form's arguments are not the "

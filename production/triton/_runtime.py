@@ -352,7 +352,8 @@ def check_recorded(forms, keep=None):
                     f"{form['kernel']} launched in a form the compile gate does not compile "
                     f"({'at GPU tiles' if gpu else 'tile sizes aside'}): signature "
                     f"{form['signature']}, constexprs {form['constexprs']}, options "
-                    f"{form['options']}. If the launch is meant, record it: epkit kernels --record")
+                    f"{form['options']}. If the launch is meant, record it: epkit kernels --record "
+                    "(EPKIT_LAUNCH_CHECK=0 skips this check while a kernel is being written)")
         yield
 
     return hook

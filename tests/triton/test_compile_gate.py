@@ -260,6 +260,16 @@ def test_a_form_that_is_not_the_kernels_is_refused(tmp_path):
     assert [v["rule"] for v in row["violations"]] == [
         "does not compile: the form's arguments are not the kernel's (changed since it was "
         "recorded? epkit kernels --record)"]
+    # a recorded kernel that is gone: reported, not a crash of the gate
+    from epkit.tools.kernels import recorded
+
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps({"tiles": "gpu", "forms": [
+        {"kernel": "gate_kernels:renamed", "signature": {"x": "*fp32"}, "aligned": [], "ones": [],
+         "constexprs": {}, "options": {}}]}))
+    (gone,) = recorded(str(path), [GATE_KERNELS])
+    row = compile_one(gone, "gfx942", str(tmp_path))
+    assert row["where"] == "gate_kernels:renamed" and "the recorded kernel is gone" in row["violations"][0]["rule"]
 
 
 def test_launch_form_reads_what_triton_specialises():
