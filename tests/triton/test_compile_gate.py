@@ -296,3 +296,19 @@ def test_launch_form_reads_what_triton_specialises():
     fused = launch_form(gate_kernels.mul_add, (x, x, x, 16), {"BLOCK": 128, "FUSED": False,
                                                               "num_warps": 2, "enable_fp_fusion": True})
     assert form_key(fused) != form_key(form)
+
+
+def test_every_launched_kernel_is_in_the_record():
+    """Each kernel a module of epkit.triton launches (``launch(kernel, ...)`` in its source) has
+    a recorded form: a kernel only launched on a path the tests never take would otherwise be
+    compiled by nothing."""
+    import inspect
+    import re
+
+    from epkit.triton import _runtime, launched
+
+    recorded = {form["kernel"] for form in launched.FORMS}
+    launched_here = {f"{m.__name__}:{name}" for m in _runtime.kernel_modules()
+                     for name in re.findall(r"\blaunch\(\s*(\w+)\s*,", inspect.getsource(m))
+                     if name != "kernel"}
+    assert launched_here and launched_here <= recorded, sorted(launched_here - recorded)
