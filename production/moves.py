@@ -147,21 +147,13 @@ def _ragged_bounds(hp, per: int) -> list:
     for ``per = 1`` (float32: a unit per token row) and whenever no token row has more than
     ``per`` kept slots; else a bound, the rest of the chunk unread padding. The exact counts
     (``min(n, per)`` summed) live only on the device: reading them is a host wait per combine
-    and backward pass, which this avoids. :func:`_ragged_chunks` is the same on the device."""
+    and backward pass, which this avoids."""
     sl = plan_slices(int(hp[RANKS]), int(hp[EXPERTS]))
 
     def chunks(rows, slots):
         return [min(s, per * r) for r, s in zip(hp[sl[rows]].tolist(), hp[sl[slots]].tolist())]
 
     return [chunks("recv_counts", "recv_slots"), chunks("send_counts", "send_slots")]
-
-
-def _ragged_chunks(hp, plan: torch.Tensor, per: int) -> list:
-    """:func:`_ragged_bounds` as ``[R] int64`` tensors on ``plan``'s device (the places are
-    computed there: no host table copied over)."""
-    sl = plan_slices(int(hp[RANKS]), int(hp[EXPERTS]))
-    return [torch.minimum(plan[sl[slots]], per * plan[sl[rows]])
-            for rows, slots in (("recv_counts", "recv_slots"), ("send_counts", "send_slots"))]
 
 
 def _row_chunks(hp, plan: torch.Tensor, n: int, recv: bool) -> torch.Tensor:
@@ -180,18 +172,15 @@ def _row_chunks(hp, plan: torch.Tensor, n: int, recv: bool) -> torch.Tensor:
 
 def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, chunk, hdr: int):
     """Where the return path puts each token row's rows. ``u [n]``: rows of each token row (row
-    space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact), the rows
-    of every chunk (fixed chunks), or ``[R] int64`` on the device, each peer's chunk rows
-    (bounded chunks, :func:`_ragged_chunks`). Returns ``(pos [n, per] int64``: the way-back row of its i-th row,
-    -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
+    space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact) or the
+    rows of every chunk (fixed chunks). The torch form (the C++ path's); the device path's is
+    one launch (:func:`_device_places`). Returns ``(pos [n, per] int64``: the way-back row of
+    its i-th row, -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
     per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
     base = torch.cumsum(u, 0) - u                                    # compact: rows before it
-    if chunk is not None:                                            # fixed or bounded chunks
+    if chunk is not None:                                            # fixed chunks
         first = torch.cumsum(per_chunk, 0) - per_chunk
-        if isinstance(chunk, torch.Tensor):
-            start = (torch.cumsum(chunk, 0) - chunk)[chunk_of]
-        else:
-            start = chunk_of * chunk
+        start = chunk_of * chunk
         base = start + hdr + base - first[chunk_of]
     i = torch.arange(per, device=u.device)
     return torch.where(i < u.unsqueeze(1), base.unsqueeze(1) + i, -1), per_chunk
@@ -237,33 +226,64 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     hp = host_plan(plan)
     R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
     per = 4 // expert_y.dtype.itemsize
-    N = recv_map.shape[0]
+    N, S = recv_map.shape[0], int(hp[SEND_ROWS])
     chunk, hdr = _back_layout(hp, per)
-    # ragged on the device path: each peer's chunk from the plan's host words (no host read)
-    bounds = _ragged_bounds(hp, per) if chunk is None and device_path(expert_y) else None
-    places = chunk if bounds is None else _ragged_chunks(hp, plan, per)
-    # expert side: each received token row's first unit, laid out for the variant
-    u = (recv_map >= 0).sum(1).clamp(max=per)
-    first, send = _unit_positions(u, _row_chunks(hp, plan, N, True), R, 1,
-                                  places if bounds is None else places[0], hdr)
-    total = (R * chunk if chunk is not None else sum(bounds[0]) if bounds is not None
-             else int(send.sum()))
-    buf = workspace.empty(workspace.allocator(ws, workspace.SEND), (total, expert_y.shape[1]),
-                          expert_y.dtype, expert_y)
-    C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
-    # source side: where each of its token rows' units arrive
-    S = int(hp[SEND_ROWS])
-    u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
-    at, recv = _unit_positions(u_row, _row_chunks(hp, plan, S, False), R, 1,
-                               places if bounds is None else places[1], hdr)
-    sizes = ([[chunk] * R] * 2 if chunk is not None else bounds if bounds is not None
-             else [send.tolist(), recv.tolist()])
+    if device_path(expert_y):
+        # each peer's chunk from the plan's host words (no host read); the places and the
+        # units' map in one launch a side (triton/places.py)
+        bounds = _ragged_bounds(hp, per) if chunk is None else None
+        total = R * chunk if chunk is not None else sum(bounds[0])
+        first, umap = _device_places(recv_map, plan, hp, True, per, chunk, hdr,
+                                     umap_units=total, M=expert_y.shape[0])
+        buf = workspace.empty(workspace.allocator(ws, workspace.SEND),
+                              (total, expert_y.shape[1]), expert_y.dtype, expert_y)
+        from .triton import combine as kernels
+
+        kernels.units(expert_y, umap, recv_map, row_weight, True, weighted, buf)
+        u_row = _send_row_slots(kept_idx, send_map, L, S)
+        at, _ = _device_places(u_row, plan, hp, False, per, chunk, hdr, values=True)
+        sizes = [[chunk] * R] * 2 if chunk is not None else bounds
+    else:
+        # expert side: each received token row's first unit, laid out for the variant
+        u = (recv_map >= 0).sum(1).clamp(max=per)
+        first, send = _unit_positions(u, _row_chunks(hp, plan, N, True), R, 1, chunk, hdr)
+        total = R * chunk if chunk is not None else int(send.sum())
+        buf = workspace.empty(workspace.allocator(ws, workspace.SEND),
+                              (total, expert_y.shape[1]), expert_y.dtype, expert_y)
+        C.gather_units(expert_y, recv_map, row_weight, DEDUP, weighted, first.view(-1), buf)
+        # source side: where each of its token rows' units arrive
+        u_row = _send_row_slots(kept_idx, send_map, L, S).clamp(max=per)
+        at, recv = _unit_positions(u_row, _row_chunks(hp, plan, S, False), R, 1, chunk, hdr)
+        sizes = [[chunk] * R] * 2 if chunk is not None else [send.tolist(), recv.tolist()]
     move = all_to_all(buf, *sizes, group_from_name(group_name),
                       "ragged" if chunk is None else "equal", chunk or 0, async_op=async_op,
                       what=what, alloc=workspace.allocator(ws, workspace.RECV))
     if async_op:
         return lambda: Back(move(), kept_idx, at.view(-1))
     return Back(move, kept_idx, at.view(-1))
+
+
+def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: int, chunk,
+                   hdr: int, values: bool = False, compact: Optional[str] = None,
+                   umap_units: int = -1, M: int = 0):
+    """:func:`_unit_positions` of the device path in one launch (triton/places.py): the first
+    unit of each row of the dispatch's row space (``recv``: the received rows, else the sent
+    ones), ``src`` a map whose entries >= 0 are a row's units (``values``: its unit counts), at
+    most ``ucap`` a row. Chunks: ``chunk`` rows each after ``hdr`` header rows; else each
+    peer's bound ``min(slots, ucap * rows)`` from the plan (:func:`_ragged_bounds`), or, with
+    ``compact``, the plan's word section of that name (exact counts, no gaps). Returns
+    ``(first, umap or None)`` (``umap_units >= 0``: dedup's units map too)."""
+    from .triton import places
+
+    R = int(hp[RANKS])
+    sl = plan_slices(R, int(hp[EXPERTS]))
+    side = "recv" if recv else "send"
+    mode = (places.FIXED if chunk is not None else places.COMPACT if compact is not None
+            else places.BOUNDED)
+    return places.row_places(src, plan, R, sl[f"{side}_counts"].start, ucap=ucap, mode=mode,
+                             static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
+                             sizes_off=sl[compact or f"{side}_slots"].start, values=values,
+                             umap_units=umap_units, per=ucap if umap_units >= 0 else 1, M=M)
 
 
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
@@ -335,12 +355,19 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     v = variant_of(hp)
     chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
     front = v.header_rows
-    u = (recv_map >= 0).sum(1)
-    first, _ = _unit_positions(u, _row_chunks(hp, plan, recv_map.shape[0], True), R, 1,
-                               chunk, front)
     u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
-    first_src, _ = _unit_positions(u_src, _row_chunks(hp, plan, S, False), R, 1,
+    if device_path(recv_map):  # one launch a side (triton/places.py); ragged: exact counts
+        every = 1 << 40  # a row's kept slots, uncapped
+        first, _ = _device_places(recv_map, plan, hp, True, every, chunk, front,
+                                  compact="recv_slots" if dedup else "recv_counts")
+        first_src, _ = _device_places(u_src, plan, hp, False, every, chunk, front, values=True,
+                                      compact="send_slots" if dedup else "send_counts")
+    else:
+        u = (recv_map >= 0).sum(1)
+        first, _ = _unit_positions(u, _row_chunks(hp, plan, recv_map.shape[0], True), R, 1,
                                    chunk, front)
+        first_src, _ = _unit_positions(u_src, _row_chunks(hp, plan, S, False), R, 1,
+                                       chunk, front)
     if chunk is None:
         sl = plan_slices(R, E)
         send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else

@@ -167,9 +167,26 @@ def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity,
 
 def _fused_setup(ctx, inputs, output):
     x, topk_idx, _, group_name, _, _, _, _, transport, exchange, *_ = inputs
-    _, _, _, send_map, recv_map, plan = output
+    expert_x, _, _, send_map, recv_map, plan = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
     ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
+    _unmaterialized(ctx, expert_x)
+
+
+def _unmaterialized(ctx, expert_x) -> None:
+    """The backward gets None, not a zero tensor autograd fills, for the outputs the loss does
+    not reach (row_weight, the integer maps): a zero fill is a kernel launch each on a GPU.
+    ``expert_x``'s shape is kept for the rare loss that does not reach it."""
+    ctx.set_materialize_grads(False)
+    ctx.expert_shape = (expert_x.shape, expert_x.dtype)
+
+
+def _grad_rows(ctx, grad_expert_x):
+    """``grad_expert_x``, or zeros of expert_x's shape where the loss does not reach it."""
+    if grad_expert_x is None:
+        shape, dtype = ctx.expert_shape
+        return ctx.saved_tensors[0].new_zeros(shape, dtype=dtype)
+    return grad_expert_x.contiguous()
 
 
 def _fused_backward(ctx, grad_expert_x, _gs, grad_row_weight, *_):
@@ -223,16 +240,17 @@ def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, group_
 
 def _dispatch_setup(ctx, inputs, output):
     x, topk_idx, topk_weights, plan, group_name, transport, exchange, *_ = inputs
-    _, _, _, send_map, recv_map = output
+    expert_x, _, _, send_map, recv_map = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
     ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
+    _unmaterialized(ctx, expert_x)
 
 
 def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
     send_map, recv_map, topk_idx, plan = ctx.saved_tensors
     group_name, transport, exchange, x_dtype, ws = ctx.meta
     grad_x, grad_w = dispatch_tokens_backward(
-        grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
+        _grad_rows(ctx, grad_expert_x), grad_row_weight, send_map, recv_map, topk_idx, plan,
         group_name, transport, exchange, x_dtype, ws)
     return grad_x, None, grad_w, *([None] * 8)
 

@@ -205,7 +205,7 @@ def main(args) -> int:
     result = measure(world, sizes=sizes, on_progress=progress)
     print(format_table(result))
     print(legend(world, sizes))
-    print(f"{time.monotonic() - started:.1f} s")
+    print(f"{time.monotonic() - started:.1f}s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(world_size=world, sizes=sizes, result=result,

@@ -23,6 +23,7 @@ import torch
 from . import bits
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from .combine import kp, slot_tile
 from .transports import path_of
 
 __all__ = ["combine_backward_dest", "gather_slot_values", "scatter_slot_values"]
@@ -173,44 +174,43 @@ def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight
 
 
 # ---- the weight gradients' return path ----------------------------------------------------------
-TAKE_BLOCK = 4096 if INTERPRETED else 1024
+SLOT_ROWS = 256 if INTERPRETED else 32  # received rows / tokens a program owns
 
 
 @triton.jit
-def _take_kernel(values, index, out, N, V, BLOCK: tl.constexpr):
-    """out[i] = values[index[i]] for index[i] in [0, V), else 0 (both [N] int32 views of
-    float32: moved as bits)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < N
-    i = tl.load(index + offs, mask=m, other=-1)
-    ok = m & (i >= 0) & (i < V)
-    tl.store(out + offs, tl.load(values + i, mask=ok, other=0), mask=m)
-
-
-def _take(values: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
-    out = torch.empty(shape, dtype=torch.float32, device=values.device)
-    n = out.numel()
-    launch(_take_kernel, (cdiv(n, TAKE_BLOCK),), values.contiguous().view(torch.int32),
-           index.contiguous(), out.view(torch.int32), n, values.numel(), BLOCK=TAKE_BLOCK)
-    return out
+def _gather_slots_kernel(values, recv_map, first, out, N, C, M, B, CP: tl.constexpr,
+                         ROWS: tl.constexpr):
+    """out [B] (int32 view of float32, zeroed before): received row n's entries that name a
+    row of values [M] (c ascending; -1 entries skipped, other bad ones keep their place) at
+    first[n], first[n] + 1, ...; places outside [0, B) are not written."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cs = tl.arange(0, CP)
+    rmask = rows < N
+    tile = tl.load(recv_map + rows[:, None] * C + cs[None, :],
+                   mask=rmask[:, None] & (cs < C)[None, :], other=-1)
+    named = tile != -1
+    f = tl.load(first + rows, mask=rmask, other=-1)
+    at = f[:, None] + tl.cumsum(named.to(tl.int64), axis=1) - 1  # C++: first[n], then ++
+    good = (tile >= 0) & (tile < M) & (at >= 0) & (at < B)
+    tl.store(out + at, tl.load(values + tile, mask=good, other=0), mask=good)
 
 
 def gather_slot_values(values: torch.Tensor, recv_map: torch.Tensor, first: torch.Tensor,
                        out_rows: int) -> torch.Tensor:
     """cpu/backward.cpp gather_slot_values_cpu. values [M] float32 (one per expert-major row),
     recv_map [N, C] int64, first [N] int64 -> out [out_rows] float32: received row n's entries
-    that name a row (c ascending) at first[n], first[n] + 1, ...; every other place 0.
-    Output-indexed: a place's source entry comes from an integer scatter, then one take."""
+    that name a row (c ascending) at first[n], first[n] + 1, ...; every other place 0. Two
+    launches: the zeros, then a program per block of received rows writes its rows' places."""
     op = "epkit.gather_slot_values"
     B = out_rows
     ck.check_gather_slot_values_args(values, recv_map, first, B)
     recv_map, first = recv_map.contiguous(), first.contiguous()
     M = values.numel()
-    named = recv_map != -1
-    at = first[:, None] + named.cumsum(1) - 1  # C++: at = first[n], then ++ per named entry
-    in_map = (recv_map >= 0) & (recv_map < M)
-    placed = (at >= 0) & (at < B)
-    if ck.on_host(recv_map):
+    if ck.on_host(recv_map):  # the C++ errors, where reading them is free
+        named = recv_map != -1
+        at = first[:, None] + named.cumsum(1) - 1  # C++: at = first[n], then ++ per named entry
+        in_map = (recv_map >= 0) & (recv_map < M)
+        placed = (at >= 0) & (at < B)
         i = ck.first_bad(named & ~(in_map & placed))
         if i >= 0:
             n, c = divmod(i, recv_map.shape[1])
@@ -218,11 +218,35 @@ def gather_slot_values(values: torch.Tensor, recv_map: torch.Tensor, first: torc
                 ck.check_map_range(op, "recv_map", recv_map, M, "entries of values")
             ck.fail(op, f"first[{n}] = {int(first[n])} places entry {c} of row {n} at "
                         f"{int(at[n, c])}, outside [0, {B}) (out_rows)")
-    good = in_map & placed
-    src = torch.full((B + 1,), -1, dtype=torch.int64, device=values.device)  # [B]: a sink
-    src.scatter_(0, torch.where(good, at, B).reshape(-1),
-                 torch.where(good, recv_map, -1).reshape(-1))
-    return _take(values, src[:B], (B,))
+    out = torch.zeros((B,), dtype=torch.float32, device=values.device)
+    N, C = recv_map.shape
+    launch(_gather_slots_kernel, (cdiv(N, SLOT_ROWS),), values.contiguous().view(torch.int32),
+           recv_map, first, out.view(torch.int32), N, C, M, B,
+           CP=max(2, triton.next_power_of_2(C)), ROWS=SLOT_ROWS)
+    return out
+
+
+@triton.jit
+def _scatter_slots_kernel(back, send_map, idx, first, out, T, K, C, E, R, L, S, B,
+                          TOKEN_ROWS: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr):
+    """out [T, K] (int32 view of float32): slot (t, k) to rank d = e / L reads back[first[r] +
+    place], r its row (pairs: send_map[t, k], place 0; dedup: send_map[t, d], place = its slots
+    on d before it, k ascending); 0 for unused, dropped and misplaced slots."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ks = tl.arange(0, KP)
+    rmask = rows < T
+    tk, ok_e, d, r = slot_tile(idx, send_map, rows, rmask, K, C, E, R, L, TOKEN_ROWS, ROWS, KP)
+    ok = ok_e & (r >= 0) & (r < S)
+    f = tl.load(first + tl.maximum(r, 0), mask=ok, other=-1)
+    place = tl.zeros([ROWS, KP], tl.int64)
+    if TOKEN_ROWS:
+        for j in range(K):  # slot j precedes the later slots to its rank
+            dj = tl.sum(tl.where(ks[None, :] == j, d, 0), axis=1)
+            place += ((d == dj[:, None]) & (ks[None, :] > j)).to(tl.int64)
+    at = f + place
+    ok = ok & (f >= 0) & (at < B)
+    tl.store(out + rows[:, None] * K + ks[None, :], tl.load(back + at, mask=ok, other=0),
+             mask=tk)
 
 
 def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Tensor,
@@ -239,7 +263,20 @@ def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: to
     path = path_of(op, transport)
     ck.check_scatter_slot_values_args(back, send_map, topk_idx, first, R, path)
     send_map, first = send_map.contiguous(), first.contiguous()
-    idx = topk_idx.to(torch.int64).contiguous()
+    T, K = topk_idx.shape
+    L, S, B = E // R, first.shape[0], back.shape[0]
+    if ck.on_host(back):  # the C++ errors, where reading them is free
+        _scatter_errors(op, back, send_map, topk_idx.to(torch.int64), first, E, R, path)
+    out = torch.empty((T, K), dtype=torch.float32, device=back.device)
+    launch(_scatter_slots_kernel, (cdiv(T, SLOT_ROWS),), back.contiguous().view(torch.int32),
+           send_map, topk_idx.contiguous(), first, out.view(torch.int32), T, K,
+           send_map.shape[1], E, R, L, S, B, TOKEN_ROWS=path.TOKEN_ROWS, KP=kp(K),
+           ROWS=SLOT_ROWS)
+    return out
+
+
+def _scatter_errors(op, back, send_map, idx, first, E, R, path) -> None:
+    """scatter_slot_values' C++ errors (the first bad slot in flat order), as torch ops."""
     T, K = idx.shape
     L, S, B = E // R, first.shape[0], back.shape[0]
     ok_e = (idx >= 0) & (idx < E)
@@ -249,21 +286,19 @@ def scatter_slot_values(back: torch.Tensor, send_map: torch.Tensor, topk_idx: to
     f = first[r.clamp(0, max(S - 1, 0))] if S > 0 else torch.zeros_like(r)
     at = f + rank
     fits = (f >= 0) & (at < B)
-    if ck.on_host(back):
-        bad_e = ~ok_e & (idx != -1)
-        bad_r = ok_e & ~ok_r & (r != -1)
-        j = ck.first_bad(bad_e | bad_r | (ok_e & ok_r & ~fits))
-        if j >= 0:
-            t, k = divmod(j, K)
-            if bool(bad_e.reshape(-1)[j]):
-                ck.check_expert_range(op, idx, E)
-            if bool(bad_r.reshape(-1)[j]):
-                entry = path.send_map_entry(t, k, int(idx[t, k]), L, K, send_map.shape[1])
-                ck.fail(op, f"send_map entry {entry} is {int(r[t, k])}, outside [-1, {S}) "
-                            "(rows of first)")
-            ck.fail(op, f"first[{int(r[t, k])}] = {int(f[t, k])} places slot ({t}, {k}) at "
-                        f"{int(at[t, k])}, outside [0, {B}) (rows of back)")
-    return _take(back, torch.where(ok_e & ok_r & fits, at, -1), (T, K))
+    bad_e = ~ok_e & (idx != -1)
+    bad_r = ok_e & ~ok_r & (r != -1)
+    j = ck.first_bad(bad_e | bad_r | (ok_e & ok_r & ~fits))
+    if j >= 0:
+        t, k = divmod(j, K)
+        if bool(bad_e.reshape(-1)[j]):
+            ck.check_expert_range(op, idx, E)
+        if bool(bad_r.reshape(-1)[j]):
+            entry = path.send_map_entry(t, k, int(idx[t, k]), L, K, send_map.shape[1])
+            ck.fail(op, f"send_map entry {entry} is {int(r[t, k])}, outside [-1, {S}) "
+                        "(rows of first)")
+        ck.fail(op, f"first[{int(r[t, k])}] = {int(f[t, k])} places slot ({t}, {k}) at "
+                    f"{int(at[t, k])}, outside [0, {B}) (rows of back)")
 
 
 # ---- what the compile gate compiles ---------------------------------------------------------
@@ -282,6 +317,16 @@ for _gb in (True, False):
                  "G_BF16": "constexpr", "Y_BF16": "constexpr", "WEIGHTED": "constexpr",
                  "ROWS": "constexpr"},
                 {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "ROWS": ROWS})
-specialization("backward.take", _take_kernel,
-               {"values": "*i32", "index": "*i64", "out": "*i32", "N": "i32", "V": "i32",
-                "BLOCK": "constexpr"}, {"BLOCK": TAKE_BLOCK})
+for _c in (1, 8):
+    specialization(f"backward.gather_slots[C<={_c}]", _gather_slots_kernel,
+                   {"values": "*i32", "recv_map": "*i64", "first": "*i64", "out": "*i32",
+                    "N": "i32", "C": "i32", "M": "i32", "B": "i32", "CP": "constexpr",
+                    "ROWS": "constexpr"}, {"CP": max(2, _c), "ROWS": SLOT_ROWS})
+for _tr in (False, True):
+    specialization(f"backward.scatter_slots[{'dedup' if _tr else 'pairs'}]",
+                   _scatter_slots_kernel,
+                   {"back": "*i32", "send_map": "*i64", "idx": "*i64", "first": "*i64",
+                    "out": "*i32", "T": "i32", "K": "i32", "C": "i32", "E": "i32", "R": "i32",
+                    "L": "i32", "S": "i32", "B": "i32", "TOKEN_ROWS": "constexpr",
+                    "KP": "constexpr", "ROWS": "constexpr"},
+                   {"TOKEN_ROWS": _tr, "KP": 8, "ROWS": SLOT_ROWS})

@@ -115,9 +115,21 @@ def _gather(op, y, recv_map, row_weight, path, weighted, first, out):
     U = out.shape[0] if first is not None else N * per
     umap = path.unit_map(op, recv_map, M, per, first.contiguous() if first is not None else None,
                          U)
+    units(y, umap, recv_map, row_weight, path.TOKEN_ROWS, weighted, out)
+
+
+def units(y, umap, recv_map, row_weight, partial: bool, weighted: bool, out) -> None:
+    """The units kernel's launch: out [U, H] (y's dtype, contiguous) from umap [U] int64
+    (``_units_kernel``); ``partial``: token rows (dedup), whose float32 partials are formed
+    from recv_map [N, C] (weighted by row_weight [M] float32). The expert side of the return
+    path calls it directly with the map ``places.row_places`` made (no checks: its own
+    arguments)."""
+    y = y.contiguous()
+    recv_map = recv_map.contiguous()
     yi = int_view(y)
+    M, U = y.shape[0], umap.shape[0]
+    per = 4 // y.element_size() if partial else 1
     # token rows sum their slots into float32 partials (weighted there); slot rows are copied
-    partial = path.TOKEN_ROWS
     w = row_weight.contiguous() if partial and weighted else yi  # (unread otherwise)
     oi = out.view(yi.dtype).view(U, yi.shape[1])
     launch(_units_kernel, (cdiv(U, ROWS), cdiv(yi.shape[1], BLOCK)), yi, umap, recv_map, w, oi,
@@ -159,6 +171,25 @@ def gather_units(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: tor
 
 # ---- the source side -----------------------------------------------------------------------
 @triton.jit
+def slot_tile(idx, send_map, rows, rmask, K, C, E, R, L, TOKEN_ROWS: tl.constexpr,
+              ROWS: tl.constexpr, KP: tl.constexpr):
+    """The slots of tokens ``rows`` as [ROWS, KP] tiles: (in range, expert in [0, E), rank d
+    (R: none), the row each went out in: pairs send_map[t, k], dedup send_map[t, d] (-1:
+    none)); idx [T, K] any integer dtype, send_map [T, C] int64."""
+    ks = tl.arange(0, KP)
+    tk = rmask[:, None] & (ks < K)[None, :]
+    e = tl.load(idx + rows[:, None] * K + ks[None, :], mask=tk, other=-1).to(tl.int64)
+    ok_e = tk & (e >= 0) & (e < E)
+    d = tl.where(ok_e, e // L, R)
+    if TOKEN_ROWS:
+        col = tl.minimum(d, R - 1)
+    else:
+        col = ks[None, :].to(tl.int64) + tl.zeros([ROWS, KP], tl.int64)
+    r = tl.load(send_map + rows[:, None] * C + col, mask=ok_e, other=-1)
+    return tk, ok_e, d, r
+
+
+@triton.jit
 def _reduce_kernel(back, send_map, idx, w, first, out, T, H, K, C, E, R, L, G, S, U,
                    TOKEN_ROWS: tl.constexpr, COMPACT: tl.constexpr, PER: tl.constexpr,
                    BACK_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -183,15 +214,7 @@ def _reduce_kernel(back, send_map, idx, w, first, out, T, H, K, C, E, R, L, G, S
     ks = tl.arange(0, KP)
     rmask = rows < T
     cmask = cols < H
-    tk = rmask[:, None] & (ks < K)[None, :]
-    e = tl.load(idx + rows[:, None] * K + ks[None, :], mask=tk, other=-1).to(tl.int64)
-    ok_e = tk & (e >= 0) & (e < E)
-    d = tl.where(ok_e, e // L, R)
-    if TOKEN_ROWS:
-        col = tl.minimum(d, R - 1)
-    else:
-        col = ks[None, :].to(tl.int64) + tl.zeros([ROWS, KP], tl.int64)
-    r = tl.load(send_map + rows[:, None] * C + col, mask=ok_e, other=-1)
+    tk, ok_e, d, r = slot_tile(idx, send_map, rows, rmask, K, C, E, R, L, TOKEN_ROWS, ROWS, KP)
     used = ok_e & (r >= 0) & (r < S)
     NONE = (R + 1) * KP  # above every used key
     key = tl.where(used, d * KP + ks[None, :], NONE)

@@ -11,6 +11,8 @@ one is started for the next call, so one failing test never poisons the next.
 
 from __future__ import annotations
 
+import os
+
 from epkit.verify.pool import Workers
 
 
@@ -46,3 +48,20 @@ class GroupPool(Workers):
                 raise TimeoutError(f"test group: rank {r} did not answer within "
                                    f"{self.answer_s:.0f} s")
         return [v for _, v in replies]
+
+
+def started_with_kernels(kernels: str, world: int, timeout: float) -> GroupPool:
+    """A started pool whose workers run ``EPKIT_KERNELS=kernels`` (read when epkit loads its
+    kernels, so it must be in their environment before they import epkit); this process's
+    environment is left as it was."""
+    before = os.environ.get("EPKIT_KERNELS")
+    os.environ["EPKIT_KERNELS"] = kernels
+    pool = GroupPool(world=world, timeout=timeout)
+    try:
+        pool.start()
+    finally:
+        if before is None:
+            os.environ.pop("EPKIT_KERNELS")
+        else:
+            os.environ["EPKIT_KERNELS"] = before
+    return pool

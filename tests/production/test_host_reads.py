@@ -13,30 +13,20 @@ tests/production/host_read_fns.py`` prints them with the rest.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 
 import host_read_fns as fns
-from group import GroupPool
+from group import started_with_kernels
 
 
 @pytest.fixture(scope="module")
 def triton_pool():
     """Two gloo workers spawned with EPKIT_KERNELS=triton (read when epkit loads its kernels,
     so it must be in their environment before they import epkit)."""
-    before = os.environ.get("EPKIT_KERNELS")
-    os.environ["EPKIT_KERNELS"] = "triton"
-    pool = GroupPool(world=2, timeout=120)
-    try:
-        pool.start()
-    finally:
-        if before is None:
-            os.environ.pop("EPKIT_KERNELS")
-        else:
-            os.environ["EPKIT_KERNELS"] = before
+    pool = started_with_kernels("triton", 2, 120)
     yield pool
     pool.close()
 
