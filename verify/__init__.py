@@ -97,11 +97,13 @@ def check(impl, *, examples=20, contract="exact", world_size=4, seed=0, supports
 
 
 def replay(case, impl=None, mode="default", *, pool=None, timeout=60.0, reference=None,
-           quiet=False, contract="exact", supports=None, accumulate=None):
+           quiet=False, contract="exact", supports=None, accumulate=None, after=()):
     """Run one case (e.g. from a failure report) and print what the checks say.
 
     ``mode`` is a mode name of ``impl`` (or a :class:`ModeSpec`). Returns the
-    :class:`Verdict`. A pool of ``case.world_size`` ranks is started unless one is given."""
+    :class:`Verdict`. A pool of ``case.world_size`` ranks (enough for every case) is started
+    unless one is given. ``after``: cases to run first on the same adapter, unchecked (a
+    report whose failure needs earlier cases lists them)."""
     from .adapters import load_factory
     from .capabilities import resolve_capabilities
     from .cases import ModeSpec
@@ -116,9 +118,11 @@ def replay(case, impl=None, mode="default", *, pool=None, timeout=60.0, referenc
             raise ValueError(f"{impl} has no mode {mode!r}")
         mode = found[0]
     own = pool is None
-    pool = pool or Pool(case.world_size, timeout=timeout)
+    pool = pool or Pool(max(c.world_size for c in (case, *after)), timeout=timeout)
     try:
         caps = resolve_capabilities(load_factory(impl), mode, supports)
+        for earlier in after:
+            pool.run(earlier, impl, mode)
         verdict = check_case(case, mode, pool.run(case, impl, mode), impl, reference,
                              contract=contract, capabilities=caps, accumulate=accumulate)
     finally:

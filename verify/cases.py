@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-__all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "STAGES", "VIOLATIONS", "np_dtype"]
+__all__ = ["Case", "ModeSpec", "FLOAT_DTYPES", "ORDERS", "SEQUENCES", "STAGES", "VIOLATIONS",
+           "np_dtype"]
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # Invalid inputs a case can carry (``Case.violation``, drawn under ``check_errors``): each is an
@@ -23,11 +24,24 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 VIOLATIONS = ("duplicate_id", "id_out_of_range", "nonfinite_weight", "topk_differs",
               "hidden_differs", "dtype_differs", "experts_not_divisible", "weights_shape",
               "idx_rows")
-# What a rank does with a case, in order (worker.py); a failure names its stage.
-STAGES = ("dispatch", "dispatch_backward", "combine", "combine_backward")
+# What a rank does with a case, in the case's ``order`` (worker.py); a failure names its stage.
+# training: as a training step does it, combine before any backward, then one backward over
+# both; stages: each backward right after its forward (dispatch's before combine runs).
+ORDERS = {"training": ("dispatch", "combine", "backward"),
+          "stages": ("dispatch", "dispatch_backward", "combine", "combine_backward")}
+STAGES = ORDERS["stages"]
+# The properties (the table's columns) each stage's call produces.
+PRODUCES = {"dispatch": ("dispatch",), "dispatch_backward": ("dispatch_backward",),
+            "combine": ("combine",), "combine_backward": ("combine_backward", "weight_grad"),
+            "backward": ("dispatch_backward", "combine_backward", "weight_grad")}
 # How a report names the call that runs in each stage ("dispatch wrote into topk_idx").
 CALLS = {"dispatch": "dispatch", "dispatch_backward": "dispatch's backward",
-         "combine": "combine", "combine_backward": "combine's backward"}
+         "combine": "combine", "combine_backward": "combine's backward",
+         "backward": "the backward"}
+# How a case shares its adapter with its twin (Case.twin: the same shapes, a fresh routing):
+# alone; the twin run after it; both dispatched before either is combined (two batches in
+# flight), combined in the order dispatched or the reverse (worker.schedule).
+SEQUENCES = ("single", "repeat", "overlap", "overlap_reversed")
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -107,8 +121,18 @@ class Case:
     specials: bool = False  # real rows hold NaN, +-Inf, -0 and subnormals (x: finite if payload)
     special_weights: bool = False  # some routing weights are exactly 0, -0 or 1
     violation: str | None = None  # an invalid input (VIOLATIONS) on the last rank
+    order: str = "training"  # ORDERS: the calls' order on every rank
+    sequence: str = "single"  # SEQUENCES: with its twin on the same adapter, and how
 
     def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}")
+        if self.sequence not in SEQUENCES:
+            raise ValueError(f"sequence must be one of {', '.join(SEQUENCES)}")
+        if self.sequence.startswith("overlap") and self.order != "training":
+            raise ValueError("two batches in flight run in training order")
+        if self.sequence != "single" and self.violation is not None:
+            raise ValueError("an invalid input runs alone (sequence 'single')")
         if len(self.tokens) != self.world_size:
             raise ValueError("tokens must list one count per rank")
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -124,6 +148,12 @@ class Case:
 
     def replace(self, **kw) -> "Case":
         return dataclasses.replace(self, **kw)
+
+    def twin(self) -> "Case":
+        """The second batch of a sequence: the same shapes (tokens, H, K, E, dtypes, options),
+        a fresh routing and fresh values (another seed), alone."""
+        return self.replace(seed=(self.seed * 0x9E3779B1 + 0x7F4A7C15) % 2**32,
+                            sequence="single")
 
     # -- inputs ---------------------------------------------------------------------------
     def _rng(self, rank: int, tag: int) -> np.random.Generator:

@@ -31,12 +31,13 @@ from .accumulate import accumulation_dtype, parse_accumulate
 from .bounds import (_bounded, _token_sums, _weight_grad_exact, sum_bound, ulps,  # noqa: F401
                      unit_roundoff, weight_grad_tolerance)
 from .capabilities import Capabilities
-from .cases import CALLS, STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, sane_row_src
+from .cases import (CALLS, ORDERS, PRODUCES, STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec,
+                    sane_row_src)
 from .compare import compare_bitwise
 from .half import reference_for
 from .layout import _exact_dispatch, _not_exact_layout, _reordered_dispatch, _slot_keys
 from .rankmajor import _rank_major_checks
-from .verdict import (_RANK, _STAGE, CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED,  # noqa: F401
+from .verdict import (_RANK, CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED,  # noqa: F401
                       SKIPPED, UNSUPPORTED, Mismatch, Verdict, weaker)
 
 __all__ = ["CONTRACTS", "PROPERTIES", "Mismatch", "Verdict", "check_case", "compare_bitwise",
@@ -89,8 +90,40 @@ def check_case(case: Case, mode: ModeSpec, results: list[dict], impl: str = "?",
         raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}, got {contract!r}")
     # NaN and infinities in the inputs are drawn on purpose: no floating-point warnings
     with np.errstate(all="ignore"):
-        return _check_case(case, mode, results, impl, reference, contract, capabilities,
-                           accumulate)
+        v = _check_case(case, mode, results, impl, reference, contract, capabilities,
+                        accumulate)
+        if case.sequence == "single":
+            return v
+        # the twin ran on the same adapter: its results are checked as its own case's
+        twin = [r.get("twin") or {"rank": n, "error": r.get("error") or {
+                    "stage": None, "type": "Missing", "unsupported": False,
+                    "input_error": False, "message": "no result for the twin batch"}}
+                for n, r in enumerate(results)]
+        return _merged(v, _check_case(case.twin(), mode, twin, impl, reference, contract,
+                                      capabilities, accumulate))
+
+
+_WORST = (FAILED, REFUSED, SKIPPED, PASSED, NA)  # a sequence's status: its batches' worst
+
+
+def _merged(v: Verdict, w: Verdict) -> Verdict:
+    """The verdict of a sequence: the case's ``v`` and its twin's ``w``, each property at the
+    worse status and the weaker contract of the two; the twin's mismatches and errors say
+    that they are the second batch's."""
+    for p in PROPERTIES:
+        a, b = v.status.get(p, SKIPPED), w.status.get(p, SKIPPED)
+        v.status[p] = min((a, b), key=_WORST.index)
+        if p in v.met or p in w.met:
+            v.met[p] = weaker(v.met.get(p, "exact"), w.met.get(p, "exact"))
+        if p in w.not_exact:
+            v.not_exact.setdefault(p, w.not_exact[p])
+        if p in w.worst:
+            v.worst[p] = max(v.worst.get(p, (0.0, 0.0)), w.worst[p])
+    v.mismatches += [Mismatch(m.prop, m.rank, m.output, "second batch (the twin): " + m.message)
+                     for m in w.mismatches]
+    v.errors += ["second batch (the twin): " + e for e in w.errors]
+    v.refusal = v.refusal or w.refusal
+    return v
 
 
 def _check_case(case, mode, results, impl, reference, contract, capabilities, accumulate):
@@ -113,7 +146,7 @@ def _check_case(case, mode, results, impl, reference, contract, capabilities, ac
         return _finish(_untouched(c.v, results))
     c.dispatch()
     c.dispatch_backward()
-    ys = c.fed(TAG_Y, case.y_dtype) if _STAGE["combine"] < c.reached else None
+    ys = c.fed(TAG_Y, case.y_dtype) if "combine" not in c.skip else None
     c.combine(ys)
     if c.todo("combine_backward") or c.todo("weight_grad"):
         gos = [np.asarray(results[r]["grad_out"]) for r in range(case.world_size)]
@@ -132,12 +165,12 @@ class _Check:
         self.v = Verdict(case=case, mode=mode, impl=impl, contract=contract)
         self.R = case.world_size
         self.errs = {r: res["error"] for r, res in enumerate(results) if res.get("error")}
-        self.reached = len(STAGES)
+        self.skip = set()  # the properties whose stage did not run: it or one before raised
         self.res = None
 
     # -- bookkeeping shared by the steps ---------------------------------------------------
     def todo(self, p):
-        return _STAGE[p] < self.reached and p not in self.v.status
+        return p not in self.skip and p not in self.v.status
 
     def settle(self, p, rank, output, level, exact_msg, weak_msg, reason):
         """Record what property ``p`` met on ``rank``: the strongest contract ``level`` (None:
@@ -205,6 +238,7 @@ class _Check:
             else:
                 what = f"returned from dispatch and raised only in stage {e['stage']}"
             invalid = f" ({self.case.violation.replace('_', ' ')})" if self.case.violation else ""
+            v.accepted_invalid = self.case.violation or "invalid input"
             v.fail("dispatch", bad[0], "error",
                    f"invalid input{invalid}: the reference raises {type(expected).__name__}: "
                    f"{expected}; every rank must raise ValueError from dispatch, rank {bad[0]} "
@@ -228,17 +262,16 @@ class _Check:
         v, errs = self.v, self.errs
         if not errs:
             return
-        stage_idx = {r: (STAGES.index(e["stage"]) if e["stage"] in STAGES else -1)
-                     for r, e in errs.items()}
-        self.reached = min(stage_idx.values())
-        uniform = (len(errs) == self.R and len(set(stage_idx.values())) == 1
+        self.skip = set().union(*(_from_stage(e["stage"], self.case.order)
+                                  for e in errs.values()))
+        uniform = (len(errs) == self.R and len({e["stage"] for e in errs.values()}) == 1
                    and all(e["unsupported"] for e in errs.values()))
         e0 = errs[min(errs)]
         first_line = e0["message"].splitlines()[0] if e0["message"] else ""
         if uniform:
             v.refusal = f"{e0['stage']}: NotImplementedError: {first_line}".rstrip(": ")
         for p in PROPERTIES:
-            if _STAGE[p] >= self.reached:
+            if p in self.skip:
                 if p == "weight_grad" and not self.case.weighted:
                     v.status[p] = NA
                 elif uniform:
@@ -387,15 +420,26 @@ def _placed_grad_y(case, res, gys, gos, src, rows, R):
     return want, ex64, nterm, factors
 
 
+def _from_stage(stage, order) -> set:
+    """The properties a raise in ``stage`` leaves unmade: those of that stage and of every
+    later one in the case's ``order`` (a rank-major result runs ``stages``); all of them for
+    a raise outside the stages (the factory, the inputs, a dead worker)."""
+    for stages in (ORDERS[order], STAGES):
+        if stage in stages:
+            return {p for s in stages[stages.index(stage):] for p in PRODUCES[s]}
+    return set(PROPERTIES)
+
+
 def _untouched(v: Verdict, results) -> Verdict:
     """An input the adapter wrote into (the worker's ``tampered``: the stage after which
     x, topk_idx, topk_weights, a fed gradient or expert_y no longer held the harness's bytes)
     fails the property of that stage, whatever its values: ``dispatch wrote into topk_idx``."""
     for r, res in enumerate(results):
         for stage, name in (res or {}).get("tampered") or ():
-            v.fail(stage, r, name, f"{CALLS[stage]} wrote into {name} (the caller's input, "
+            p = "combine_backward" if stage == "backward" else stage
+            v.fail(p, r, name, f"{CALLS[stage]} wrote into {name} (the caller's input, "
                    "which it must leave unchanged)")
-            v.met[stage] = None
+            v.met[p] = None
     return v
 
 

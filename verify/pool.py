@@ -329,8 +329,10 @@ class Pool(Workers):
         n = case.world_size
         if n > self.world_size:
             raise ValueError(f"case needs {n} ranks, the pool has {self.world_size}")
+        from .worker import first_error
+
         replies = self.call(_execute, n, [(case, impl, mode)] * n,
-                            failed=lambda reply: reply[0] != "ok" or reply[1].get("error"))
+                            failed=lambda reply: reply[0] != "ok" or first_error(reply[1]))
         results = [self._result(r, kind, value) for r, (kind, value) in enumerate(replies)]
         if self.started and not _in_step(results):
             self.restart()
@@ -357,7 +359,9 @@ def _in_step(results: list[dict]) -> bool:
     refused the case the same way before its collectives could diverge (NotImplementedError,
     or an input error, at the same stage). Anything else rebuilds the group: a rank that
     timed out of a collective its peer never entered leaves the group out of step."""
-    errs = [r.get("error") for r in results]
+    from .worker import first_error
+
+    errs = [first_error(r) for r in results]
     if all(e is None for e in errs):
         return True
     if any(e is None for e in errs):

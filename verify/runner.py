@@ -32,8 +32,8 @@ from .capabilities import FEATURES, declarations, resolve_capabilities
 from .cases import ModeSpec
 from .checks import check_case
 from .strategies import cases, corner_cases
-from .verdict import (CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED, Mismatch,
-                      Verdict, weaker)
+from .verdict import (ACCEPTED, CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED, SKIPPED,
+                      Mismatch, Verdict, weaker)
 
 __all__ = ["DEFAULT_IMPL", "ModeResult", "Suite", "SuiteResult", "Tally", "modes_of",
            "select_modes"]
@@ -68,6 +68,7 @@ class Tally:
     passed: int = 0
     failed: int = 0
     refused: int = 0
+    accepted: int = 0  # invalid inputs taken without a ValueError (checked, neither way)
     reasons: collections.Counter = field(default_factory=collections.Counter)  # refusals
     unrun: collections.Counter = field(default_factory=collections.Counter)  # other reasons
 
@@ -83,10 +84,11 @@ class Tally:
         if status == NA:
             return
         self.requested += 1
-        if status in (PASSED, FAILED):
+        if status in (PASSED, FAILED, ACCEPTED):
             self.checked += 1
             self.passed += status == PASSED
             self.failed += status == FAILED
+            self.accepted += status == ACCEPTED
         elif status == REFUSED:
             self.refused += 1
             self.reasons[reason or "NotImplementedError"] += 1
@@ -95,7 +97,8 @@ class Tally:
 
     def to_json(self) -> dict:
         return {"requested": self.requested, "checked": self.checked, "passed": self.passed,
-                "failed": self.failed, "refused": self.refused, "reasons": dict(self.reasons),
+                "failed": self.failed, "accepted_invalid": self.accepted,
+                "refused": self.refused, "reasons": dict(self.reasons),
                 "not_checked": dict(self.unrun)}
 
 
@@ -118,10 +121,17 @@ class ModeResult:
     accumulate: str = "float32"
     failure: Verdict | None = None
     later_failures: int = 0  # failing examples after the reported (shrunk) one
+    # invalid inputs dispatch took without raising ValueError on every rank, by kind
+    accepted_invalid: collections.Counter = field(default_factory=collections.Counter)
 
     def count(self, v: Verdict):
+        if _accepts_only(v):
+            self.accepted_invalid[v.accepted_invalid] += 1
         for p in PROPERTIES:
-            self.tallies[p].add(v.status.get(p, SKIPPED), v.refusal)
+            status = v.status.get(p, SKIPPED)
+            if p == "dispatch" and status == FAILED and _accepts_only(v):
+                status = ACCEPTED
+            self.tallies[p].add(status, v.refusal)
         for p, level in v.met.items():
             self.met = weaker(self.met, level)
         for p, why in v.not_exact.items():
@@ -154,7 +164,12 @@ class ModeResult:
     @property
     def ok(self) -> bool:
         return self.failure is None and self.problem is None and not any(
-            t.failed for t in self.tallies.values())
+            t.failed or t.accepted for t in self.tallies.values())
+
+
+def _accepts_only(v: Verdict) -> bool:
+    """Is ``v``'s only failure an invalid input that dispatch took (no input validation)?"""
+    return bool(v.accepted_invalid) and v.failed_properties == ["dispatch"]
 
 
 @dataclass
@@ -185,8 +200,10 @@ class SuiteResult:
 
     @property
     def failed(self) -> int:
-        """Failed checks, plus requested checks that were never made (refused, not run)."""
-        return sum(t.failed + t.unchecked for m in self.tallies.values() for t in m.values())
+        """Failed checks (invalid inputs accepted included), plus requested checks that were
+        never made (refused, not run)."""
+        return sum(t.failed + t.accepted + t.unchecked for m in self.tallies.values()
+                   for t in m.values())
 
     @property
     def ok(self) -> bool:
@@ -205,8 +222,11 @@ class SuiteResult:
 
     def cell(self, mode: str, prop: str) -> str:
         t = self.tallies[mode][prop]
+        invalid = f" +{t.accepted} INVALID" if t.accepted else ""
         if t.failed:
-            return f"FAILED {t.failed}/{t.requested}"
+            return f"FAILED {t.failed}/{t.requested}{invalid}"
+        if t.accepted:
+            return f"{t.checked}/{t.requested}{invalid}"
         if t.unchecked:
             return f"{t.checked}/{t.requested} SHORT"
         if t.requested:
@@ -236,6 +256,10 @@ class SuiteResult:
                    f"{self.contract}); FAILED "
                    "f/requested; SHORT = fewer checked than requested (a failure); - = not "
                    "applicable; meets: the strongest contract every example met")
+        if any(r.accepted_invalid for r in self.results.values()):
+            out.append("+n INVALID: n invalid inputs that dispatch took without raising "
+                       "ValueError on every rank (a failure, apart from wrong answers on valid "
+                       "inputs: FAILED)")
         out += self.notes()
         return "\n".join(out)
 
@@ -248,6 +272,16 @@ class SuiteResult:
             if r.later_failures:
                 lines.append(f"{m.name}: {r.later_failures} more failing examples after the "
                              "reported one")
+            if r.accepted_invalid:
+                n = sum(r.accepted_invalid.values())
+                wrong = sum(t.failed for t in r.tallies.values())
+                lines.append(f"{m.name}: FAILED: accepts invalid inputs (no input validation): "
+                             f"{n} invalid-input cases returned without raising ValueError on "
+                             "every rank (" + ", ".join(
+                                 k.replace("_", " ") for k, _ in r.accepted_invalid.most_common())
+                             + "); apart from these, "
+                             + (f"{wrong} failed checks on valid inputs" if wrong else
+                                "no failure on valid inputs"))
             met = self.met(m.name)
             if met in ("reordered", "bounded"):
                 lines.append(f"{m.name}: meets {met}; not exact: "
@@ -285,6 +319,7 @@ class SuiteResult:
             "results": {m: {p: t.to_json() for p, t in props.items()}
                         for m, props in self.tallies.items()},
             "modes": {m: {"meets": self.met(m), "problem": r.problem,
+                          "accepted_invalid": dict(r.accepted_invalid),
                           "capabilities": r.capabilities.describe() if r.capabilities else None,
                           "accumulate": r.accumulate, "check_errors": r.check_errors,
                           "corner_cases": r.corners, "first_failed_at": r.first_failed_at,
@@ -305,10 +340,13 @@ class SuiteResult:
             for p in PROPERTIES:
                 t = r.tallies[p]
                 body = ""
-                if t.failed or (r.failure is not None and p in r.failure.failed_properties):
+                if t.failed or t.accepted or (r.failure is not None
+                                              and p in r.failure.failed_properties):
                     n_fail += 1
                     text = r.failure.report() if r.failure is not None else ""
-                    body = (f"<failure message={quoteattr(f'{t.failed} of {t.requested} failed')}>"
+                    what = f"{t.failed} of {t.requested} failed" + (
+                        f", {t.accepted} invalid inputs accepted" if t.accepted else "")
+                    body = (f"<failure message={quoteattr(what)}>"
                             f"{_xml_text(text)}</failure>")
                 elif t.unchecked:
                     n_fail += 1
@@ -382,7 +420,8 @@ class Suite:
     command line's capability declarations (``["capacity=no", ...]`` or a dict);
     ``accumulate``: the accumulation declaration (:mod:`epkit.verify.accumulate`), over the
     capabilities' one; ``check_errors``: draw invalid inputs (None: as the capabilities say);
-    ``corners``: run the corner matrix (:func:`~epkit.verify.strategies.corner_cases`) before
+    ``corners``: run the corner matrix (:func:`~epkit.verify.strategies.corner_cases`; or
+    these cases, a list) before
     the ``examples`` random draws of each mode; ``on_mode(mode, ModeResult)``: called as each
     mode finishes (after ``on_failure``)."""
 
@@ -490,13 +529,20 @@ class _ModeRun:
         self.no_shrink = False
         self.timeout = float(getattr(verifier.runner, "timeout", 30.0))
         self.target = verifier.examples  # examples to tally: the corners, then the draws
+        # the cases each adapter (one per group size and factory arguments, as the workers
+        # cache them) ran since the group started, and what ran before each case
+        self.history: dict = {}
+        self.before: dict = {}
+        self.restarts = getattr(verifier.runner, "restarts", 0)
+        self.first_invalid = None  # the first invalid input accepted (reported if alone)
 
     def run_corners(self, errors: bool) -> Verdict | None:
         """Run and tally the corner matrix; the first failing corner's verdict (not shrunk:
         corners are small already), later failing ones counted."""
         vr, mr = self.vr, self.mr
-        corners = corner_cases(vr.runner.world_size, self.mode, self.caps,
-                               max_tokens=vr.max_tokens, check_errors=errors)
+        corners = list(vr.corners) if isinstance(vr.corners, (list, tuple)) else corner_cases(
+            vr.runner.world_size, self.mode, self.caps, max_tokens=vr.max_tokens,
+            check_errors=errors)
         mr.corners = len(corners)
         self.target = len(corners) + vr.examples
         first = None
@@ -505,12 +551,23 @@ class _ModeRun:
                 break
             v = self.evaluate(case)
             self.tally(v)
+            if self.secondary(v):
+                continue
             if v.failed:
                 if first is None:
                     first = v
                 else:
                     mr.later_failures += 1
         return first
+
+    def secondary(self, v: Verdict) -> bool:
+        """An invalid input taken without a ValueError (only that) is tallied apart and
+        reported only where no valid input failed: it neither shrinks nor hides a wrong
+        answer."""
+        if not _accepts_only(v):
+            return False
+        self.first_invalid = self.first_invalid or v
+        return True
 
     def run(self) -> ModeResult:
         vr, mr = self.vr, self.mr
@@ -520,7 +577,7 @@ class _ModeRun:
         strategy = cases(vr.runner.world_size, self.mode, max_tokens=vr.max_tokens,
                          capabilities=self.caps, check_errors=errors, **kw)
         base_seed = vr.seed ^ zlib.crc32(self.mode.name.encode())
-        if not self.no_shrink:
+        if not self.no_shrink and vr.examples:
             try:
                 vr._hypothesis(strategy, self.prop, vr.examples, base_seed,
                                [Phase.explicit, Phase.generate, Phase.shrink])()
@@ -531,6 +588,8 @@ class _ModeRun:
                 mr.failure = corner_failure
             else:  # the shrunk random failure is reported; the corner counts as one more
                 mr.later_failures += 1
+        if mr.failure is not None:
+            mr.failure = self.needs_earlier(mr.failure, max(vr.shrink_seconds, 10.0))
         # Every requested example runs: after a failure (shrunk and reported above), the rest
         # are drawn afresh and tallied without shrinking.
         for attempt in range(1, 4):
@@ -544,6 +603,8 @@ class _ModeRun:
             mr.not_run(left, "not run (the implementation hung)" if self.no_shrink
                        else "not drawn")
             vr.progress(left)
+        if mr.failure is None and self.first_invalid is not None:
+            mr.failure = self.first_invalid  # no wrong answer: the invalid input's report
         return mr
 
     def run_check(self, case) -> Verdict:
@@ -552,7 +613,7 @@ class _ModeRun:
             return self.checked[case]
         vr = self.vr
         t0 = time.monotonic()
-        results = vr.runner.run(case, vr.impl, self.mode)
+        results = self._run_on_adapter(case)
         took = time.monotonic() - t0
         try:
             self.checked[case] = check_case(case, self.mode, results, vr.impl, vr.reference,
@@ -573,6 +634,54 @@ class _ModeRun:
                 for r in results):
             self.no_shrink = True  # a hang: every further case could cost a timeout
         return self.checked[case]
+
+    def _adapter_key(self, case):
+        mode = self.mode
+        return (case.world_size, case.max_tokens if mode.static else None,
+                case.ranks_per_node if mode.nodes else None)
+
+    def _run_on_adapter(self, case):
+        """Run ``case`` on the group, keeping the history of its adapter."""
+        runner = self.vr.runner
+        if getattr(runner, "restarts", 0) != self.restarts:  # fresh workers, fresh adapters
+            self.history.clear()
+        ran = self.history.setdefault(self._adapter_key(case), [])
+        self.before.setdefault(case, tuple(ran))
+        results = runner.run(case, self.vr.impl, self.mode)
+        ran.append(case)
+        self.restarts = getattr(runner, "restarts", 0)
+        return results
+
+    def needs_earlier(self, v: Verdict, budget_s: float) -> Verdict:
+        """A failure whose case ran after others on its adapter: run it alone on a fresh
+        group; if it passes there, find earlier cases it needs (the latest one alone first,
+        within ``budget_s``, else all of them) and say so in the verdict (``after``)."""
+        runner, vr = self.vr.runner, self.vr
+        before = self.before.get(v.case, ())
+        if not before or not hasattr(runner, "restart") or self.no_shrink:
+            return v
+
+        def fails(after) -> bool:
+            runner.restart()
+            for earlier in after:
+                runner.run(earlier, vr.impl, self.mode)
+            again = check_case(v.case, self.mode, runner.run(v.case, vr.impl, self.mode),
+                               vr.impl, vr.reference, contract=vr.contract,
+                               capabilities=self.caps, accumulate=vr.accumulate)
+            return again.failed
+
+        if fails(()):
+            return v
+        t0, after = time.monotonic(), before
+        for earlier in reversed(before):
+            if time.monotonic() - t0 > budget_s:
+                break
+            if fails((earlier,)):
+                after = (earlier,)
+                break
+        runner.restart()
+        self.history.clear()
+        return dataclasses.replace(v, after=after)
 
     def attribute(self, case, v, v2, keys) -> Verdict:
         """A refusal that goes away without the features ``keys``: the verdict of the case
@@ -656,6 +765,8 @@ class _ModeRun:
         v = self.evaluate(case)
         if self.failed_at is None and self.generated < self.target:
             self.tally(v)
+        if self.secondary(v):
+            return
         if v.failed:
             if self.failed_at is None:
                 self.failed_at = time.monotonic()
@@ -669,5 +780,5 @@ class _ModeRun:
             return
         v = self.evaluate(case)
         self.tally(v)
-        if v.failed:
+        if v.failed and not self.secondary(v):
             self.mr.later_failures += 1

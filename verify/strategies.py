@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from epkit.reference import payloads
 from .capabilities import Capabilities
-from .cases import FLOAT_DTYPES, VIOLATIONS, Case, ModeSpec
+from .cases import FLOAT_DTYPES, SEQUENCES, VIOLATIONS, Case, ModeSpec
 
 __all__ = ["cases", "corner_cases", "MANY_TOKENS", "PEER_ROWS"]
 
@@ -92,6 +92,13 @@ def cases(
     violation = None
     if mix.random() < 0.25 and check_errors:
         violation = VIOLATIONS[int(mix.random() * len(VIOLATIONS))]
+    # the calls' order (one draw in four today's stage by stage), and one draw in eight with
+    # its twin on the same adapter: run after it, or both in flight (either combine order)
+    order = "stages" if mix.random() < 0.25 else "training"
+    sequence = "single"
+    if mix.random() < 1 / 8:
+        sequence = SEQUENCES[1 + int(mix.random() * (len(SEQUENCES) - 1))]
+        order = "training" if sequence.startswith("overlap") else order
     case = Case(
         world_size=R,
         num_experts=E,
@@ -116,6 +123,8 @@ def cases(
         ranks_per_node=G,
         specials=specials,
         special_weights=special_weights,
+        order=order,
+        sequence=sequence,
     )
     return with_violation(case, violation) if violation else case
 
@@ -212,7 +221,7 @@ def with_violation(case: Case, kind: str) -> Case:
     tokens = list(case.tokens)
     tokens[-1] = max(tokens[-1], 1)
     kw = dict(violation=kind, tokens=tuple(tokens), routing="random", capacity=None,
-              payload=case.payload)
+              payload=case.payload, sequence="single")
     if kind == "duplicate_id":
         kw.update(topk=max(case.topk, 2), unused_pct=0)
     if kind == "experts_not_divisible":
@@ -283,7 +292,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
             if R == full and kind != "unused" and dtype in WIDE_ROWS and dtype not in wide:
                 wide.add(dtype)
                 h = WIDE_ROWS[dtype]
-            T = 3 + i % 3
+            T = 2 if h != H else 3 + i % 3  # wide rows: two tokens a rank
             tokens = [T] * R
             if zero_ok and not ((many or h != H) and R == 1):  # R = 1: keep its only tokens
                 tokens[-1] = 0
@@ -299,9 +308,10 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
                 align=aligns[i % len(aligns)], weighted=weighted, payload=payload,
                 nan_padding=True, zero_rows=i % 3 == 1, max_tokens=max(max_tokens, T),
                 seed=1000 + i, ranks_per_node=_nodes(mode, R), specials=i % 2 == 0,
-                special_weights=weighted and i % 4 < 2)
+                special_weights=weighted and i % 4 < 2, order=ORDERS_CYCLE[i % 2])
             out.append(_routed_past(case, 255) if many else case)
             i += 1
+    _with_sequences(out)
     R = full
     for j, K in enumerate(k for k in sorted({min(cap_k, 40), cap_k}) if k > 8):
         # wide top-k: every slot past 16 used (K = E), then K = 255 with unused slots
@@ -362,6 +372,21 @@ def count_overflow_case(world_size: int, caps: Capabilities, mode=None,
                 idx_dtype=(caps.index_dtypes or ("int32",))[0], routing="every", unused_pct=0,
                 align=caps.aligns()[0], weighted=caps.allows("weighted"), nan_padding=True,
                 max_tokens=max(max_tokens, T), seed=4000, ranks_per_node=_nodes(mode, R))
+
+
+ORDERS_CYCLE = ("training", "stages")  # the per-R corners alternate the calls' order
+
+
+def _with_sequences(corners: list) -> None:
+    """The three cheapest of ``corners`` that move rows (the larger group first among equals)
+    run with their twins: repeated, and two in flight in either combine order (training
+    order)."""
+    moving = [n for n, c in enumerate(corners)
+              if sum(c.tokens) and c.unused_pct < 100 and c.violation is None]
+    moving.sort(key=lambda n: (sum(corners[n].tokens) * corners[n].hidden * corners[n].topk,
+                               -corners[n].world_size))
+    for n, seq in zip(sorted(moving[:3], key=lambda n: corners[n].world_size), SEQUENCES[1:]):
+        corners[n] = corners[n].replace(sequence=seq, order="training")
 
 
 def _dtype(want: str, dtypes) -> str:

@@ -14,13 +14,17 @@ from .cases import Case, ModeSpec
 
 __all__ = ["CONTRACTS", "PROPERTIES", "Mismatch", "Verdict", "weaker"]
 
-# Properties (columns of the closing table) and the stage that produces each.
+# Properties (columns of the closing table); cases.PRODUCES says which stage makes each.
 PROPERTIES = ("dispatch", "dispatch_backward", "combine", "combine_backward", "weight_grad")
-_STAGE = {"dispatch": 0, "dispatch_backward": 1, "combine": 2, "combine_backward": 3,
-          "weight_grad": 3}
 PASSED, FAILED, REFUSED, SKIPPED, NA = "passed", "failed", "refused", "skipped", "n/a"
+ACCEPTED = "accepted"  # a tally's status: an invalid input the implementation did not reject
 UNSUPPORTED = REFUSED  # the former name of a refusal
 CONTRACTS = ("exact", "reordered", "bounded")  # strictest first
+SEQUENCE_TEXT = {"repeat": "the twin run after the case",
+                 "overlap": "both dispatched before either is combined, then combined and "
+                            "differentiated in the order dispatched",
+                 "overlap_reversed": "both dispatched before either is combined, then "
+                                     "combined and differentiated in the reverse order"}
 _RANK = {c: i for i, c in enumerate(CONTRACTS)}
 
 
@@ -64,6 +68,8 @@ class Verdict:
     refusal: str | None = None
     redrawn_from: Case | None = None  # the refused draw this case replaced
     refused_for: tuple = ()  # the features that draw was refused for
+    after: tuple = ()  # earlier cases on the same adapter the failure needs (alone it passes)
+    accepted_invalid: str | None = None  # the violation dispatch did not reject (ValueError)
 
     @property
     def failed(self) -> bool:
@@ -94,12 +100,23 @@ class Verdict:
             f"idx {c.idx_dtype}, routing {c.routing}, align {c.align}, capacity {c.capacity}, "
             f"{'weighted' if c.weighted else 'unweighted'}, payload {c.payload}, "
             f"NaN padding {c.nan_padding}, seed {c.seed}")
+        lines.append(f"  order {c.order}, sequence {c.sequence}" + (
+            ": the case and its twin (Case.twin(): the same shapes, a fresh routing) on "
+            "one adapter, " + SEQUENCE_TEXT[c.sequence] + "; a failure may need the first "
+            "batch (replay runs both)" if c.sequence != "single" else ""))
         if self.redrawn_from is not None:
             lines.append(f"  (redrawn without {', '.join(self.refused_for)}, which the "
                          "implementation refused)")
+        if self.after:
+            lines.append(f"  needs earlier cases: alone, on a fresh group, this case passes; "
+                         f"after the {len(self.after)} case(s) below on the same adapter it "
+                         "fails (state kept from one call to the next)")
         lines.append("  reproduce:")
         snippet = c.snippet(self.impl, self.mode.name)
         if self.contract != "exact":
             snippet = snippet[:-1] + f", contract={self.contract!r})"
+        if self.after:
+            snippet = snippet[:-1] + ",\n       after=[" + ",\n              ".join(
+                repr(e) for e in self.after) + "])"
         lines.append(textwrap.indent(snippet, "    "))
         return "\n".join(lines)

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from .adapters import load_factory
-from .cases import STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype, sane_row_src
+from .cases import (ORDERS, STAGES, TAG_GRAD_X, TAG_Y, Case, ModeSpec, np_dtype,
+                    sane_row_src)
 
-__all__ = ["STAGES", "load_factory", "make_adapter", "run_rank", "to_numpy", "to_torch"]
+__all__ = ["STAGES", "first_error", "load_factory", "make_adapter", "run_rank", "schedule",
+           "to_numpy", "to_torch"]
 
 FIELDS = ("expert_x", "tokens_per_expert", "expert_offsets", "row_src", "row_weight")
 OPTIONAL_FIELDS = ("dropped_per_expert", "expert_scale")
@@ -56,10 +58,11 @@ def make_adapter(impl: str, mode: ModeSpec, case: Case, group):
 
 
 class _Stage:
-    """Records which stage is running so an exception can name it."""
+    """Records which stage is running (and of which batch) so an exception can name it."""
 
     def __init__(self):
         self.name = None
+        self.batch = None
 
 
 class Handed:
@@ -90,16 +93,25 @@ class Handed:
 
 
 def run_rank(case: Case, mode: ModeSpec, adapter, rank: int, device="cpu") -> dict:
-    """Run ``case`` on this rank through ``adapter``; a dict of NumPy outputs and the error."""
-    out: dict = {"rank": rank, "error": None}
+    """Run ``case`` on this rank through ``adapter``; a dict of NumPy outputs and the error.
+
+    The calls come in the case's ``order`` (``training``: dispatch, combine, then one
+    backward over both; ``stages``: each backward right after its forward). A case with a
+    ``sequence`` runs with its twin (:meth:`Case.twin`: the same shapes, a fresh routing) on
+    the same adapter, interleaved as the sequence says; the twin's outputs are the dict's
+    ``"twin"``, a dict of the same kind."""
     stage = _Stage()
     t0 = time.perf_counter()
+    batches = [_Batch(case, adapter, rank, device, stage)]
+    if case.sequence != "single":
+        batches.append(_Batch(case.twin(), adapter, rank, device, stage))
     try:
-        _run(case, mode, adapter, rank, device, out, stage)
+        for n, step in schedule(case):
+            batches[n].run(step)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         if isinstance(exc, KeyboardInterrupt):
             raise
-        out["error"] = {
+        err = {
             "stage": stage.name,
             "type": type(exc).__name__,
             "unsupported": isinstance(exc, NotImplementedError),
@@ -107,8 +119,38 @@ def run_rank(case: Case, mode: ModeSpec, adapter, rank: int, device="cpu") -> di
             "message": str(exc),
             "traceback": traceback.format_exc(limit=-8),
         }
+        raising = stage.batch or batches[0]
+        raising.out["error"] = err
+        for b in batches:  # the other batch stops where it stood, for the same reason
+            if b is not raising and b.left and b.out["error"] is None:
+                b.out["error"] = dict(err, stage=b.left[0], message="the other batch of the "
+                                      f"sequence raised first: {err['message']}")
+    out = batches[0].out
+    if len(batches) > 1:
+        out["twin"] = batches[1].out
     out["seconds"] = time.perf_counter() - t0
     return out
+
+
+def first_error(result: dict) -> dict | None:
+    """The error of a rank's result, or of its twin's (a sequence)."""
+    return result.get("error") or (result.get("twin") or {}).get("error")
+
+
+def schedule(case: Case) -> list:
+    """``(batch, step)`` in the order a rank runs them: the case's steps (its ``order``), or
+    with a ``sequence`` those of the case (batch 0) and its twin (batch 1) interleaved:
+    ``repeat`` one after the other; ``overlap`` (two batches in flight: dual-batch overlap,
+    DualPipe) both dispatches, then combine 0, combine 1, backward 0, backward 1;
+    ``overlap_reversed`` both dispatches, then combine 1, combine 0, backward 1, backward 0."""
+    steps = ORDERS[case.order]
+    if case.sequence == "single":
+        return [(0, s) for s in steps]
+    if case.sequence == "repeat":
+        return [(0, s) for s in steps] + [(1, s) for s in steps]
+    first, second = (0, 1) if case.sequence == "overlap" else (1, 0)
+    return [(0, "dispatch"), (1, "dispatch"), (first, "combine"), (second, "combine"),
+            (first, "backward"), (second, "backward")]
 
 
 def _waited(obj, field=None):
@@ -118,65 +160,122 @@ def _waited(obj, field=None):
     return obj.wait() if hasattr(obj, "wait") else obj
 
 
-def _run(case, mode, adapter, rank, device, out, stage):
-    x_np, idx_np, w_np = case.inputs(rank)
-    handed = Handed(out, device)
-    x = handed.give("x", x_np).requires_grad_(True)
-    idx = handed.give("topk_idx", idx_np)
-    w = handed.give("topk_weights", w_np).requires_grad_(case.weighted)
+class _Batch:
+    """One case's calls on one rank, a step at a time (a sequence interleaves two batches):
+    its inputs, what the adapter returned, and ``out``, the result dict."""
 
-    stage.name = "dispatch"
-    d = adapter.dispatch(
-        x, idx, w, num_experts=case.num_experts, align=case.align, capacity=case.capacity
-    )
-    d = _waited(d, "expert_x")
-    handed.check("dispatch")
-    if getattr(d, "expert_x", None) is None and getattr(d, "recv_x", None) is not None:
-        return _run_rank_major(case, adapter, d, x, rank, device, out, stage, handed)
-    got = {name: to_numpy(getattr(d, name)) for name in FIELDS}
-    for name in OPTIONAL_FIELDS:
-        got[name] = to_numpy(getattr(d, name, None))
-    out["dispatch"] = got
-    # Under a quantized payload the differentiable rows are the dequantized ones
-    # (``expert_x_hp``, straight-through), and their gradient is float32.
-    expert_x, g_dtype = d.expert_x, case.dtype
-    if case.payload is not None and getattr(d, "expert_x_hp", None) is not None:
-        expert_x, g_dtype = d.expert_x_hp, "float32"
-        got["expert_x_hp"] = to_numpy(expert_x)
-    # The rows fed back are keyed by the implementation's own row_src (cases.slot_rows): any
-    # row order is handed the same row for the same slot.
-    src = sane_row_src(got["row_src"], int(d.expert_x.shape[0]))
+    def __init__(self, case, adapter, rank, device, stage):
+        self.case, self.adapter, self.rank, self.device, self.stage = (case, adapter, rank,
+                                                                       device, stage)
+        self.out = {"rank": rank, "error": None}
+        self.handed = Handed(self.out, device)
+        self.left = list(ORDERS[case.order])  # the steps not yet run
+        self.rank_major = False
 
-    stage.name = "dispatch_backward"
-    g = case.slot_rows(rank, TAG_GRAD_X, src, g_dtype)
-    out["grad_expert_x"] = g
-    if expert_x.requires_grad:
-        (gx,) = torch.autograd.grad(expert_x, x, handed.give("grad_expert_x", g),
-                                    retain_graph=True)
-        handed.check("dispatch_backward")
-        out["grad_x"] = to_numpy(gx)
-    elif case.payload is None:
-        raise AssertionError("expert_x does not require grad: dispatch is not differentiable")
-    else:
-        out["grad_x"] = "unsupported"
+    def run(self, step: str):
+        self.stage.batch = self
+        self.left.remove(step)
+        if not self.rank_major:  # a rank-major result ran its stages at dispatch
+            getattr(self, "_" + step)()
+        self.stage.name = None
 
-    stage.name = "combine"
-    y_np = case.slot_rows(rank, TAG_Y, src, case.y_dtype)
-    out["expert_y"] = y_np
-    y = handed.give("expert_y", y_np).requires_grad_(True)
-    o = _waited(adapter.combine(y, d, weighted=case.weighted))
-    handed.check("combine")
-    out["out"] = to_numpy(o)
+    def _at(self, name):
+        self.stage.name = name
 
-    stage.name = "combine_backward"
-    go = case.grad_out(rank)
-    out["grad_out"] = go
-    inputs = [y, w] if case.weighted else [y]
-    grads = torch.autograd.grad(o, inputs, handed.give("grad_out", go), allow_unused=True)
-    handed.check("combine_backward")
-    out["grad_y"] = to_numpy(grads[0])
-    out["grad_w"] = to_numpy(grads[1]) if case.weighted else None
-    stage.name = None
+    def _dispatch(self):
+        case, h, out = self.case, self.handed, self.out
+        x_np, idx_np, w_np = case.inputs(self.rank)
+        self.x = h.give("x", x_np).requires_grad_(True)
+        idx = h.give("topk_idx", idx_np)
+        self.w = h.give("topk_weights", w_np).requires_grad_(case.weighted)
+        self._at("dispatch")
+        d = self.adapter.dispatch(self.x, idx, self.w, num_experts=case.num_experts,
+                                  align=case.align, capacity=case.capacity)
+        d = _waited(d, "expert_x")
+        h.check("dispatch")
+        if getattr(d, "expert_x", None) is None and getattr(d, "recv_x", None) is not None:
+            self.rank_major = True
+            return _run_rank_major(case, self.adapter, d, self.x, self.rank, self.device, out,
+                                   self.stage, h)
+        got = {name: to_numpy(getattr(d, name)) for name in FIELDS}
+        for name in OPTIONAL_FIELDS:
+            got[name] = to_numpy(getattr(d, name, None))
+        out["dispatch"] = got
+        # Under a quantized payload the differentiable rows are the dequantized ones
+        # (``expert_x_hp``, straight-through), and their gradient is float32.
+        self.d, self.expert_x, self.g_dtype = d, d.expert_x, case.dtype
+        if case.payload is not None and getattr(d, "expert_x_hp", None) is not None:
+            self.expert_x, self.g_dtype = d.expert_x_hp, "float32"
+            got["expert_x_hp"] = to_numpy(self.expert_x)
+        # The rows fed back are keyed by the implementation's own row_src (cases.slot_rows):
+        # any row order is handed the same row for the same slot.
+        self.src = sane_row_src(got["row_src"], int(d.expert_x.shape[0]))
+
+    def _grad_rows(self):
+        """The gradient fed to expert_x, or None where dispatch under a quantized payload
+        offers no differentiable rows (a refusal of its backward)."""
+        g = self.case.slot_rows(self.rank, TAG_GRAD_X, self.src, self.g_dtype)
+        self.out["grad_expert_x"] = g
+        if self.expert_x.requires_grad:
+            return g
+        if self.case.payload is None:
+            raise AssertionError("expert_x does not require grad: dispatch is not "
+                                 "differentiable")
+        self.out["grad_x"] = "unsupported"
+        return None
+
+    def _dispatch_backward(self):
+        self._at("dispatch_backward")
+        g = self._grad_rows()
+        if g is not None:
+            (gx,) = torch.autograd.grad(self.expert_x, self.x, self.handed.give(
+                "grad_expert_x", g), retain_graph=True)
+            self.handed.check("dispatch_backward")
+            self.out["grad_x"] = to_numpy(gx)
+
+    def _combine(self):
+        case = self.case
+        self._at("combine")
+        y_np = case.slot_rows(self.rank, TAG_Y, self.src, case.y_dtype)
+        self.out["expert_y"] = y_np
+        self.y = self.handed.give("expert_y", y_np).requires_grad_(True)
+        self.o = _waited(self.adapter.combine(self.y, self.d, weighted=case.weighted))
+        self.handed.check("combine")
+        self.out["out"] = to_numpy(self.o)
+
+    def _combine_backward(self):
+        self._at("combine_backward")
+        self._grads([self.o], [self._grad_out()], [self.y, self.w], "combine_backward")
+
+    def _backward(self):
+        """Training's backward: one ``autograd.grad`` over (out, expert_x) into (x, expert_y,
+        topk_weights), after combine."""
+        self._at("backward")
+        g = self._grad_rows()
+        outputs, fed = [self.o], [self._grad_out()]
+        if g is not None:
+            outputs.append(self.expert_x)
+            fed.append(self.handed.give("grad_expert_x", g))
+        gx = self._grads(outputs, fed, [self.y, self.w, self.x] if g is not None
+                         else [self.y, self.w], "backward")
+        if g is not None:
+            self.out["grad_x"] = to_numpy(gx)
+
+    def _grad_out(self):
+        go = self.case.grad_out(self.rank)
+        self.out["grad_out"] = go
+        return self.handed.give("grad_out", go)
+
+    def _grads(self, outputs, fed, inputs, stage):
+        """``autograd.grad`` of ``outputs`` (fed ``fed``) into ``inputs`` (expert_y, the
+        weights, x); records the gradients of expert_y and the weights; returns x's."""
+        weighted = self.case.weighted
+        wanted = [inputs[0]] + ([inputs[1]] if weighted else []) + inputs[2:]
+        grads = torch.autograd.grad(outputs, wanted, fed, allow_unused=True)
+        self.handed.check(stage)
+        self.out["grad_y"] = to_numpy(grads[0])
+        self.out["grad_w"] = to_numpy(grads[1]) if weighted else None
+        return grads[-1] if len(wanted) > 1 + weighted else None
 
 
 def _run_rank_major(case, adapter, d, x, rank, device, out, stage, handed):

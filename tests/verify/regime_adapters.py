@@ -118,6 +118,88 @@ class Ids8Bit(Validating):
         return torch.where(topk_idx >= 0, topk_idx % 256, topk_idx)
 
 
+# -- order and sequences --------------------------------------------------------------------------
+class CachesPlanByShape(Validating):
+    """Caches its routing plan by shape: a later call with the same shapes reuses the first
+    one's routing (a plan cache keyed by (T, K, H) and not by the routing)."""
+
+    def route(self, x, topk_idx, topk_weights):
+        cache = self.__dict__.setdefault("plans", {})
+        key = (tuple(topk_idx.shape), x.shape[1], topk_idx.dtype)
+        return cache.setdefault(key, topk_idx.clone())
+
+
+class PlanOnTheLayer(Validating):
+    """Keeps its plan on the layer object, not on the returned handle (the torchtitan
+    ParallelStyle pattern): combine uses the latest dispatch's plan."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        self.last = super().dispatch(x, topk_idx, topk_weights, **kw)
+        return self.last
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        return super().combine(expert_y, self.last, weighted=weighted)
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity forward; the backward passes its gradient through ``hook`` (run then)."""
+
+    @staticmethod
+    def forward(ctx, t, hook):
+        ctx.hook = hook
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.hook(grad), None
+
+
+def _with_state(d, box, hook):
+    """``d`` with ``box`` (state shared by its calls) on it and ``hook`` in expert_x's
+    backward."""
+    d = dataclasses.replace(d, expert_x=_OnBackward.apply(d.expert_x, hook))
+    d.box = box
+    return d
+
+
+class CombineReusesDispatchState(Validating):
+    """Dispatch's backward reads a buffer that combine reuses (a receive buffer, a count list
+    held by reference in the autograd context): right only if dispatch's backward runs before
+    combine, which training never does."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        box = {"scale": 1.0}
+        return _with_state(super().dispatch(x, topk_idx, topk_weights, **kw), box,
+                           lambda grad: grad * box["scale"])
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        dispatched.box["scale"] = 0.5  # the buffer, reused
+        return super().combine(expert_y, dispatched, weighted=weighted)
+
+
+class BackwardFreesThePlan(Validating):
+    """Dispatch's backward frees state combine still reads (here: combine then returns
+    zeros): wrong only when dispatch's backward runs before combine (order ``stages``)."""
+
+    def dispatch(self, x, topk_idx, topk_weights, **kw):
+        box = {"freed": False}
+
+        def free(grad):
+            box["freed"] = True
+            return grad
+
+        return _with_state(super().dispatch(x, topk_idx, topk_weights, **kw), box, free)
+
+    def combine(self, expert_y, dispatched, *, weighted=True):
+        out = super().combine(expert_y, dispatched, weighted=weighted)
+        return out * 0 if dispatched.box["freed"] else out
+
+
+caches_plan_by_shape = CachesPlanByShape
+plan_on_the_layer = PlanOnTheLayer
+combine_reuses_dispatch_state = CombineReusesDispatchState
+backward_frees_the_plan = BackwardFreesThePlan
+
 float16_sums_in_float16 = Float16SumsInFloat16
 stages_rows_through_4kib = StagesRowsThrough4KiB
 counts_16bit = Counts16Bit
@@ -128,8 +210,12 @@ writes_topk_idx = WritesTopkIdx
 zeroes_padding_of_expert_y = ZeroesPaddingOfExpertY
 combine_backward_writes_grad = CombineBackwardWritesGrad
 
-# factory -> (the property that must fail, a text its report must hold)
+# factory -> (the property that must fail, a text its report must hold, or texts: one of them)
 BUGS = {
+    "caches_plan_by_shape": ("dispatch", ("second batch (the twin)", "needs earlier cases")),
+    "plan_on_the_layer": ("combine", "sequence overlap"),
+    "combine_reuses_dispatch_state": ("dispatch_backward", "order training"),
+    "backward_frees_the_plan": ("combine", "order stages"),
     "float16_sums_in_float16": ("combine", "x float16"),
     "stages_rows_through_4kib": ("dispatch", "expert_x"),
     "counts_16bit": ("dispatch", "tokens_per_expert"),
@@ -137,6 +223,5 @@ BUGS = {
     "ids_8bit": ("dispatch", "dispatch"),
     "writes_topk_idx": ("dispatch", "dispatch wrote into topk_idx"),
     "zeroes_padding_of_expert_y": ("combine", "combine wrote into expert_y"),
-    "combine_backward_writes_grad": ("combine_backward", "combine's backward wrote into "
-                                                         "grad_out"),
+    "combine_backward_writes_grad": ("combine_backward", "wrote into grad_out"),
 }

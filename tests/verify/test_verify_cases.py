@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 
 from epkit.verify.adapters import epkit_modes
 from epkit.verify.cases import Case, ModeSpec, valid_rows
+from epkit.verify.cases import SEQUENCES
 from epkit.verify.strategies import MANY_TOKENS, cases
 
 MODES = {m.name: m for m in epkit_modes()}
@@ -176,6 +177,12 @@ def test_random_draws_reach_every_regime(name):
         assert 0.35 <= share <= 0.65, (what, share)
     assert sum(c.specials for c in seen) >= n // 6
     assert sum(c.special_weights for c in seen) >= n // 12
+    # float16 a quarter, the calls' orders three to one, one in eight with its twin
+    assert 0.12 <= sum(c.dtype == "float16" for c in seen) / n <= 0.38
+    assert 0.12 <= sum(c.order == "stages" for c in seen) / n <= 0.38
+    assert {c.sequence for c in seen} == set(SEQUENCES)
+    assert n // 20 <= sum(c.sequence != "single" for c in seen) <= n // 4
+    assert all(c.order == "training" for c in seen if c.sequence.startswith("overlap"))
     for c in [c for c in seen if c.topk > 8][:3] + many[:2]:
         _check_routing(c)
 
@@ -290,3 +297,16 @@ def test_corner_cases_stay_inside_declared_capabilities(mode):
         assert c.capacity is None and c.align in (1, 4) and c.y_dtype == c.dtype
         assert c.weighted and c.idx_dtype == "int32" and c.topk <= 5 and min(c.tokens) >= 1
         assert all((i >= 0).all() for i in c.all_inputs()[1]), c
+
+
+def test_a_twin_has_the_shapes_and_a_fresh_routing():
+    c = Case(world_size=2, num_experts=8, topk=3, hidden=5, tokens=(7, 4), seed=9,
+             sequence="overlap")
+    t = c.twin()
+    assert t.sequence == "single" and t.replace(seed=c.seed, sequence=c.sequence) == c
+    (x0, i0, _), (x1, i1, _) = c.inputs(0), t.inputs(0)
+    assert x0.shape == x1.shape and i0.shape == i1.shape and not (i0 == i1).all()
+    for bad in (dict(sequence="overlap", order="stages"), dict(order="backwards"),
+                dict(sequence="twice")):
+        with pytest.raises(ValueError):
+            c.replace(**bad)

@@ -161,13 +161,24 @@ def _err(stage, kind="NotImplementedError", unsupported=True):
 
 
 def test_uniform_not_implemented_is_refused_from_that_stage_on():
-    results = perfect_results(CASE)
+    stages = CASE.replace(order="stages")
+    results = perfect_results(stages)
     for r in results:
         r["error"] = _err("combine")
-    v = check_case(CASE, ModeSpec(), results)
+    v = check_case(stages, ModeSpec(), results)
     assert v.status["dispatch"] == v.status["dispatch_backward"] == "passed"
     assert v.status["combine"] == v.status["combine_backward"] == "refused"
     assert not v.failed and v.refused and "combine: NotImplementedError: not yet" in v.refusal
+    # in training order both backward passes come after combine: neither ran
+    v = check_case(CASE, ModeSpec(), results)
+    assert CASE.order == "training" and v.status["dispatch"] == "passed"
+    assert v.status["dispatch_backward"] == v.status["combine"] == "refused"
+    # a raise in training's one backward: the forward properties stand
+    for r in results:
+        r["error"] = _err("backward", "RuntimeError", unsupported=False)
+    v = check_case(CASE, ModeSpec(), results)
+    assert v.status["dispatch"] == v.status["combine"] == "passed"
+    assert v.failed_properties == ["dispatch_backward", "combine_backward", "weight_grad"]
 
 
 def test_an_error_on_some_ranks_fails_and_shows_the_traceback():

@@ -30,7 +30,7 @@ def test_every_planted_regime_bug_is_caught_and_named(pool, name, seed):
     failed = {p for p, t in res.tallies["default"].items() if t.failed}
     assert not res.ok and prop in failed, (name, seed, res.table())
     report = "\n".join(v.report() for v in res.failures)
-    assert text in report, report
+    assert any(t in report for t in ((text,) if isinstance(text, str) else text)), report
 
 
 class _Tracing:
@@ -90,3 +90,41 @@ def test_without_the_corners_the_trace_misses_regimes(pool):
     Suite(tracing, impl=PLAIN, examples=3, seed=1, shrink_seconds=0, corners=False).run()
     missing = REGIMES_ALL - _regimes(tracing.cases)
     assert {"count overflow", "wide rows bfloat16", "tokens 64"} <= missing, missing
+
+
+def test_a_failure_that_needs_earlier_cases_says_so_and_replays_with_them(pool):
+    from epkit.verify import Case, replay
+
+    first = Case(world_size=2, num_experts=4, topk=2, hidden=4, tokens=(3, 2), seed=1,
+                 unused_pct=0)
+    second = first.replace(seed=2)  # the same shapes, another routing
+    impl = f"{REGIMES}:caches_plan_by_shape"
+    res = Suite(pool, impl=impl, examples=0, seed=1, shrink_seconds=0,
+                corners=[first, second]).run()
+    (v,) = res.failures
+    assert v.case == second and v.after == (first,), v.report()
+    assert "needs earlier cases: alone, on a fresh group, this case passes" in v.report()
+    assert "after=[Case(" in v.report()
+    assert not replay(second, impl=impl, quiet=True).failed  # alone: passes
+    assert replay(second, impl=impl, quiet=True, after=[first]).failed
+
+def test_check_errors_reports_accepted_invalid_inputs_apart_from_wrong_answers(pool):
+    from verify_testlib import BROKEN
+
+    # no validation at all, and right answers: one line, and no FAILED cell
+    clean = Suite(pool, impl=PLAIN, modes=None, examples=5, seed=1, shrink_seconds=0,
+                  check_errors=True).run()
+    r = clean.results["ragged"]
+    assert not clean.ok and sum(r.accepted_invalid.values()) >= 5, clean.table()
+    assert r.tallies["dispatch"].failed == 0 and r.tallies["dispatch"].accepted > 0
+    table = clean.table()
+    assert "ragged: FAILED: accepts invalid inputs (no input validation)" in table, table
+    assert "no failure on valid inputs" in table and "+" in clean.cell("ragged", "dispatch")
+    assert r.failure is not None and r.failure.accepted_invalid  # its report: the invalid one
+    # no validation and a wrong answer: the wrong answer is the failure reported, apart
+    bad = Suite(pool, impl=f"{BROKEN}:weight_twice", examples=5, seed=1, shrink_seconds=0,
+                check_errors=True).run()
+    r = bad.results["default"]
+    assert r.accepted_invalid and r.failure is not None and not r.failure.accepted_invalid
+    assert "combine" in r.failure.failed_properties, r.failure.report()
+    assert "failed checks on valid inputs" in bad.table(), bad.table()
