@@ -240,8 +240,7 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
         from .triton import combine as kernels
 
         kernels.units(expert_y, umap, recv_map, row_weight, True, weighted, buf)
-        u_row = _send_row_slots(kept_idx, send_map, L, S)
-        at, _ = _device_places(u_row, plan, hp, False, per, chunk, hdr, values=True)
+        at = _device_token_places(send_map, kept_idx, plan, hp, per, chunk, hdr)
         sizes = [[chunk] * R] * 2 if chunk is not None else bounds
     else:
         # expert side: each received token row's first unit, laid out for the variant
@@ -263,13 +262,16 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
     return Back(move, kept_idx, at.view(-1))
 
 
+DENSE = 2  # triton/places.py's DENSE: one unit a data row (a name the C++ path can import)
+
+
 def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: int, chunk,
-                   hdr: int, values: bool = False, compact: Optional[str] = None,
-                   umap_units: int = -1, M: int = 0):
+                   hdr: int, values: int = 0, compact: Optional[str] = None,
+                   umap_units: int = -1, M: int = 0, rows: Optional[int] = None):
     """:func:`_unit_positions` of the device path in one launch (triton/places.py): the first
     unit of each row of the dispatch's row space (``recv``: the received rows, else the sent
-    ones), ``src`` a map whose entries >= 0 are a row's units (``values``: its unit counts), at
-    most ``ucap`` a row. Chunks: ``chunk`` rows each after ``hdr`` header rows; else each
+    ones), ``src`` a map whose entries >= 0 are a row's units (``values`` 1: its unit counts;
+    :data:`DENSE`: one a data row, ``rows`` of them, ``src`` unread), at most ``ucap`` a row. Chunks: ``chunk`` rows each after ``hdr`` header rows; else each
     peer's bound ``min(slots, ucap * rows)`` from the plan (:func:`_ragged_bounds`), or, with
     ``compact``, the plan's word section of that name (exact counts, no gaps). Returns
     ``(first, umap or None)`` (``umap_units >= 0``: dedup's units map too)."""
@@ -283,7 +285,24 @@ def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: 
     return places.row_places(src, plan, R, sl[f"{side}_counts"].start, ucap=ucap, mode=mode,
                              static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
                              sizes_off=sl[compact or f"{side}_slots"].start, values=values,
-                             umap_units=umap_units, per=ucap if umap_units >= 0 else 1, M=M)
+                             umap_units=umap_units, per=ucap if umap_units >= 0 else 1, M=M,
+                             rows=rows)
+
+
+def _device_token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, hp,
+                         ucap: int, chunk, hdr: int, compact: Optional[str] = None):
+    """dedup's source side of :func:`_device_places`: each send row's first unit, its units its
+    token's kept slots (``idx``) on the row's rank, at most ``ucap``; one launch."""
+    from .triton import places
+
+    R, E = int(hp[RANKS]), int(hp[EXPERTS])
+    sl = plan_slices(R, E)
+    mode = (places.FIXED if chunk is not None else places.COMPACT if compact is not None
+            else places.BOUNDED)
+    return places.token_places(send_map, idx, plan, R, E, int(hp[SEND_ROWS]),
+                               sl["send_counts"].start, ucap=ucap, mode=mode,
+                               static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
+                               sizes_off=sl[compact or "send_slots"].start)
 
 
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
@@ -355,14 +374,18 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     v = variant_of(hp)
     chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
     front = v.header_rows
-    u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
     if device_path(recv_map):  # one launch a side (triton/places.py); ragged: exact counts
         every = 1 << 40  # a row's kept slots, uncapped
         first, _ = _device_places(recv_map, plan, hp, True, every, chunk, front,
                                   compact="recv_slots" if dedup else "recv_counts")
-        first_src, _ = _device_places(u_src, plan, hp, False, every, chunk, front, values=True,
-                                      compact="send_slots" if dedup else "send_counts")
+        if dedup:
+            first_src = _device_token_places(send_map, idx, plan, hp, every, chunk, front,
+                                             compact="send_slots")
+        else:  # pairs: a slot a send row, every data row of a chunk
+            first_src, _ = _device_places(plan, plan, hp, False, every, chunk, front,
+                                          values=DENSE, compact="send_counts", rows=S)
     else:
+        u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
         u = (recv_map >= 0).sum(1)
         first, _ = _unit_positions(u, _row_chunks(hp, plan, recv_map.shape[0], True), R, 1,
                                    chunk, front)

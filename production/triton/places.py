@@ -23,23 +23,21 @@ import torch
 
 from ._runtime import INTERPRETED, launch, specialization, tl, triton
 
-__all__ = ["FIXED", "BOUNDED", "COMPACT", "row_places"]
+__all__ = ["FIXED", "BOUNDED", "COMPACT", "MAP", "VALUES", "DENSE", "row_places",
+           "token_places"]
 
 FIXED, BOUNDED, COMPACT = 0, 1, 2  # how chunk p's start is found (the module docstring)
+MAP, VALUES, DENSE = 0, 1, 2  # what gives a row's units: a map's entries, counts, one a row
 BLOCK = 256 if INTERPRETED else 1024  # rows a program scans at a time
 
 
 @triton.jit
-def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap, chunk,
-                   hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr, VALUES: tl.constexpr,
-                   UMAP: tl.constexpr, PER: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """first [N] int64: row n's first unit (-1: none). Chunk p (this program) holds rows
-    [p (1 + cap), (p + 1)(1 + cap)) (STATIC) or the plan's row counts at rows_off, prefix-summed.
-    Units of row n: VALUES, src[n] (a count); else the entries >= 0 of src [N, C]; at most
-    UCAP. Chunk p starts at p * chunk + hdr (FIXED), at the sum of the earlier chunks' sizes
-    (BOUNDED: min(plan[sizes_off + q], UCAP * rows of q); COMPACT: plan[sizes_off + q])."""
-    p = tl.program_id(0).to(tl.int64)
+def _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP, MODE: tl.constexpr,
+           STATIC: tl.constexpr, RP: tl.constexpr):
+    """Chunk p's rows [lo, hi) in the row space (STATIC: 1 + cap rows each; else the plan's row
+    counts at rows_off, prefix-summed) and its units [start, start + size) after its hdr
+    header units (FIXED: chunk units each; BOUNDED: min(plan[sizes_off + q], UCAP * rows of
+    q); COMPACT: plan[sizes_off + q])."""
     q = tl.arange(0, RP)
     qm = q < R
     rows_q = tl.load(plan + rows_off + q, mask=qm, other=0)
@@ -58,14 +56,37 @@ def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off
             sz = tl.minimum(sz, UCAP * rows_q)
         start = tl.sum(tl.where(q < p, sz, 0), axis=0)
         size = tl.sum(tl.where(q == p, sz, 0), axis=0)
+    return lo, hi, start, size
+
+
+@triton.jit
+def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap, chunk,
+                   hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr, VALUES: tl.constexpr,
+                   UMAP: tl.constexpr, PER: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """first [N] int64: row n's first unit (-1: none). Chunk p (this program) holds rows
+    [p (1 + cap), (p + 1)(1 + cap)) (STATIC) or the plan's row counts at rows_off, prefix-summed.
+    Units of row n: VALUES 1, src[n] (a count); VALUES 2 (DENSE), one for each of the chunk's
+    data rows (a static chunk's first row is its header, and its rows past the plan's count
+    unused); else the entries >= 0 of src [N, C]; at most UCAP. Chunk p starts at p * chunk + hdr (FIXED), at the sum of the earlier chunks' sizes
+    (BOUNDED: min(plan[sizes_off + q], UCAP * rows of q); COMPACT: plan[sizes_off + q])."""
+    p = tl.program_id(0).to(tl.int64)
+    lo, hi, start, size = _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP,
+                                 MODE, STATIC, RP)
     cs = tl.arange(0, CP)
     js = tl.arange(0, PER)
     carry = start * 0
     for b in range(lo, hi, BLOCK):
         n = b + tl.arange(0, BLOCK)
         m = n < hi
-        if VALUES:
+        if VALUES == 1:
             u = tl.load(src + n, mask=m, other=0)
+        elif VALUES == 2:  # DENSE: one unit a data row (past a static chunk's header row)
+            if STATIC:
+                used = tl.load(plan + rows_off + p)
+                u = ((n > lo) & (n <= lo + used) & m).to(tl.int64)
+            else:
+                u = m.to(tl.int64)
         else:
             tile = tl.load(src + n[:, None] * C + cs[None, :], mask=m[:, None] & (cs < C)[None, :],
                            other=-1)
@@ -99,25 +120,75 @@ def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off
             tl.store(umap + x, -1, mask=x < start + size)
 
 
+@triton.jit
+def _token_places_kernel(send_map, idx, first, plan, T, K, E, L, S, UCAP, R, rows_off,
+                         sizes_off, cap, chunk, hdr, MODE: tl.constexpr, STATIC: tl.constexpr,
+                         KP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
+    """dedup's source side: first [S] int64 for the send rows, the token rows send_map [T, R]
+    names, in token order within each chunk (pack's order): a row's units are its token's
+    kept slots on the chunk's rank (idx [T, K], the kept routing), at most UCAP. Rows of a
+    static chunk that no token names (its header row, its unused tail) get -1."""
+    p = tl.program_id(0).to(tl.int64)
+    lo, hi, start, size = _chunk(plan, p, S, R, rows_off, sizes_off, cap, chunk, hdr, UCAP,
+                                 MODE, STATIC, RP)
+    ks = tl.arange(0, KP)
+    carry = start * 0
+    used = start * 0
+    for b in range(0, T, BLOCK):
+        t = b + tl.arange(0, BLOCK).to(tl.int64)
+        m = t < T
+        e = tl.load(idx + t[:, None] * K + ks[None, :], mask=m[:, None] & (ks < K)[None, :],
+                    other=-1).to(tl.int64)
+        n = tl.sum(((e >= 0) & (e // L == p)).to(tl.int64), axis=1)
+        r = tl.load(send_map + t * R + p, mask=m, other=-1)
+        named = m & (r >= 0) & (r < S)
+        u = tl.where(named, tl.minimum(n, UCAP), 0)
+        pos = tl.where(u > 0, start + carry + tl.cumsum(u, axis=0) - u, -1)
+        tl.store(first + r, pos, mask=named)
+        carry += tl.sum(u, axis=0)
+        used += tl.sum(named.to(tl.int64), axis=0)
+    if STATIC:  # the rows no token names: the header row, and the tail past the used rows
+        for b in range(lo, hi, BLOCK):
+            x = b + tl.arange(0, BLOCK).to(tl.int64)
+            tl.store(first + x, -1, mask=(x < hi) & ((x == lo) | (x > lo + used)))
+
+
+def token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, R: int,
+                 E: int, S: int, rows_off: int, *, ucap: int, mode: int, static_cap: int = -1,
+                 chunk: int = 0, hdr: int = 0, sizes_off: int = 0) -> torch.Tensor:
+    """``first [S] int64`` of dedup's send rows (``_token_places_kernel``), one launch; the
+    chunk arguments as :func:`row_places`'."""
+    send_map, idx = send_map.contiguous(), idx.contiguous()
+    T, K = idx.shape
+    first = torch.empty(S, dtype=torch.int64, device=send_map.device)
+    launch(_token_places_kernel, (R,), send_map, idx, first, plan, T, K, E, E // R, S, ucap, R,
+           rows_off, sizes_off, static_cap, chunk, hdr, MODE=mode, STATIC=static_cap >= 0,
+           KP=max(2, triton.next_power_of_2(max(K, 1))),
+           RP=max(2, triton.next_power_of_2(R)), BLOCK=BLOCK)
+    return first
+
+
 def row_places(src: torch.Tensor, plan: torch.Tensor, R: int, rows_off: int, *, ucap: int,
                mode: int, static_cap: int = -1, chunk: int = 0, hdr: int = 0,
-               sizes_off: int = 0, values: bool = False, umap_units: int = -1,
-               per: int = 1, M: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+               sizes_off: int = 0, values: int = MAP, umap_units: int = -1,
+               per: int = 1, M: int = 0, rows: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(first [N] int64, umap [U] int64 or None)`` for the rows of ``src`` (``values``:
-    ``[N]`` unit counts; else ``[N, C]``, a row's units its entries >= 0), on src's device, in
-    one launch. ``plan``: the device plan (row counts at ``rows_off``, chunk sizes at
+    ``MAP``, ``src [N, C]``, a row's units its entries >= 0; ``VALUES``, ``src [N]`` unit
+    counts; ``DENSE``, one unit a data row, ``src`` only sizes), on src's device, in one
+    launch. ``plan``: the device plan (row counts at ``rows_off``, chunk sizes at
     ``sizes_off``); ``static_cap >= 0``: static chunks of ``1 + static_cap`` rows.
     ``umap_units >= 0``: also the units kernel's map over that many units (dedup's expert side,
     ``per`` units a token row at most; ``src`` is recv_map, naming rows of y's ``M``)."""
     src = src.contiguous()
-    N = src.shape[0]
-    C = 1 if values else src.shape[1]
+    N = src.shape[0] if rows is None else rows  # (DENSE: src unread, rows given)
+    C = 1 if values != MAP else src.shape[1]
     first = torch.empty(N, dtype=torch.int64, device=src.device)
     U = max(umap_units, 0)
     umap = torch.empty(U, dtype=torch.int64, device=src.device) if umap_units >= 0 else None
     launch(_places_kernel, (R,), src, first, umap if umap is not None else first, plan, N, C,
            M, ucap, R, rows_off, sizes_off, static_cap,
-           chunk, hdr, U, MODE=mode, STATIC=static_cap >= 0, VALUES=values,
+           chunk, hdr, U, MODE=mode, STATIC=static_cap >= 0, VALUES=int(values),
            UMAP=umap is not None, PER=max(per, 1), CP=max(2, triton.next_power_of_2(C)),
            RP=max(2, triton.next_power_of_2(R)), BLOCK=BLOCK)
     return first, umap
@@ -132,12 +203,24 @@ def _declare():
            "BLOCK": "constexpr"}
     for mode, static, values, umap in ((FIXED, True, False, True), (BOUNDED, False, False, True),
                                        (BOUNDED, False, True, False), (COMPACT, False, False, False),
-                                       (FIXED, True, True, False)):
+                                       (FIXED, True, True, False), (COMPACT, False, 2, False),
+                                       (FIXED, True, 2, False)):
         specialization(f"places[mode {mode}{',static' if static else ''}"
-                       f"{',values' if values else ',map'}{',umap' if umap else ''}]",
+                       f",{('map', 'values', 'dense')[int(values)]}{',umap' if umap else ''}]",
                        _places_kernel, sig,
-                       {"MODE": mode, "STATIC": static, "VALUES": values, "UMAP": umap,
+                       {"MODE": mode, "STATIC": static, "VALUES": int(values), "UMAP": umap,
                         "PER": 2, "CP": 8, "RP": 8, "BLOCK": BLOCK})
 
 
 _declare()
+
+
+for _mode, _static in ((FIXED, True), (BOUNDED, False), (COMPACT, False)):
+    specialization(f"places.tokens[mode {_mode}{',static' if _static else ''}]",
+                   _token_places_kernel,
+                   {"send_map": "*i64", "idx": "*i64", "first": "*i64", "plan": "*i64",
+                    "T": "i32", "K": "i32", "E": "i32", "L": "i32", "S": "i32", "UCAP": "i64",
+                    "R": "i32", "rows_off": "i32", "sizes_off": "i32", "cap": "i32",
+                    "chunk": "i32", "hdr": "i32", "MODE": "constexpr", "STATIC": "constexpr",
+                    "KP": "constexpr", "RP": "constexpr", "BLOCK": "constexpr"},
+                   {"MODE": _mode, "STATIC": _static, "KP": 8, "RP": 8, "BLOCK": BLOCK})
