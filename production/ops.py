@@ -217,7 +217,7 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     """
     with serial(group_from_name(group_name)):  # the call lock (production/workspace.py)
         _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
-        empty_w = grad_expert_x.new_zeros((0,), dtype=torch.float32)
+        empty_w = grad_expert_x.new_empty((0,), dtype=torch.float32)  # (no weights)
         back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
                          transport, False, what="epkit.dispatch backward", ws=workspace)
         grad_x = reduce_back(back, send_map, empty_w, plan, transport, False, x_dtype)

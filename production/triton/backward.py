@@ -24,6 +24,7 @@ from . import bits
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 from .combine import kp, slot_tile
+from .inverse import invert
 from .transports import path_of
 
 __all__ = ["combine_backward_dest", "gather_slot_values", "scatter_slot_values"]
@@ -130,12 +131,12 @@ def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
 
 
 def _source_rows(op: str, recv_map: torch.Tensor, M: int) -> torch.Tensor:
-    """checks.h source_rows as torch ops: for each of the M rows, the flat entry of recv_map
-    that names it, or -1. On CPU, the C++ errors: the first entry (in flat order) outside
+    """checks.h source_rows: for each of the M rows, the flat entry of recv_map that names it,
+    or -1 (``inverse.invert``: two launches). On CPU, the C++ errors: the first entry (in flat order) outside
     [-1, M) or naming a row named before."""
     flat = recv_map.reshape(-1)
-    ok = (flat >= 0) & (flat < M)
     if ck.on_host(recv_map):
+        ok = (flat >= 0) & (flat < M)
         twice = torch.bincount(flat[ok], minlength=M).gt(1).any() if M else torch.tensor(False)
         if bool(twice) or bool((~ok & (flat != -1)).any()):
             seen: dict[int, int] = {}
@@ -146,9 +147,7 @@ def _source_rows(op: str, recv_map: torch.Tensor, M: int) -> torch.Tensor:
                     ck.fail(op, f"recv_map entries {seen[m]} and {i} both name row {m} "
                                 "(rows of expert_y)")
                 seen.setdefault(m, i)
-    src = torch.full((M + 1,), -1, dtype=torch.int64, device=recv_map.device)  # [M]: a sink
-    src.scatter_(0, torch.where(ok, flat, M), torch.arange(flat.numel(), device=flat.device))
-    return src[:M]
+    return invert(flat, M)
 
 
 def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,

@@ -143,7 +143,7 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
     if hdr is None:
         hdr = src_off
     if meta is None:
-        meta = src_off.new_zeros((1, 1), dtype=torch.int32)
+        meta = src_off.new_empty((1, 1), dtype=torch.int32)  # (unread: NW = 0)
     rows, block = tile(P // U)
     launch(_rows_kernel, (cdiv(Q, rows),), ob, sb, out_off, src_off, hdr, meta,
            Q, P // U, ob.numel(), sb.numel(),

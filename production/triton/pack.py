@@ -42,7 +42,8 @@ from epkit.reference import abi
 from .. import plan as W
 from ..plan import host_plan
 from . import byterows
-from .indexmaps import excl, place, rank_in_key, section
+from .indexmaps import excl, rank_in_key, section
+from .inverse import invert
 from .transports import path_of
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
                          check_plan_chunks, check_plan_header, check_plan_tensor,
@@ -249,11 +250,9 @@ def _scatter_into(op: str, src: torch.Tensor, send_map: torch.Tensor,
     m = send_map.reshape(-1)
     if _readable(m):
         _check_map_data(op, m, S, C)
-    frm = place(S, m, m >= 0, torch.arange(m.numel(), dtype=torch.int64,
-                                            device=src.device) // max(C, 1))
-    off = torch.arange(S, dtype=torch.int64, device=src.device) * nbytes
-    byterows.write_rows(out, off, nbytes, src, torch.where(frm >= 0, frm * nbytes, -1), nbytes,
-                        align=nbytes)
+    # each send row's source byte offset (its token's row, or -1: zeros) and its own offset
+    frm, off = invert(m, S, div=C, scale=nbytes, own=True)
+    byterows.write_rows(out, off, nbytes, src, frm, nbytes, align=nbytes)
 
 
 def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> torch.Tensor:
