@@ -1,10 +1,12 @@
-"""The integer bookkeeping of pack and unpack as device-generic torch ops (no host read, no
-data-dependent size): prefix sums, ranks within keys by a stable sort, and index maps built by
-one scatter, so the row kernels can be output-indexed."""
+"""The integer bookkeeping of pack and unpack (no host read, no data-dependent size): prefix sums
+and ranks within keys by a stable sort as device-generic torch ops, and index maps inverted in
+two launches (``inverse.py``), so the row kernels can be output-indexed."""
 
 from __future__ import annotations
 
 import torch
+
+from . import inverse
 
 __all__ = ["excl", "rank_in_key", "take", "place", "section"]
 
@@ -33,12 +35,11 @@ def take(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
 
 def place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> torch.Tensor:
     """[Q] int64: ``what[i]`` at ``q[i]`` for each kept ``i`` with ``q[i]`` in [0, Q), -1
-    elsewhere (the inverse of a map; the rejected entries land in a spare last slot). Kept
-    entries name distinct slots under a consistent plan; should they not (a plan from another
-    call on a GPU, where nothing raises), one of them wins and nothing goes out of bounds."""
-    keep = keep & (q >= 0) & (q < Q)
-    out = torch.full((Q + 1,), -1, dtype=torch.int64, device=q.device)
-    return out.scatter_(0, torch.where(keep, q, Q), what)[:Q]
+    elsewhere (the inverse of a map). Kept entries name distinct slots under a consistent plan;
+    should they not (a plan from another call on a GPU, where nothing raises), one of them wins
+    and nothing goes out of bounds. Two launches (``inverse.place``), not a torch scatter's
+    six."""
+    return inverse.place(Q, q, keep, what)
 
 
 def section(Q: int, rows_per: torch.Tensor, start: torch.Tensor, W_: int, R: int):
