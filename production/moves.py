@@ -267,14 +267,16 @@ DENSE = 2  # triton/places.py's DENSE: one unit a data row (a name the C++ path 
 
 def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: int, chunk,
                    hdr: int, values: int = 0, compact: Optional[str] = None,
-                   umap_units: int = -1, M: int = 0, rows: Optional[int] = None):
+                   umap_units: int = -1, M: int = 0, rows: Optional[int] = None,
+                   slot_values: Optional[torch.Tensor] = None):
     """:func:`_unit_positions` of the device path in one launch (triton/places.py): the first
     unit of each row of the dispatch's row space (``recv``: the received rows, else the sent
     ones), ``src`` a map whose entries >= 0 are a row's units (``values`` 1: its unit counts;
     :data:`DENSE`: one a data row, ``rows`` of them, ``src`` unread), at most ``ucap`` a row. Chunks: ``chunk`` rows each after ``hdr`` header rows; else each
     peer's bound ``min(slots, ucap * rows)`` from the plan (:func:`_ragged_bounds`), or, with
     ``compact``, the plan's word section of that name (exact counts, no gaps). Returns
-    ``(first, umap or None)`` (``umap_units >= 0``: dedup's units map too)."""
+    ``(first, umap or None)`` (``umap_units >= 0``: dedup's units map too, or with
+    ``slot_values`` the weight gradients' values laid out over that many places)."""
     from .triton import places
 
     R = int(hp[RANKS])
@@ -285,8 +287,9 @@ def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: 
     return places.row_places(src, plan, R, sl[f"{side}_counts"].start, ucap=ucap, mode=mode,
                              static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
                              sizes_off=sl[compact or f"{side}_slots"].start, values=values,
-                             umap_units=umap_units, per=ucap if umap_units >= 0 else 1, M=M,
-                             rows=rows)
+                             umap_units=umap_units,
+                             per=ucap if umap_units >= 0 and slot_values is None else 1, M=M,
+                             rows=rows, slot_values=slot_values)
 
 
 def _device_token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, hp,
@@ -349,17 +352,20 @@ class SlotPlaces(NamedTuple):
     first [N] int64: the place of received row n's first value in the expert side's buffer (-1:
     none); rows: that buffer's length; first_src [S] int64: the place of send row r's first value
     in what the source gets back; send / recv: rows to / from each peer; fixed: the chunks are
-    of one size (moved split-free)."""
+    of one size (moved split-free); values: on the device path, the expert side's values laid
+    out along ``first`` (what gather_slot_values gives), made in the same launch."""
     first: torch.Tensor
     rows: int
     first_src: torch.Tensor
     send: list
     recv: list
     fixed: bool
+    values: Optional[torch.Tensor] = None
 
 
 def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.Tensor,
-                transport: int, plan: Optional[torch.Tensor] = None) -> SlotPlaces:
+                transport: int, plan: Optional[torch.Tensor] = None,
+                values: Optional[torch.Tensor] = None) -> SlotPlaces:
     """The weight gradients' return path along the dispatch's slot section (pairs' rows, dedup's
     slot rows), transposed: one float32 per kept slot, in slot-row order (dedup: a token row's n
     values k ascending). Ragged: chunks of the plan's slot counts; padded and equal: the section's
@@ -374,10 +380,19 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     v = variant_of(hp)
     chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
     front = v.header_rows
+    sl = plan_slices(R, E)
+    if chunk is None:
+        send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else
+                                                   ("recv_counts", "send_counts")))
+    else:
+        send = recv = [chunk] * R
+    sent = None  # the expert side's values, laid out (the device path, given values)
     if device_path(recv_map):  # one launch a side (triton/places.py); ragged: exact counts
         every = 1 << 40  # a row's kept slots, uncapped
-        first, _ = _device_places(recv_map, plan, hp, True, every, chunk, front,
-                                  compact="recv_slots" if dedup else "recv_counts")
+        first, sent = _device_places(recv_map, plan, hp, True, every, chunk, front,
+                                     compact="recv_slots" if dedup else "recv_counts",
+                                     umap_units=sum(send) if values is not None else -1,
+                                     slot_values=values)
         if dedup:
             first_src = _device_token_places(send_map, idx, plan, hp, every, chunk, front,
                                              compact="send_slots")
@@ -391,14 +406,8 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
                                    chunk, front)
         first_src, _ = _unit_positions(u_src, _row_chunks(hp, plan, S, False), R, 1,
                                        chunk, front)
-    if chunk is None:
-        sl = plan_slices(R, E)
-        send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else
-                                                   ("recv_counts", "send_counts")))
-    else:
-        send = recv = [chunk] * R
     return SlotPlaces(first.view(-1), sum(send), first_src.view(-1), send, recv,
-                      chunk is not None)
+                      chunk is not None, sent)
 
 
 def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
@@ -410,8 +419,9 @@ def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: tor
     :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels
     (:func:`slot_places`; docs/design.md, wire format)."""
     hp = host_plan(plan)
-    at = slot_places(hp, recv_map, send_map, idx, transport, plan)
-    vals = C.gather_slot_values(values, recv_map, at.first, at.rows)
+    at = slot_places(hp, recv_map, send_map, idx, transport, plan, values)
+    vals = (at.values if at.values is not None else
+            C.gather_slot_values(values, recv_map, at.first, at.rows))
     back = all_to_all(vals, at.send, at.recv, group_from_name(group_name),
                       "equal" if at.fixed else "ragged", at.send[0] if at.fixed else 0, what=what)
     return C.scatter_slot_values(back, send_map, idx, at.first_src, int(hp[EXPERTS]),

@@ -60,16 +60,21 @@ def _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP, MODE: tl.c
 
 
 @triton.jit
-def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap, chunk,
-                   hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr, VALUES: tl.constexpr,
-                   UMAP: tl.constexpr, PER: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap,
+                   chunk, hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr,
+                   VALUES: tl.constexpr, UMAP: tl.constexpr, SLOTS: tl.constexpr,
+                   PER: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
     """first [N] int64: row n's first unit (-1: none). Chunk p (this program) holds rows
     [p (1 + cap), (p + 1)(1 + cap)) (STATIC) or the plan's row counts at rows_off, prefix-summed.
     Units of row n: VALUES 1, src[n] (a count); VALUES 2 (DENSE), one for each of the chunk's
     data rows (a static chunk's first row is its header, and its rows past the plan's count
-    unused); else the entries >= 0 of src [N, C]; at most UCAP. Chunk p starts at p * chunk + hdr (FIXED), at the sum of the earlier chunks' sizes
-    (BOUNDED: min(plan[sizes_off + q], UCAP * rows of q); COMPACT: plan[sizes_off + q])."""
+    unused); else the entries >= 0 of src [N, C]; at most UCAP. Chunk p starts at p * chunk +
+    hdr (FIXED), at the sum of the earlier chunks' sizes (BOUNDED: min(plan[sizes_off + q],
+    UCAP * rows of q); COMPACT: plan[sizes_off + q]). With UMAP or SLOTS, umap [U] (int64, or
+    int32 bits of float32) is written whole: the units kernel's map, or the weight gradients'
+    values vals [M] (gather_slot_values: row n's entries that are not -1, c ascending, at
+    first[n], first[n] + 1, ...; those naming no row of vals 0), the chunk's other units -1 or
+    0."""
     p = tl.program_id(0).to(tl.int64)
     lo, hi, start, size = _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP,
                                  MODE, STATIC, RP)
@@ -111,13 +116,23 @@ def _places_kernel(src, first, umap, plan, N, C, M, UCAP, R, rows_off, sizes_off
             rest = m[:, None] & (js[None, :] < u[:, None]) & ~(
                 (js[None, :] < un[:, None]) & (fits & (un > 0))[:, None])
             tl.store(umap + pos[:, None] + js[None, :], -1, mask=rest)
-    if UMAP:  # the chunk's header rows and its unused tail: zeros
+        if SLOTS:  # the weight gradients' values of these rows (gather_slot_values)
+            named = (tile != -1) & m[:, None]
+            at = pos[:, None] + tl.cumsum(named.to(tl.int64), axis=1) - 1
+            inb = named & (at >= 0) & (at < U)
+            good = inb & (tile >= 0) & (tile < M)
+            tl.store(umap + at, tl.load(vals + tile, mask=good, other=0), mask=inb)
+    if UMAP or SLOTS:  # the chunk's header rows and its unused tail: zeros
+        if UMAP:
+            fill = -1
+        else:
+            fill = 0
         for b in range(start - hdr, start, BLOCK):
             x = b + tl.arange(0, BLOCK)
-            tl.store(umap + x, -1, mask=x < start)
+            tl.store(umap + x, fill, mask=x < start)
         for b in range(start + carry, start + size, BLOCK):
             x = b + tl.arange(0, BLOCK)
-            tl.store(umap + x, -1, mask=x < start + size)
+            tl.store(umap + x, fill, mask=x < start + size)
 
 
 @triton.jit
@@ -171,7 +186,8 @@ def token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, 
 def row_places(src: torch.Tensor, plan: torch.Tensor, R: int, rows_off: int, *, ucap: int,
                mode: int, static_cap: int = -1, chunk: int = 0, hdr: int = 0,
                sizes_off: int = 0, values: int = MAP, umap_units: int = -1,
-               per: int = 1, M: int = 0, rows: int | None = None
+               per: int = 1, M: int = 0, rows: int | None = None,
+               slot_values: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(first [N] int64, umap [U] int64 or None)`` for the rows of ``src`` (``values``:
     ``MAP``, ``src [N, C]``, a row's units its entries >= 0; ``VALUES``, ``src [N]`` unit
@@ -179,37 +195,49 @@ def row_places(src: torch.Tensor, plan: torch.Tensor, R: int, rows_off: int, *, 
     launch. ``plan``: the device plan (row counts at ``rows_off``, chunk sizes at
     ``sizes_off``); ``static_cap >= 0``: static chunks of ``1 + static_cap`` rows.
     ``umap_units >= 0``: also the units kernel's map over that many units (dedup's expert side,
-    ``per`` units a token row at most; ``src`` is recv_map, naming rows of y's ``M``)."""
+    ``per`` units a token row at most; ``src`` is recv_map, naming rows of y's ``M``); with
+    ``slot_values`` [M] float32 instead, the weight gradients' ``[umap_units]`` float32 values
+    laid out along the places (``backward.gather_slot_values``'s result)."""
     src = src.contiguous()
     N = src.shape[0] if rows is None else rows  # (DENSE: src unread, rows given)
     C = 1 if values != MAP else src.shape[1]
     first = torch.empty(N, dtype=torch.int64, device=src.device)
     U = max(umap_units, 0)
-    umap = torch.empty(U, dtype=torch.int64, device=src.device) if umap_units >= 0 else None
-    launch(_places_kernel, (R,), src, first, umap if umap is not None else first, plan, N, C,
-           M, ucap, R, rows_off, sizes_off, static_cap,
-           chunk, hdr, U, MODE=mode, STATIC=static_cap >= 0, VALUES=int(values),
-           UMAP=umap is not None, PER=max(per, 1), CP=max(2, triton.next_power_of_2(C)),
+    slots = slot_values is not None
+    umap = (torch.empty(U, dtype=torch.float32 if slots else torch.int64, device=src.device)
+            if umap_units >= 0 else None)
+    if slots:
+        M = slot_values.numel()
+        out, vals = umap.view(torch.int32), slot_values.contiguous().view(torch.int32)
+    else:
+        out = vals = umap if umap is not None else first
+    launch(_places_kernel, (R,), src, first, out, vals, plan, N, C, M, ucap, R, rows_off,
+           sizes_off, static_cap, chunk, hdr, U, MODE=mode, STATIC=static_cap >= 0,
+           VALUES=int(values), UMAP=umap is not None and not slots, SLOTS=slots,
+           PER=max(per, 1), CP=max(2, triton.next_power_of_2(C)),
            RP=max(2, triton.next_power_of_2(R)), BLOCK=BLOCK)
     return first, umap
 
 
 def _declare():
-    sig = {"src": "*i64", "first": "*i64", "umap": "*i64", "plan": "*i64", "N": "i32",
-           "C": "i32", "M": "i32", "UCAP": "i64", "R": "i32", "rows_off": "i32",
-           "sizes_off": "i32", "cap": "i32", "chunk": "i32", "hdr": "i32", "U": "i32",
-           "MODE": "constexpr", "STATIC": "constexpr", "VALUES": "constexpr",
-           "UMAP": "constexpr", "PER": "constexpr", "CP": "constexpr", "RP": "constexpr",
-           "BLOCK": "constexpr"}
-    for mode, static, values, umap in ((FIXED, True, False, True), (BOUNDED, False, False, True),
-                                       (BOUNDED, False, True, False), (COMPACT, False, False, False),
-                                       (FIXED, True, True, False), (COMPACT, False, 2, False),
-                                       (FIXED, True, 2, False)):
-        specialization(f"places[mode {mode}{',static' if static else ''}"
-                       f",{('map', 'values', 'dense')[int(values)]}{',umap' if umap else ''}]",
+    # (mode, static, units from, writes): the forms moves.py launches
+    forms = ((FIXED, True, MAP, "umap"), (BOUNDED, False, MAP, "umap"),
+             (FIXED, True, MAP, "slots"), (COMPACT, False, MAP, "slots"),
+             (COMPACT, False, DENSE, ""), (FIXED, True, DENSE, ""))
+    for mode, static, units, writes in forms:
+        ptr = "*i32" if writes == "slots" else "*i64"
+        sig = {"src": "*i64", "first": "*i64", "umap": ptr, "vals": ptr, "plan": "*i64",
+               "N": "i32", "C": "i32", "M": "i32", "UCAP": "i64", "R": "i32",
+               "rows_off": "i32", "sizes_off": "i32", "cap": "i32", "chunk": "i32",
+               "hdr": "i32", "U": "i32", "MODE": "constexpr", "STATIC": "constexpr",
+               "VALUES": "constexpr", "UMAP": "constexpr", "SLOTS": "constexpr",
+               "PER": "constexpr", "CP": "constexpr", "RP": "constexpr", "BLOCK": "constexpr"}
+        specialization(f"places[mode {mode}{',static' if static else ''},"
+                       f"{('map', 'values', 'dense')[units]}{',' + writes if writes else ''}]",
                        _places_kernel, sig,
-                       {"MODE": mode, "STATIC": static, "VALUES": int(values), "UMAP": umap,
-                        "PER": 2, "CP": 8, "RP": 8, "BLOCK": BLOCK})
+                       {"MODE": mode, "STATIC": static, "VALUES": units,
+                        "UMAP": writes == "umap", "SLOTS": writes == "slots",
+                        "PER": 2 if writes == "umap" else 1, "CP": 8, "RP": 8, "BLOCK": BLOCK})
 
 
 _declare()
