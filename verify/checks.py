@@ -108,11 +108,14 @@ _WORST = (FAILED, REFUSED, SKIPPED, PASSED, NA)  # a sequence's status: its batc
 
 def _merged(v: Verdict, w: Verdict) -> Verdict:
     """The verdict of a sequence: the case's ``v`` and its twin's ``w``, each property at the
-    worse status and the weaker contract of the two; the twin's mismatches and errors say
-    that they are the second batch's."""
+    worse status (a batch's property not run, since the other raised first, leaves the
+    other's) and the weaker contract of the two; the twin's mismatches and errors say that
+    they are the second batch's."""
     for p in PROPERTIES:
         a, b = v.status.get(p, SKIPPED), w.status.get(p, SKIPPED)
-        v.status[p] = min((a, b), key=_WORST.index)
+        # a batch that did not run (the other raised first) leaves the other's status
+        v.status[p] = a if b == SKIPPED else b if a == SKIPPED else min((a, b),
+                                                                          key=_WORST.index)
         if p in v.met or p in w.met:
             v.met[p] = weaker(v.met.get(p, "exact"), w.met.get(p, "exact"))
         if p in w.not_exact:
@@ -266,6 +269,8 @@ class _Check:
                                   for e in errs.values()))
         uniform = (len(errs) == self.R and len({e["stage"] for e in errs.values()}) == 1
                    and all(e["unsupported"] for e in errs.values()))
+        # a batch of a sequence stopped because the other one raised: not run, not failed
+        copied = all(e.get("copied") for e in errs.values())
         e0 = errs[min(errs)]
         first_line = e0["message"].splitlines()[0] if e0["message"] else ""
         if uniform:
@@ -276,10 +281,12 @@ class _Check:
                     v.status[p] = NA
                 elif uniform:
                     v.status[p] = REFUSED
+                elif copied:
+                    v.status[p] = SKIPPED
                 else:
                     v.fail(p, min(errs), f"stage {e0['stage']}",
                            f"raised {e0['type']}: {first_line}")
-        if not uniform:
+        if not uniform and not copied:
             for r in sorted(errs):
                 e = errs[r]
                 v.errors.append(f"rank {r}, stage {e['stage']}: {e['type']}: {e['message']}\n"

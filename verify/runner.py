@@ -423,19 +423,25 @@ class Suite:
     ``corners``: run the corner matrix (:func:`~epkit.verify.strategies.corner_cases`; or
     these cases, a list) before
     the ``examples`` random draws of each mode; ``on_mode(mode, ModeResult)``: called as each
-    mode finishes (after ``on_failure``)."""
+    mode finishes (after ``on_failure``); ``count_overflow``: the count-overflow corner in
+    ``every`` mode without a quantized payload, or ``once``, in the first of them (for
+    Triton's interpreter, where it takes tens of seconds)."""
 
     def __init__(self, runner, *, impl: str = DEFAULT_IMPL, modes=None, examples: int = 20,
                  seed: int | None = None, max_tokens: int = 24, max_hidden: int = 72,
                  shrink_seconds: float = 20.0,
                  reference=None, progress=None, on_failure=None, strategy_kwargs=None,
                  contract: str = "exact", accumulate: str | None = None, supports=None,
-                 check_errors: bool | None = None, corners: bool = True, on_mode=None):
+                 check_errors: bool | None = None, corners: bool = True, on_mode=None,
+                 count_overflow: str = "every"):
         if contract not in CONTRACTS:
             raise ValueError(f"contract must be one of {', '.join(CONTRACTS)}")
         parse_accumulate(accumulate)  # a bad declaration is a ValueError here, not later
         self.check_errors = check_errors
         self.corners = corners
+        if count_overflow not in ("every", "once"):
+            raise ValueError("count_overflow must be 'every' or 'once'")
+        self.count_overflow = count_overflow
         self.runner = runner
         self.impl = impl
         self.modes = list(modes) if modes is not None else modes_of(impl)
@@ -480,6 +486,23 @@ class Suite:
         per dtype)."""
         spec = self.accumulate or getattr(caps, "accumulate", None)
         return describe_accumulate(parse_accumulate(spec))
+
+    def count_overflow_in(self, mode: ModeSpec) -> bool:
+        """Does ``mode``'s corner matrix hold the count-overflow corner?"""
+        if self.count_overflow == "every":
+            return True
+        return mode == next((m for m in self.modes if m.payload is None), None)
+
+    def corner_cases(self, mode: ModeSpec) -> list:
+        """``mode``'s corner matrix: the cases given as ``corners``, else the matrix of
+        :func:`~epkit.verify.strategies.corner_cases`."""
+        if isinstance(self.corners, (list, tuple)):
+            return list(self.corners)
+        caps = self.capabilities.get(mode.name) or resolve_capabilities(
+            load_factory(self.impl), mode, self.supports)
+        return corner_cases(self.runner.world_size, mode, caps, max_tokens=self.max_tokens,
+                            check_errors=self.checks_errors(caps),
+                            count_overflow=self.count_overflow_in(mode))
 
     def checks_errors(self, caps) -> bool:
         if self.check_errors is not None:
@@ -540,9 +563,7 @@ class _ModeRun:
         """Run and tally the corner matrix; the first failing corner's verdict (not shrunk:
         corners are small already), later failing ones counted."""
         vr, mr = self.vr, self.mr
-        corners = list(vr.corners) if isinstance(vr.corners, (list, tuple)) else corner_cases(
-            vr.runner.world_size, self.mode, self.caps, max_tokens=vr.max_tokens,
-            check_errors=errors)
+        corners = vr.corner_cases(self.mode)
         mr.corners = len(corners)
         self.target = len(corners) + vr.examples
         first = None

@@ -237,7 +237,7 @@ COUNT_ROWS = 2**16  # the count-overflow corner sends one expert more rows than 
 
 def corner_cases(world_size: int, mode: ModeSpec | None = None,
                  capabilities: Capabilities | None = None, *, max_tokens: int = 24,
-                 check_errors: bool = False) -> list[Case]:
+                 check_errors: bool = False, count_overflow: bool = True) -> list[Case]:
     """The fixed cases every mode runs before its random draws (inside ``capabilities``):
 
     - for every world size ``R`` in 1..min(``world_size``, 4), every x dtype allowed (float32,
@@ -252,7 +252,8 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
     - at the full world size, tokens enough that each rank sends a peer more than 64, 128 and
       256 rows (the sizes of per-peer buffers), H = 4, on block boundaries: the ranks hold
       ``M``, ``M - 1`` and ``M + 1`` tokens (then again), ``M`` a multiple of 64, 128, 256;
-    - without a quantized payload: the count overflow, on a group of two (one rank if that
+    - without a quantized payload (and with ``count_overflow``): the count overflow, on a
+      group of two (one rank if that
       is all there is): every token routed to every expert (K = E = R), so one expert gets
       more than 65,536 rows and a rank holds more than 65,536 slots; H = 1;
     - with ``check_errors``: one case per kind of invalid input (``VIOLATIONS``).
@@ -292,7 +293,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
             if R == full and kind != "unused" and dtype in WIDE_ROWS and dtype not in wide:
                 wide.add(dtype)
                 h = WIDE_ROWS[dtype]
-            T = 2 if h != H else 3 + i % 3  # wide rows: two tokens a rank
+            T = 1 if h != H else 3 + i % 3  # wide rows: a token a rank
             tokens = [T] * R
             if zero_ok and not ((many or h != H) and R == 1):  # R = 1: keep its only tokens
                 tokens[-1] = 0
@@ -315,7 +316,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
     R = full
     for j, K in enumerate(k for k in sorted({min(cap_k, 40), cap_k}) if k > 8):
         # wide top-k: every slot past 16 used (K = E), then K = 255 with unused slots
-        E = R * -(-K // R) if j == 0 else R * -(-max(K, MANY_EXPERTS) // R)
+        E = R * -(-K // R) if j == 0 else R * (max(K, 256) // R + 1)  # past 256
         E = min(E, R * (MAX_EXPERTS // R))
         K = min(E, cap_k) if j == 0 else min(K, E)
         if uniform and no_unused:  # a uniform plan uses min(K, R) slots per token
@@ -344,7 +345,7 @@ def corner_cases(world_size: int, mode: ModeSpec | None = None,
                 weighted=weights[0], payload=payload, nan_padding=True,
                 max_tokens=max(max_tokens, *tokens), seed=2000 + rows,
                 ranks_per_node=_nodes(mode, R)))
-    if payload is None:
+    if payload is None and count_overflow:
         out.append(count_overflow_case(world_size, caps, mode, max_tokens))
     if check_errors:
         base = Case(world_size=min(world_size, 2), num_experts=2 * min(world_size, 2), topk=2,

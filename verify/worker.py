@@ -123,8 +123,8 @@ def run_rank(case: Case, mode: ModeSpec, adapter, rank: int, device="cpu") -> di
         raising.out["error"] = err
         for b in batches:  # the other batch stops where it stood, for the same reason
             if b is not raising and b.left and b.out["error"] is None:
-                b.out["error"] = dict(err, stage=b.left[0], message="the other batch of the "
-                                      f"sequence raised first: {err['message']}")
+                b.out["error"] = dict(err, stage=b.left[0], copied=True, message="the other "
+                                      f"batch of the sequence raised first: {err['message']}")
     out = batches[0].out
     if len(batches) > 1:
         out["twin"] = batches[1].out

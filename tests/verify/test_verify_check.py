@@ -373,3 +373,22 @@ def test_int32_bookkeeping_is_not_exact_for_its_integer_dtypes_only():
     assert not v.failed, v.report()
     assert v.not_exact["dispatch"].startswith("integer dtypes (int32 tokens_per_expert"), v.not_exact
     assert "padding rows" not in v.not_exact["dispatch"]
+
+
+def test_a_sequence_stopped_by_its_other_batch_is_not_run_not_failed():
+    from epkit.verify.checks import _merged
+    from epkit.verify.verdict import Verdict
+
+    seq = CASE.replace(sequence="repeat")
+    results = perfect_results(seq)
+    for r in results:  # the case's backward raised; the twin never ran
+        r["error"] = _err("backward", "RuntimeError", unsupported=False)
+        r["twin"] = {"rank": r["rank"], "error": dict(_err("dispatch", "RuntimeError", False),
+                                                      copied=True)}
+    v = check_case(seq, ModeSpec(), results)
+    assert v.status["dispatch"] == v.status["combine"] == "passed", v.report()
+    assert v.failed_properties == ["dispatch_backward", "combine_backward", "weight_grad"]
+    assert "second batch" not in v.report() and "sequence repeat" in v.report()
+    a = Verdict(case=seq, mode=ModeSpec(), impl="?", status={"combine": "passed"})
+    b = Verdict(case=seq, mode=ModeSpec(), impl="?", status={"combine": "failed"})
+    assert _merged(a, b).status["combine"] == "failed"

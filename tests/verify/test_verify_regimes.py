@@ -55,6 +55,7 @@ def _regimes(cases) -> set:
         used = [i[i >= 0] for i in idx]
         if not sum(u.size for u in used):
             continue
+        seen.update({f"order {c.order}", f"sequence {c.sequence}"})
         if "float16" in (c.dtype, c.y_dtype):
             seen.add("float16")
         if c.dtype == "bfloat16" and c.hidden >= 7168:
@@ -71,7 +72,9 @@ def _regimes(cases) -> set:
 
 
 BOUNDARY_TOKENS = {m + d for m in (64, 128, 256) for d in (-1, 0, 1)}
-REGIMES_ALL = ({"float16", "wide rows bfloat16", "wide rows float32", "count overflow"}
+REGIMES_ALL = ({"float16", "wide rows bfloat16", "wide rows float32", "count overflow",
+                "order training", "order stages", "sequence repeat", "sequence overlap",
+                "sequence overlap_reversed"}
                | {f"tokens {t}" for t in BOUNDARY_TOKENS}
                | {f"ids past 255 at world size {n}" for n in (1, 2, 3)})
 
