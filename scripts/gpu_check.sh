@@ -18,6 +18,9 @@
 #      C++ CPU kernels first, then pack, unpack, gather and reduce timed at 16384 tokens, hidden
 #      7168, bfloat16, top-8 of 256 experts, against a device copy of the same bytes (the goal:
 #      70 % of copy bandwidth or better on an H200)
+#  10. each phase of a small step (T = 128 a rank, every GPU, NCCL) timed next to the launches,
+#      collectives and host waits it issues (scripts/gpu_phases.py; the goal: dispatch + combine
+#      under 100 us on 8 ranks of one node)
 #
 #
 # then a summary table, last, always: every step runs under `timeout` (its own limit, cut to
@@ -48,9 +51,9 @@ declare -a NAMES STATUS SECS NOTES
 STEPS=("build + Triton compile gate" "Triton tests on the GPU" "sync counts + CUDA graphs"
        "EPKIT_HOST_PLAN=1 end to end" "compute-sanitizer memcheck" "compute-sanitizer racecheck"
        "verify nccl, world size 1" "verify nccl, all GPUs (torchrun)"
-       "kernel benchmark (CPU-checked)")
+       "kernel benchmark (CPU-checked)" "phase times at T=128 (launch-bound)")
 # Each step's own time box in seconds (before SCALE and the remaining budget cut it).
-LIMITS=(100 70 30 20 40 40 25 40 35)
+LIMITS=(100 70 30 20 40 40 25 40 35 40)
 CURRENT=""  # the running step's pid (a signal stops it before the table is printed)
 
 record() {  # name status seconds note
@@ -260,6 +263,11 @@ fi
 # ---- 9. kernel benchmark, its outputs checked against the CPU first ------------------------------
 run_step 8 bench.log "$PY" scripts/gpu_bench.py --reps 10 --json "$LOGS/bench.json"
 sed -n '1,200p' "$LOGS/bench.log"
+
+# ---- 10. each phase of a small step, timed, next to what it launches (docs/design.md, budget) --
+run_step 9 phases.log "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
+  scripts/gpu_phases.py --tokens 128 --iters 30 --json "$LOGS/phases.json"
+sed -n '1,40p' "$LOGS/phases.log"
 
 summary
 exit $FAILED

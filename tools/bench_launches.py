@@ -107,6 +107,10 @@ def rank_main(rank, world, store, queue, modes, sizes):
     at the first size); rank 0 answers ``{size: {mode: counts}}``."""
     import torch.distributed as dist
 
+    # torch.profiler's start and stop lines (two a counted phase) go to stderr; a rank answers
+    # its errors on the queue, so its stderr is quiet
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world)
     try:
