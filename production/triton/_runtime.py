@@ -120,10 +120,10 @@ def specialization(name: str, kernel, signature: dict, constexprs: dict | None =
 TILES_ENV = "EPKIT_TILES"  # "gpu": tests/triton runs every test at the GPU's tiles
 TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR")  # the launch constexprs that are tile sizes
 # Constexprs whose value follows the data (a data dimension padded to a power of two: KP for
-# top-k in combine's reduce, CP for recv_map's columns in the backward's slot kernels): a launch
-# may take a value the recording never saw, so the record's check takes any value of these (the
-# gate compiles the largest recorded). A new one is added here by name.
-SIZE_CONSTEXPRS = ("KP", "CP")
+# top-k, CP for recv_map's columns, RP for the ranks; reduce, slot and places kernels): a
+# launch may take a value the recording never saw, so the record's check takes any value of
+# these (the gate compiles the largest recorded). A new one is added here by name.
+SIZE_CONSTEXPRS = ("KP", "CP", "RP")
 _TILE_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s+if\s+INTERPRETED\s+else\s+(.+?)\s*(#.*)?$")
 _TILES = ["gpu" if not INTERPRETED else "interpreter"]
 
