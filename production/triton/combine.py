@@ -39,6 +39,9 @@ __all__ = ["gather_rows", "gather_units", "reduce_tokens"]
 # spilled on sm_90, epkit kernels --compile).
 ROWS = 64 if INTERPRETED else 4
 BLOCK = 256 if INTERPRETED else 128
+# the reduce's columns: it also walks the token's slots ([ROWS, KP] tiles), and at 4 x 128 a
+# dedup float32 form spilled 4 bytes on sm_90 (epkit kernels --compile)
+REDUCE_BLOCK = 256 if INTERPRETED else 64
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -347,15 +350,20 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
                 ck.fail(op, f"a token row whose units lie outside back's {U} units (first "
                             "names a unit out of range)")
             ck.fail(op, path.UNMATCHED_SLOT)
-    w = topk_weights.contiguous() if weighted else idx  # (unread unweighted)
+    w = topk_weights.contiguous() if weighted else out_dummy(back)  # (unread unweighted)
     out = torch.empty((T, H), dtype=out_dtype, device=back.device)
-    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, BLOCK)), int_view(back).view(U, H),
+    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, REDUCE_BLOCK)), int_view(back).view(U, H),
            send_map, idx, w, first if compact else send_map, int_view(out), T, H, K,
            send_map.shape[1], E, R, E // R, G, S, U, TOKEN_ROWS=path.TOKEN_ROWS,
            COMPACT=compact, PER=per, BACK_BF16=back.dtype == torch.bfloat16,
            OUT_BF16=out_dtype == torch.bfloat16, WEIGHTED=weighted, GROUPED=G > 1,
-           KP=kp(K), ROWS=ROWS, BLOCK=BLOCK)
+           KP=kp(K), ROWS=ROWS, BLOCK=REDUCE_BLOCK)
     return out
+
+
+def out_dummy(t: torch.Tensor) -> torch.Tensor:
+    """A float32 pointer the kernel never reads (one launch form for unweighted sums)."""
+    return torch.empty(1, dtype=torch.float32, device=t.device)
 
 
 def kp(K: int) -> int:
@@ -389,7 +397,7 @@ for _tr, _bb, _ob, _w, _g in _REDUCE_FORMS:
         f"combine.reduce[{_tr},{'bf16' if _bb else 'f32'}->{'bf16' if _ob else 'f32'}"
         f"{',weighted' if _w else ''}{',grouped' if _g else ''}]", _reduce_kernel,
         {"back": "*i16" if _bb else "*i32", "send_map": "*i64", "idx": "*i64",
-         "w": "*fp32" if _w else "*i64", "first": "*i64", "out": "*i16" if _ob else "*i32",
+         "w": "*fp32", "first": "*i64", "out": "*i16" if _ob else "*i32",
          "T": "i32", "H": "i32", "K": "i32", "C": "i32", "E": "i32", "R": "i32", "L": "i32",
          "G": "i32", "S": "i32", "U": "i32", "TOKEN_ROWS": "constexpr", "COMPACT": "constexpr",
          "PER": "constexpr", "BACK_BF16": "constexpr", "OUT_BF16": "constexpr",
@@ -397,4 +405,4 @@ for _tr, _bb, _ob, _w, _g in _REDUCE_FORMS:
          "ROWS": "constexpr", "BLOCK": "constexpr"},
         {"TOKEN_ROWS": _dedup, "COMPACT": _dedup, "PER": 2 if _dedup and _bb else 1,
          "BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g, "KP": 8,
-         "ROWS": ROWS, "BLOCK": BLOCK})
+         "ROWS": ROWS, "BLOCK": REDUCE_BLOCK})

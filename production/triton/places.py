@@ -28,7 +28,9 @@ __all__ = ["FIXED", "BOUNDED", "COMPACT", "MAP", "VALUES", "DENSE", "row_places"
 
 FIXED, BOUNDED, COMPACT = 0, 1, 2  # how chunk p's start is found (the module docstring)
 MAP, VALUES, DENSE = 0, 1, 2  # what gives a row's units: a map's entries, counts, one a row
-BLOCK = 256 if INTERPRETED else 1024  # rows a program scans at a time
+# rows a program scans at a time (on a GPU 64: at 128 and up the units map's variant spilled
+# registers on sm_90 and scalar registers on gfx942, epkit kernels --compile)
+BLOCK = 256 if INTERPRETED else 64
 
 
 @triton.jit
@@ -56,7 +58,9 @@ def _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP, MODE: tl.c
             sz = tl.minimum(sz, UCAP * rows_q)
         start = tl.sum(tl.where(q < p, sz, 0), axis=0)
         size = tl.sum(tl.where(q == p, sz, 0), axis=0)
-    return lo, hi, start, size
+    # row and unit indices fit 32 bits (element indices, never byte offsets): half the scalar
+    # registers, which gfx942 spilled at 64 bits
+    return lo.to(tl.int32), hi.to(tl.int32), start.to(tl.int32), size.to(tl.int32)
 
 
 @triton.jit
@@ -99,7 +103,7 @@ def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, siz
         u = tl.minimum(u, UCAP)
         pos = tl.where(u > 0, start + carry + tl.cumsum(u, axis=0) - u, -1)
         tl.store(first + n, pos, mask=m)
-        carry += tl.sum(u, axis=0)
+        carry += tl.sum(u, axis=0).to(tl.int32)
         if UMAP:  # the units kernel's map for these rows' units (combine._units_kernel)
             kept = (tile >= 0) & (tile < M)
             cnt = tl.sum(kept.to(tl.int64), axis=1)
@@ -127,12 +131,10 @@ def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, siz
             fill = -1
         else:
             fill = 0
-        for b in range(start - hdr, start, BLOCK):
+        end = start + size  # one loop over the chunk (two spilled registers on sm_90)
+        for b in range(start - hdr, end, BLOCK):  # (the rows' units in between are written)
             x = b + tl.arange(0, BLOCK)
-            tl.store(umap + x, fill, mask=x < start)
-        for b in range(start + carry, start + size, BLOCK):
-            x = b + tl.arange(0, BLOCK)
-            tl.store(umap + x, fill, mask=x < start + size)
+            tl.store(umap + x, fill, mask=(x < end) & ((x < start) | (x >= start + carry)))
 
 
 @triton.jit
@@ -160,8 +162,8 @@ def _token_places_kernel(send_map, idx, first, plan, T, K, E, L, S, UCAP, R, row
         u = tl.where(named, tl.minimum(n, UCAP), 0)
         pos = tl.where(u > 0, start + carry + tl.cumsum(u, axis=0) - u, -1)
         tl.store(first + r, pos, mask=named)
-        carry += tl.sum(u, axis=0)
-        used += tl.sum(named.to(tl.int64), axis=0)
+        carry += tl.sum(u, axis=0).to(tl.int32)
+        used += tl.sum(named.to(tl.int32), axis=0)
     if STATIC:  # the rows no token names: the header row, and the tail past the used rows
         for b in range(lo, hi, BLOCK):
             x = b + tl.arange(0, BLOCK).to(tl.int64)
