@@ -264,6 +264,10 @@ def _run_suite(args, modes, runner) -> int:
     print()
     print(result.table())
     print(f"{time.monotonic() - t0:.1f}s, seed {suite.seed}; repeat with: --seed {suite.seed}")
+    from .kernels import kernels_served
+
+    result.kernels = kernels_served(args.backend, args.kernels)
+    print(f"epkit's kernels: {result.kernels}")
     _write_reports(args, result)
     print(result.summary(), flush=True)
     return 0 if result.ok else 1

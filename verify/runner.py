@@ -185,6 +185,7 @@ class SuiteResult:
     results: dict = field(default_factory=dict)  # mode name -> ModeResult
     seconds: float = 0.0
     restarts: int = 0
+    kernels: str = ""  # which of epkit's kernels served (verify/kernels.py)
 
     @property
     def tallies(self) -> dict:
@@ -312,6 +313,7 @@ class SuiteResult:
             "check_errors": self.check_errors,
             "world_sizes_checked": self.world_sizes_checked,
             "seconds": round(self.seconds, 3),
+            "kernels": self.kernels,
             "passed": self.passed,
             "failed": self.failed,
             "ok": self.ok,
@@ -365,7 +367,7 @@ class SuiteResult:
                     ("accumulate", self.accumulate), ("capabilities", " | ".join(caps)),
                     ("check_errors", self.check_errors), ("world_size", self.world_size),
                     ("world_sizes_checked", ",".join(map(str, self.world_sizes_checked))),
-                    ("examples", self.examples),
+                    ("examples", self.examples), ("kernels", self.kernels),
                     ("corner_cases", max((r.corners for r in self.results.values()),
                                          default=0))]
         props = "  <properties>" + "".join(

@@ -36,6 +36,8 @@ def test_plain_torch_run_passes_with_table_json_and_closing_line(tmp_path, capsy
     assert corners >= 4 and data["modes"]["padded"]["corner_cases"] == corners
     assert data["results"]["ragged"]["combine"]["passed"] == 4 + corners
     assert data["results"]["padded"]["dispatch"]["passed"] == 4 + corners
+    # which of epkit's kernels served, in the summary and the JSON (the C++ ones here)
+    assert "epkit's kernels: C++ (CPU)" in text and data["kernels"] == "C++ (CPU)"
 
 
 def test_a_broken_impl_exits_non_zero_with_a_report(capsys):
@@ -142,7 +144,26 @@ def test_contract_supports_and_junit_xml(tmp_path, capsys):
     assert cases["combine"].find("failure") is not None
     assert cases["dispatch"].find("failure") is None
     assert int(suite.get("failures")) >= 1
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["kernels"] == "C++ (CPU)"
     assert main(["--supports", "capacity=perhaps", "--impl", PLAIN]) == 2
+
+
+def test_the_kernels_that_serve_are_named(monkeypatch):
+    """C++ on CPU by default, Triton interpreted with --kernels triton on a machine without a
+    GPU (this one, or TRITON_INTERPRET=1), Triton compiled over NCCL, with Triton's version."""
+    from importlib import metadata
+
+    from epkit.verify.kernels import kernels_served
+
+    monkeypatch.delenv("EPKIT_KERNELS", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    version = metadata.version("triton")
+    assert kernels_served("gloo") == "C++ (CPU)"
+    assert kernels_served("gloo", "triton") == f"Triton {version}, interpreted (CPU)"
+    monkeypatch.setenv("EPKIT_KERNELS", "triton")
+    assert kernels_served("gloo") == f"Triton {version}, interpreted (CPU)"
+    assert kernels_served("nccl") == f"Triton {version}, compiled (CUDA)"
 
 
 def test_a_short_mode_exits_1_with_a_one_line_reason(capsys):
