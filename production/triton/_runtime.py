@@ -134,18 +134,15 @@ def tiles() -> str:
 
 
 def kernel_modules() -> list:
-    """Every kernel module of this package, imported."""
+    """Every kernel module of this package, imported: the modules beside this one (found on
+    disk, so this bottom module imports nothing of the package above it)."""
     import importlib
+    import pkgutil
     import sys
 
-    from . import OPS
-
-    for module in sorted(set(OPS.values())):
-        try:
-            importlib.import_module(f"{__package__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{module}":
-                raise
+    for info in pkgutil.iter_modules([os.path.dirname(os.path.abspath(__file__))]):
+        if info.name != __name__.rsplit(".", 1)[-1]:
+            importlib.import_module(f"{__package__}.{info.name}")
     return [m for name, m in sorted(sys.modules.items())
             if m is not None and name.startswith(__package__ + ".") and name != __name__]
 
