@@ -138,10 +138,18 @@ def measure(world: int, modes=tuple(MODES), sizes=((64, 128, 8, 2),), deadline_s
     on the device path (``EPKIT_KERNELS=triton``)."""
     from epkit.verify.procs import run_ranks
 
-    os.environ["EPKIT_KERNELS"] = "triton"  # the ranks inherit it: the device path
     report = None if on_progress is None else (lambda r, kind, payload: on_progress(payload))
-    got = run_ranks(rank_main, world, (tuple(modes), tuple(sizes)), deadline_s=deadline_s,
-                    on_message=report, prefix="epkit-launches-")
+    # the ranks inherit EPKIT_KERNELS=triton (the device path); this process keeps its own
+    before = os.environ.get("EPKIT_KERNELS")
+    os.environ["EPKIT_KERNELS"] = "triton"
+    try:
+        got = run_ranks(rank_main, world, (tuple(modes), tuple(sizes)), deadline_s=deadline_s,
+                        on_message=report, prefix="epkit-launches-")
+    finally:
+        if before is None:
+            os.environ.pop("EPKIT_KERNELS", None)
+        else:
+            os.environ["EPKIT_KERNELS"] = before
     errors = [f"rank {r}: {p}" for r, (kind, p) in sorted(got.items()) if kind == "error"]
     if errors:
         raise RuntimeError(f"epkit bench --launches: world size {world}: {errors[0]}")

@@ -156,3 +156,12 @@ def test_host_to_device_copies_count_as_waits(monkeypatch):
         scope["uploads"](torch.device("cpu"), mark_host, torch)
     kinds = [(r.kind, r.where) for r in reads.reads]
     assert kinds == [("host-to-device copy", f"planted_uploads.py:{n}") for n in (3, 4, 5)], kinds
+
+
+def test_measuring_leaves_the_environment_as_it_was(counted, monkeypatch):
+    """The ranks run the device path; the process that measured keeps its own kernels (a test
+    process that kept EPKIT_KERNELS=triton would start every later group on Triton)."""
+    import os
+
+    assert counted  # measured (world sizes 2 and 4) in this process
+    assert os.environ.get("EPKIT_KERNELS") in (None, "cpp")
