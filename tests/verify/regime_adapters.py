@@ -216,7 +216,7 @@ BUGS = {
     "plan_on_the_layer": ("combine", "sequence overlap"),
     "combine_reuses_dispatch_state": ("dispatch_backward", "order training"),
     "backward_frees_the_plan": ("combine", "order stages"),
-    "float16_sums_in_float16": ("combine", "x float16"),
+    "float16_sums_in_float16": ("combine", "float16"),
     "stages_rows_through_4kib": ("dispatch", "expert_x"),
     "counts_16bit": ("dispatch", "tokens_per_expert"),
     "drops_last_full_block": ("combine", "combine"),
