@@ -25,7 +25,7 @@ from . import direct, ops, payloads, transports
 from .payloads.fp8_block128 import dequantize_fp8_block128, quantize_fp8_block128
 from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .agree import COMBINE, DISPATCH, agree, call_number, guarded, header, serial
-from .collectives import dtype_code, exchange_of, is_group, resolve_group
+from .collectives import destroyed, dtype_code, exchange_of, group_ref, is_group, resolve_group
 from .memory import device_path
 from .result import Dispatch
 from .validate import combine_words, local_error, option_words
@@ -105,7 +105,7 @@ class Dispatcher:
         # No process group at all: a clear RuntimeError. Something that is not a group: the
         # default group, over which the call header reports BAD_GROUP on every rank.
         self._bad_group = not is_group(group)
-        self.group = resolve_group(group)
+        self._group = group_ref(resolve_group(group))  # weak: see the group property
         self.num_experts = num_experts
         self.align = align
         self.capacity = capacity
@@ -117,6 +117,16 @@ class Dispatcher:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.ranks_per_node = ranks_per_node
         self._workspace = Workspace() if workspace else None
+
+    @property
+    def group(self):
+        """The process group. Held weakly (collectives.group_ref): a Dispatcher, and the
+        Dispatch results that refer to it, never keep a group alive past
+        ``destroy_process_group()``; using it after that is a RuntimeError."""
+        group = self._group()
+        if group is None:
+            raise destroyed("this Dispatcher")
+        return group
 
     @property
     def workspace_bytes(self) -> int:

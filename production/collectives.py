@@ -18,11 +18,13 @@ the public ``epkit.exchange`` (exchange.py) builds on it.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as _dist_nn_functional
 
 from epkit.reference import abi
 from epkit.reference.errors import DTYPE_CODES, Reason, error
@@ -92,6 +94,53 @@ def resolve_group(group):
             "on GPU; one process alone: init_process_group('gloo', init_method="
             "'tcp://127.0.0.1:29500', rank=0, world_size=1)), or pass group=")
     return dist.group.WORLD
+
+
+def _unpin_default_group() -> None:
+    """Take the default process group out of torch.distributed.nn.functional's default arguments.
+
+    That module writes ``group=group.WORLD`` as a default argument, evaluated once, at its
+    import: imported after ``init_process_group`` (torch._dynamo imports it, and an epkit op's
+    first call imports torch._dynamo), its ten functions hold the default group for the rest of
+    the process. ``destroy_process_group()`` then frees nothing: gloo's threads outlive it, run
+    into the interpreter's teardown, and there can abort the process (SIGABRT, ``terminate
+    called without an active exception``; docs/usage.md, "Troubleshooting"). ``None`` means the
+    default group at call time, the same group while it lives, so it takes the group's place.
+    Imported here, before any epkit op runs, so whoever imports the module later finds it so."""
+    for fn in vars(_dist_nn_functional).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(v, dist.ProcessGroup) for v in defaults):
+            fn.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v
+                                    for v in defaults)
+        kw = getattr(fn, "__kwdefaults__", None)
+        if kw and any(isinstance(v, dist.ProcessGroup) for v in kw.values()):
+            fn.__kwdefaults__ = {k: None if isinstance(v, dist.ProcessGroup) else v
+                                 for k, v in kw.items()}
+
+
+_unpin_default_group()
+
+
+def group_ref(group) -> Callable:
+    """``ref()`` gives ``group`` back, or None once it was destroyed.
+
+    A group torch.distributed knows (the default group, ``new_group``'s, a DeviceMesh's) is held
+    weakly: epkit's objects (a Dispatcher, the Dispatch it returns, a layer) must not keep a
+    group alive past ``destroy_process_group()``, whose gloo threads would then run on into the
+    interpreter's teardown (see :func:`_unpin_default_group`). A group torch.distributed does not
+    know (one built by hand) has no other owner, so it is held strongly."""
+    try:
+        known = group in dist.distributed_c10d._world.pg_map
+    except Exception:  # noqa: BLE001 - a private map: hold strongly if it moved
+        known = False
+    if known:
+        return weakref.ref(group)
+    return lambda: group
+
+
+def destroyed(what: str) -> RuntimeError:
+    return RuntimeError(f"epkit: {what}'s process group was destroyed "
+                        "(torch.distributed.destroy_process_group): make a new one for a new group")
 
 
 def is_group(group) -> bool:

@@ -378,7 +378,7 @@ class ExpertParallelMoE(_MoEBase):
                       expert_bias=expert_bias, route_scale=route_scale)
         super().__init__(hidden, ffn_hidden, num_experts, top_k, shared_expert, num_experts // R,
                          impl, payload, device, dtype, router, aux_loss_coef)
-        self.group, self.rank, self.world_size = group, rank, R
+        self.group, self.rank, self.world_size = group, rank, R  # group: held weakly (below)
         self.local_experts = num_experts // R
         self.first_expert = rank * self.local_experts
         self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
@@ -402,6 +402,23 @@ class ExpertParallelMoE(_MoEBase):
                                      and tr.runs(lazy))):
             self.lazy_dispatcher = epkit.Dispatcher(
                 group, num_experts, **{**self.dispatch_options, "exchange": lazy})
+
+    @property
+    def group(self):
+        """The expert-parallel process group, held weakly (epkit.collectives.group_ref): the
+        layer never keeps a group alive past ``destroy_process_group()``."""
+        group = self.__dict__["_group_ref"]()
+        if group is None:
+            from ..collectives import destroyed
+
+            raise destroyed("this ExpertParallelMoE")
+        return group
+
+    @group.setter
+    def group(self, group) -> None:
+        from ..collectives import group_ref
+
+        self.__dict__["_group_ref"] = group_ref(group)
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, group=None, **options) -> "ExpertParallelMoE":

@@ -51,6 +51,7 @@ def multi_rank(code: str) -> bool:
 
 
 BLOCKS = [(doc, line, code) for doc in DOCS for line, code in python_blocks(doc)]
+README_FIRST = next((doc, line) for doc, line, _ in BLOCKS if doc == "README.md")
 
 
 def test_blocks_found():
@@ -87,3 +88,9 @@ def test_block_runs_as_pasted(doc, line, code, tmp_path):
     assert p.returncode == 0, (
         f"{doc}:{line}: the block failed (exit {p.returncode}) run as "
         f"`{' '.join(cmd[2:] if multi_rank(code) else cmd[1:])}`:\n{code}\n{p.stdout[-4000:]}")
+    if (doc, line) == README_FIRST:
+        # README's first program prints one line a rank that a person can check: its combine
+        # equals the weighted sum done locally, bit for bit.
+        said = sorted(re.findall(r"^rank (\d): (\d+) rows routed here, max \|out - expected\| = "
+                                 r"(\S+)$", p.stdout, re.M))
+        assert [(r, d) for r, _, d in said] == [("0", "0.0"), ("1", "0.0")], p.stdout[-3000:]
