@@ -14,7 +14,7 @@ busy processes at the lowest priority, so that gloo's threads are descheduled at
 which is when the abort shows. Every run's outcome is appended to ``--results`` (JSON lines),
 so a long measurement can be run in chunks and resumed; the table is made from that file.
 
-    .venv/bin/python scripts/exit_stress.py                        # 200 README, 50 each block, 200 control
+    .venv/bin/python scripts/exit_stress.py                        # 200 README, 50 each block, 100 control
     .venv/bin/python scripts/exit_stress.py --only README --runs 20 # a quick look
     .venv/bin/python scripts/exit_stress.py --report                # the table of what ran so far
 
@@ -102,7 +102,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=50, help="runs of each doc block (default 50)")
     ap.add_argument("--readme-runs", type=int, default=200,
-                    help="runs of README's first program and of the control (default 200)")
+                    help="runs of README's first program (default 200)")
+    ap.add_argument("--control-runs", type=int, default=100,
+                    help="runs of the plain-torch control (default 100)")
     ap.add_argument("--only", default="", help="run only the programs whose name holds this")
     ap.add_argument("--parallel", type=int, default=2, help="launches at once (default 2)")
     ap.add_argument("--load", type=int, default=1, help="busy processes beside them (default 1)")
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
         counts = collections.Counter(r["program"] for r in done)
         todo = []
         for name in names:
-            want = args.readme_runs if name.startswith(("README", "control")) else args.runs
+            want = (args.readme_runs if name.startswith("README") else
+                    args.control_runs if name.startswith("control") else args.runs)
             todo += [name] * max(0, want - counts[name])
         # interleaved, so a change of load over the measurement falls on every program alike
         order = []
@@ -135,9 +138,9 @@ def main(argv=None) -> int:
                     order.append(n)
                     queues[n] -= 1
         busy = load(args.load)
+        pool = concurrent.futures.ThreadPoolExecutor(args.parallel)
         try:
-            with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool, \
-                    open(args.results, "a") as f:
+            with open(args.results, "a") as f:
                 for i, r in enumerate(pool.map(lambda n: run_once(n, progs[n]), order)):
                     f.write(json.dumps(r) + "\n")
                     f.flush()
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
                     if (i + 1) % 25 == 0:
                         print(f"{i + 1} of {len(order)} runs", file=sys.stderr, flush=True)
         finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # an interrupt stops what is queued
             for p in busy:
                 p.kill()
     import torch

@@ -7,6 +7,7 @@
   (``ExpertParallelMoE.from_dense(dense, group)``), equal to DenseMoE up to the order of some
   float32 sums.
 - :func:`to_expert_parallel`, :func:`sync_replicated_grads`, :func:`expert_parameters`,
+  :func:`named_expert_parameters`,
   :func:`replicated_parameters`: converting a model and training it.
 - :func:`grouped_mm`: the segment-wise matmul the experts run.
 
@@ -21,6 +22,7 @@ from .moe import (
     SwiGLU,
     SwiGLUExperts,
     expert_parameters,
+    named_expert_parameters,
     load_balancing_loss,
     replicated_parameters,
     sync_replicated_grads,
@@ -30,6 +32,6 @@ from .moe import (
 
 __all__ = [
     "DenseMoE", "ExpertParallelMoE", "Router", "SwiGLU", "SwiGLUExperts", "grouped_mm",
-    "grouped_mm_backend", "expert_parameters", "replicated_parameters", "sync_replicated_grads",
-    "to_expert_parallel", "weighted_sum", "load_balancing_loss",
+    "grouped_mm_backend", "expert_parameters", "named_expert_parameters", "replicated_parameters",
+    "sync_replicated_grads", "to_expert_parallel", "weighted_sum", "load_balancing_loss",
 ]

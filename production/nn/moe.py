@@ -486,6 +486,16 @@ def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
             yield from m.experts.parameters()
 
 
+def named_expert_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """:func:`expert_parameters` with their qualified names in ``model`` (``"moe.experts.w1"``),
+    as ``model.named_parameters()`` gives them: the names DDP's
+    ``_set_params_and_buffers_to_ignore_for_model`` takes."""
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallelMoE):
+            for name, p in m.experts.named_parameters():
+                yield f"{prefix}.experts.{name}" if prefix else f"experts.{name}", p
+
+
 def replicated_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """Every other parameter: the same on every rank of the expert-parallel group."""
     sharded = {id(p) for p in expert_parameters(model)}
