@@ -1,4 +1,4 @@
-"""epkit as Megatron-Core's token dispatcher (tested against megatron-core 0.16.1).
+"""epkit as Megatron-Core's token dispatcher (tested against megatron-core 0.19.2 and 0.16.1).
 
 One line puts it into a built ``MoELayer`` (any ``moe_token_dispatcher_type``)::
 

@@ -49,7 +49,20 @@ def _host_split_sizes(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
-class _CPUDispatcher(_td.MoEAlltoAllTokenDispatcher):
+class _Dispatcher(_td.MoEAlltoAllTokenDispatcher):
+    """Megatron's class, counting the rows a routing map sends. A dropless map is taken to hold
+    exactly top-k experts a token (``num_out_tokens = T * K``, which megatron-core 0.19's
+    permute sizes its output by); the harness's maps leave slots unused (``-1``), which
+    Megatron's router never does, so the count is the map's."""
+
+    def preprocess(self, routing_map):
+        out = super().preprocess(routing_map)
+        if not self.drop_and_pad and self.config.moe_expert_capacity_factor is None:
+            self.num_out_tokens = routing_map.sum()
+        return out
+
+
+class _CPUDispatcher(_Dispatcher):
     """Megatron's class on a machine without CUDA: its constructor makes a CUDA stream for the
     device-to-host copies, which run on that stream. Nothing else differs."""
 
@@ -68,7 +81,7 @@ class MegatronAdapter:
     def __init__(self, group):
         self.group = group
         self.configs = {}
-        self.cls = _td.MoEAlltoAllTokenDispatcher if torch.cuda.is_available() else _CPUDispatcher
+        self.cls = _Dispatcher if torch.cuda.is_available() else _CPUDispatcher
         if not torch.cuda.is_available():
             # Megatron's all-to-all and all-gather (forward and backward) allocate their output
             # on torch.cuda.current_device(), which raises without CUDA; "cpu" is a device

@@ -9,50 +9,19 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from example_module import load
 
 warnings.filterwarnings("ignore", category=UserWarning)  # "Transformer Engine / Apex not installed"
 
 
 def cpu_patches():
-    """The smallest set of patches that runs megatron-core 0.16.1's MoE layer on CPU."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.moe.token_dispatcher as td
-
-    # The router moves its weight to torch.cuda.current_device() on every forward, and the
-    # local linear layers allocate there; "cpu" is a device string .to() accepts.
-    torch.cuda.current_device = lambda: "cpu"
-    # The all-to-all dispatcher makes a CUDA stream (for its device-to-host copies) in __init__.
-    td.torch.cuda.Stream = lambda *a, **k: None
-    # Without Transformer Engine, 0.16.1 never defines te_general_gemm, which the router's
-    # gating linear tests for None (a NameError otherwise).
-    moe_utils.te_general_gemm = None
-
-    # The device-to-host copy of the split sizes runs on that CUDA stream; on CPU the sizes are
-    # host tensors already, and the all-to-all wants them as host sequences (as the copy makes).
-    def host_split_sizes(self, point, tokens_per_expert=None):
-        for name in ("input_splits", "output_splits", "output_splits_tp"):
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, name, value.numpy())
-        return tokens_per_expert
-
-    td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_split_sizes
+    """The patches that run Megatron-Core's MoE layer on CPU (the example's, each with its reason)."""
+    load("megatron_cpu").cpu_patches()
 
 
 def groups(group):
-    """Megatron's process groups for expert-parallel size 2 and nothing else parallel: the
-    expert group (and the groups that contain it) is the pair, every other one this rank."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    import epkit
-
-    one = epkit.group_of_one()
-    pgc = ProcessGroupCollection()
-    for name in ("ep", "tp_ep", "dp", "dp_cp", "tp_dp_cp"):
-        setattr(pgc, name, group)
-    for name in ("tp", "expt_tp", "expt_dp", "cp", "tp_cp", "pp"):
-        setattr(pgc, name, one)
-    return pgc
+    """Megatron's process groups for expert-parallel size 2 and nothing else parallel."""
+    return load("megatron_cpu").process_groups(group)
 
 
 def build(group, seed, *, dtype, E, K, H, F, capacity_factor=None, drop_policy="probs",
@@ -72,7 +41,9 @@ def build(group, seed, *, dtype, E, K, H, F, capacity_factor=None, drop_policy="
         expert_model_parallel_size=dist.get_world_size(group))
     spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
     torch.manual_seed(seed)
-    return build_module(spec, config=config, pg_collection=groups(group))
+    if hasattr(spec, "module"):  # 0.16: a ModuleSpec
+        return build_module(spec, config=config, pg_collection=groups(group))
+    return spec(config=config, pg_collection=groups(group))  # 0.19: a builder (MoELayer's partial)
 
 
 def run_layer(layer, x):

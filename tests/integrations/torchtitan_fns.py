@@ -9,49 +9,20 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from example_module import load
 
 warnings.filterwarnings("ignore", category=UserWarning)  # CPU autocast's float32 notice
 
 
 def cpu_setup(group):
-    """What torchtitan needs to run its MoE on CPU over gloo, and the expert-parallel mesh."""
-    import torchtitan.distributed.utils as titan_dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    # The default SPMD backend ("spmd_types") sends the all-to-all through spmd_types on the
-    # trainer's registered mesh, which a layer built outside the trainer does not have, and
-    # whose uneven all-to-all gloo does not run. "partial_dtensor", one of torchtitan's own
-    # settings (parallelism.spmd_backend), takes the functional all_to_all_single over the
-    # wired ep mesh, which gloo runs.
-    titan_dist.set_spmd_backend("partial_dtensor")
-    return DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ep",))
+    """What torchtitan needs to run its MoE on CPU over gloo, and the expert-parallel mesh
+    (the example's outside_the_trainer, which says why)."""
+    return load("torchtitan_cpu").outside_the_trainer(group)
 
 
 def build(*, E, K, H, F, L, seed, dtype, epkit_options=None):
-    """torchtitan's MoE config, built. ``GroupedExperts`` holds the ``L`` local experts: what
-    torchtitan's expert-parallel sharding gives each rank (``to_local`` of the ``Shard(0)``
-    weights), without building the DTensor plan around it."""
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
-                                              TokenChoiceTopKRouter)
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
-
-    routed = RoutedExperts.Config(
-        inner_experts=GroupedExperts.Config(dim=H, hidden_dim=F, num_experts=L),
-        token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=E, top_k=K))
-    if epkit_options is not None:
-        import epkit.integrations.torchtitan as et
-        et.swap_token_dispatcher(routed, **epkit_options)  # the one line a user writes
-    config = MoE.Config(num_experts=E, load_balance_coeff=None, routed_experts=routed,
-                        router=TokenChoiceTopKRouter.Config(
-                            num_experts=E, top_k=K, score_func="softmax",
-                            gate=Linear.Config(in_features=H, out_features=E)))
-    layer = config.build()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    return layer.to(dtype)
+    """torchtitan's MoE, built as the example builds it, in ``dtype``."""
+    return load("torchtitan_cpu").build_moe(seed, epkit_options, E=E, K=K, H=H, F=F, L=L).to(dtype)
 
 
 def run_layer(layer, x):
