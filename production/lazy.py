@@ -50,8 +50,22 @@ class _DispatchWait(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def _not_yet(pending, name: str, result: str, var: str):
+    """The AttributeError for a result's attribute read on the pending object."""
+    what = type(pending).__name__
+    return AttributeError(
+        f"'{what}' object has no attribute '{name}': it is the {result} in flight "
+        f"(exchange='lazy'); call its wait() first, which returns the {result}: "
+        f"{var} = pending.wait(); {var}.{name}")
+
+
 class PendingDispatch:
     """A dispatch in flight. ``wait()`` returns the :class:`epkit.Dispatch` (once)."""
+
+    def __getattr__(self, name):  # only for names it lacks: a Dispatch's, read too early
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _not_yet(self, name, "epkit.Dispatch", "d")
 
     def __init__(self, x, topk_weights, state, build):
         self._args = (x, topk_weights, state)
@@ -111,6 +125,11 @@ class _CombineWait(torch.autograd.Function):
 
 class PendingCombine:
     """A combine in flight. ``wait()`` returns ``out [T, H]`` (once)."""
+
+    def __getattr__(self, name):  # only for names it lacks: the output tensor's, read too early
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise _not_yet(self, name, "combine's output tensor", "out")
 
     def __init__(self, expert_y, row_weight, state):
         self._args = (expert_y, row_weight, state)

@@ -41,6 +41,11 @@ class InputError(ValueError):
 
 
 _DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+_FLOAT_NAMES = ("float32", "bfloat16", "float16", "float64")
+# Floating ids are nearly always a top-k's outputs taken in the wrong order (torch.topk gives
+# the values first).
+SWAPPED_TOPK = (" (swapped? torch.topk returns (values, indices): "
+                "topk_weights, topk_idx = scores.topk(K))")
 
 
 def dtype_name(code: int) -> str:
@@ -117,7 +122,8 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.OK: "no error",
         Reason.INDEX_OUT_OF_RANGE: f"topk_idx holds expert {a}, outside [-1, {b})",
         Reason.DUPLICATE_EXPERT: f"topk_idx row {a} names expert {b} twice",
-        Reason.INDEX_DTYPE: f"topk_idx must have an integer dtype, got {dtype_name(a)}",
+        Reason.INDEX_DTYPE: f"topk_idx must have an integer dtype, got {dtype_name(a)}"
+                            + (SWAPPED_TOPK if dtype_name(a) in _FLOAT_NAMES else ""),
         Reason.X_NOT_2D: f"x must be 2-D [T, H], got {a} dimensions",
         Reason.IDX_SHAPE: f"topk_idx has {a} rows but x has {b}",
         Reason.WEIGHTS_SHAPE: f"topk_weights has shape [{a}, {b}], which differs from topk_idx",

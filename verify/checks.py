@@ -11,8 +11,9 @@ Contracts (docs/verify.md), from the strictest:
 
 Every property is evaluated at every level on every example (nothing is skipped), so a verdict
 also knows the strongest contract each property met and, when that is not ``exact``, why.
-A failure names the property, the rank, the output, the first differing element with both
-values (and their bits, or the error in units of the bound and in ulps), and the case with a
+A failure names the property, the rank, the output, the worst differing element (then the
+first, where another) with both values (and their bits, or the error in units of the bound and
+in ulps), and the case with a
 snippet that replays it.
 
 This module runs the check (:func:`check_case`, step by step in :class:`_Check`); the parts it

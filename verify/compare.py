@@ -51,10 +51,26 @@ def compare_bitwise(got, want) -> str | None:
             diff &= ~(np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64)))
     if not diff.any():
         return None
-    first = int(np.flatnonzero(diff)[0])
-    return (f"{want.dtype} {list(want.shape)}: first difference at "
-            f"{_where(want.shape, first)}: got {_fmt(got.reshape(-1)[first])}, expected "
-            f"{_fmt(want.reshape(-1)[first])}; {int(diff.sum())} of {want.size} elements differ")
+    at = np.flatnonzero(diff)
+    first, worst = int(at[0]), _worst(got.reshape(-1), want.reshape(-1), at)
+    g, w = got.reshape(-1), want.reshape(-1)
+    text = (f"{want.dtype} {list(want.shape)}: worst difference at {_where(want.shape, worst)}: "
+            f"got {_fmt(g[worst])}, expected {_fmt(w[worst])}")
+    if first != worst:
+        text += (f"; first difference at {_where(want.shape, first)}: got {_fmt(g[first])}, "
+                 f"expected {_fmt(w[first])}")
+    return text + f"; {len(at)} of {want.size} elements differ"
+
+
+def _worst(got, want, at) -> int:
+    """The flat index, among ``at`` (where the bits differ), of the largest ``|got - want|``: a
+    NaN or an infinity against a number counts as infinite; between equal-valued elements
+    (``0.0`` and ``-0.0``) as zero; the first such element on ties."""
+    with np.errstate(all="ignore"):
+        a, b = got[at].astype(np.float64), want[at].astype(np.float64)
+        gap = np.abs(a - b)
+    gap[np.isnan(gap)] = np.inf  # a NaN on one side, or infinities of opposite signs
+    return int(at[int(np.argmax(gap))])
 
 
 def _compare_with_tail(got, want, fill, static: bool) -> str | None:

@@ -38,7 +38,8 @@ CASES = [
     ("x dtype", lambda x, i, w, r: _set(x, r, x[r].astype(np.float16)), {},
      Reason.X_DTYPE, "x must be float32 or bfloat16, got float16"),
     ("index dtype", lambda x, i, w, r: _set(i, r, i[r].astype(np.float32)), {},
-     Reason.INDEX_DTYPE, "topk_idx must have an integer dtype, got float32"),
+     Reason.INDEX_DTYPE, "topk_idx must have an integer dtype, got float32 (swapped? "
+     "torch.topk returns (values, indices): topk_weights, topk_idx = scores.topk(K))"),
     ("bool index", lambda x, i, w, r: _set(i, r, i[r] > 0), {},
      Reason.INDEX_DTYPE, "topk_idx must have an integer dtype, got bool"),
     ("weights dtype", lambda x, i, w, r: _set(w, r, w[r].astype(np.float64)), {},

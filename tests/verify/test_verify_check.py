@@ -82,7 +82,7 @@ def test_a_flipped_bit_names_property_rank_output_row_col_and_values():
     v = check_case(CASE, ModeSpec(), results, impl="mine:factory")
     assert v.failed_properties == ["combine"]
     text = v.report()
-    assert "combine: rank 2, out: bfloat16 [6, 5]: first difference at row 1, col 3" in text
+    assert "combine: rank 2, out: bfloat16 [6, 5]: worst difference at row 1, col 3" in text
     assert "got " in text and "expected " in text and "1 of 30 elements differ" in text
     assert "replay(Case(" in text and "impl='mine:factory'" in text
     ns = {}
@@ -392,3 +392,22 @@ def test_a_sequence_stopped_by_its_other_batch_is_not_run_not_failed():
     a = Verdict(case=seq, mode=ModeSpec(), impl="?", status={"combine": "passed"})
     b = Verdict(case=seq, mode=ModeSpec(), impl="?", status={"combine": "failed"})
     assert _merged(a, b).status["combine"] == "failed"
+
+
+def test_the_report_leads_with_the_worst_difference():
+    """Issue 36: a dropped weight's signed zero came first (got 0.0, expected -0.0) while the
+    same array held an error of 9.1; the headline must be the 9.1, the zero after it."""
+    from epkit.verify.compare import compare_bitwise
+
+    want = np.array([[-0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], dtype=np.float32)
+    got = want.copy()
+    got[0, 0] = 0.0
+    got[1, 2] = 5.0 + 9.1
+    text = compare_bitwise(got, want)
+    assert text.startswith("float32 [2, 3]: worst difference at row 1, col 2: got 14.1"), text
+    assert "; first difference at row 0, col 0: got 0.0 (0x00000000), expected -0.0 (0x80000000)" in text
+    assert text.endswith("2 of 6 elements differ")
+    got[1, 2] = np.nan  # a NaN against a number is the worst
+    got[0, 1] = 100.0
+    assert "worst difference at row 1, col 2: got nan" in compare_bitwise(got, want)
+    assert "first" not in compare_bitwise(got[1:], want[1:])  # worst and first the same: once

@@ -45,7 +45,7 @@ def test_a_broken_impl_exits_non_zero_with_a_report(capsys):
                "--seed", "5", "--no-progress", "--shrink-seconds", "2"])
     text = capsys.readouterr().out
     assert rc == 1
-    assert "FAILED" in text and "first difference at" in text and "replay(Case(" in text
+    assert "FAILED" in text and "worst difference at" in text and "replay(Case(" in text
     assert "rerun the mode: python -m epkit.verify --impl" in text and "--seed 5" in text
     assert _last_line(text).endswith(" failed") and not _last_line(text).endswith(" 0 failed")
 
