@@ -25,7 +25,8 @@ table() {
   echo "docs_figures: $name: epkit simulate $*" >&2
   {
     printf '`epkit simulate%s`\n\n' "${*:+ $*}"
-    "$EPKIT" simulate "$@" --markdown | sed -n '/^| /p'
+    case " $* " in *" --plot "*) plot=() ;; *) plot=(--no-plot) ;; esac  # a figure only where named
+    "$EPKIT" simulate "$@" "${plot[@]}" --markdown | sed -n '/^| /p'
   } > "$OUT/$name.md"
 }
 

@@ -12,7 +12,11 @@ part of the run finishes.
 
     epkit bench                          # the default workload, full report
     epkit bench --quick --json out.json  # about 30 s on 2 idle cores, 60 s at a load of 4
-    epkit bench --plot docs/bench.png    # adds the sweeps over tokens per rank and world size
+    epkit bench --sweep --plot docs/bench.png  # adds the sweeps over tokens per rank and world size
+
+Every run draws its picture (``--plot``, epkit-bench.png in the working folder unless named;
+the path is printed; ``--no-plot`` skips it): the methods' times on the default workload, or,
+with ``--sweep``, time against tokens per rank and against world size.
     epkit bench --launches --world-size 2  # kernels, collectives, host waits per phase
 
 Figures of merit (in the JSON):
@@ -81,9 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="10 iterations, 2 warm-up rounds, no padded plain-torch row, no overlap "
                          f"rows, kernels at one thread ({QUICK_DURATION})")
     ap.add_argument("--json", metavar="PATH", help="write every row and the ratios here")
-    ap.add_argument("--plot", metavar="PATH",
-                    help="PNG of time against tokens per rank and against world size (runs "
-                         "the sweeps)")
+    ap.add_argument("--plot", metavar="PATH", default="epkit-bench.png",
+                    help="where the PNG goes: the methods' times on the default workload, or "
+                         "with --sweep time against tokens per rank and world size")
+    ap.add_argument("--no-plot", action="store_true", help="draw no picture")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also run the sweeps over tokens per rank and world size (their picture "
+                         "is --plot's)")
     ap.add_argument("--sweep-tokens", type=_ints, default=None,
                     help="tokens per rank of the sweep (default 256,512,1024,2048,4096; "
                          "with --quick: tokens/8,tokens/4,tokens/2,tokens)")
@@ -143,7 +151,7 @@ def parse_args(argv):
     if args.sweep_world is None:
         args.sweep_world = [2, 4, 8]
     bad = [w for w in args.sweep_world if args.experts % w]
-    if args.plot and bad:
+    if args.sweep and bad:
         ap.error(f"--sweep-world sizes {bad} do not divide --experts {args.experts}")
     return args
 
@@ -504,14 +512,51 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
         print(f"wrote {args.json}")
-    if args.plot:
-        plot(args.plot, results, args)
-        print(f"wrote {args.plot}")
+    if not args.no_plot:
+        _picture(args.plot, results, args)
     return 0
 
 
+def _picture(path: str, results: dict, args) -> None:
+    """Draw the run's picture at ``path`` (printed); without matplotlib, say how to get it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("no picture: matplotlib is not installed (pip install 'epkit[plot]'; "
+              "--no-plot to skip)")
+        return
+    (plot if args.sweep else plot_workload)(path, results, args)
+    print(f"wrote {path} (--no-plot to skip)")
+
+
+def plot_workload(path: str, results: dict, args) -> None:
+    """The methods' median time per step on the default workload, p10 to p90 as a whisker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r.get("tokens", args.tokens) == args.tokens
+            and r.get("world_size", args.world_size) == args.world_size
+            and r.get("median_ms") is not None]
+    rows.sort(key=lambda r: r["median_ms"])
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6), layout="constrained")
+    med = [r["median_ms"] for r in rows]
+    lo = [r["median_ms"] - r.get("p10_ms", r["median_ms"]) for r in rows]
+    hi = [r.get("p90_ms", r["median_ms"]) - r["median_ms"] for r in rows]
+    ax.barh([r["name"] for r in rows], med, xerr=[lo, hi], color="0.6", capsize=3)
+    ax.invert_yaxis()
+    for y, (m, h) in enumerate(zip(med, hi)):
+        ax.text(m + h, y, f"  {m:.1f}", va="center", fontsize=8)  # beyond the whisker
+    ax.set(xlabel="median ms per step (forward + backward, slowest rank); whisker: p10 to p90",
+           title=f"epkit bench: {args.world_size} ranks, {args.tokens} tokens per rank, hidden "
+                 f"{args.hidden}, top-{args.topk} of {args.experts} experts, {args.dtype}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _groups(args) -> list:
-    """``[(world size, config)]``: the default workload, and with ``--plot`` the world-size
+    """``[(world size, config)]``: the default workload, and with ``--sweep`` the world-size
     sweep (the token sweep rides in the first group's ``token_list``)."""
     cfg = dict(hidden=args.hidden, topk=args.topk, experts=args.experts, dtype=args.dtype,
                iters=args.iters, warmup=args.warmup, threads=args.threads, seed=args.seed,
@@ -520,10 +565,10 @@ def _groups(args) -> list:
                profile=args.profile, kernel_reps=args.kernel_reps,
                kernel_threads=[] if args.no_kernels else
                ([1] if args.quick else sorted({1, os.cpu_count() or 1})))
-    if args.plot:
+    if args.sweep:
         cfg["token_list"] = [args.tokens] + [t for t in args.sweep_tokens if t != args.tokens]
     groups = [(args.world_size, cfg)]
-    if args.plot:
+    if args.sweep:
         groups += [(w, dict(cfg, token_list=[args.tokens], overlap=False, profile=False,
                             kernel_threads=[])) for w in args.sweep_world if w != args.world_size]
     return groups

@@ -361,7 +361,7 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
 # ----- output --------------------------------------------------------------------------------
 
 def _table(rows: list[dict]) -> str:
-    head = ("kernel", "target", "registers", "spills", "scratch", "shared", "ms", "rules")
+    head = ("kernel", "target", "registers", "spills", "scratch", "shared", "compile ms", "rules")
     body = [(r["kernel"], r["target"], str(r["registers"] if r["registers"] is not None else "-"),
              str(r["spills"] if r["spills"] is not None else "-"),
              str(r["scratch"] if r["scratch"] is not None else "-"),
@@ -372,7 +372,7 @@ def _table(rows: list[dict]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body)]
     legend = ("registers: per thread (sm), VGPR/SGPR (gfx); spills: bytes stored + loaded (sm), "
               "registers spilled (gfx); scratch: stack + local / private segment bytes; shared: "
-              "shared memory / LDS bytes per program")
+              "shared memory / LDS bytes per program; compile ms: how long this compilation took")
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], legend])
 
 
@@ -462,6 +462,9 @@ def _compile_all(args, targets: list[str]) -> int:
     broken = [r for r in rows if r["violations"]]
     print(f"\n{len(rows)} compilations ({len(specs)} specialisations x {len(targets)} targets, "
           f"{len(unique)} distinct) in {wall:.1f} s on {jobs} process(es); {len(broken)} break a rule")
+    print(f"compiled for {', '.join(targets)}; not run on a GPU: this proves the kernels compile "
+          "and that their assembly keeps the rules above, not their results or their speed "
+          "(tests/triton, in Triton's interpreter, and scripts/gpu_check.sh on a GPU)")
     for r in broken:
         for v in r["violations"]:
             print(f"  {r['where']} [{r['kernel']}, {r['target']}]: {v['rule']}"

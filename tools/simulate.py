@@ -55,7 +55,8 @@ inter-node stage, then the intra-node one) costs the sum of its stages' times (n
 between the stages is modelled). An all-to-all's duration under ideal scheduling, the messages
 of a rank one after another; congestion and incast are not modelled.
 
-Heatmaps (``--plot``): up to 128 ranks, the dispatch bytes rank by rank; past that, node by
+Heatmaps (every run draws one, epkit-simulate.png in the working folder or ``--plot PATH``; the
+path is printed; ``--no-plot`` skips it): up to 128 ranks, the dispatch bytes rank by rank; past that, node by
 node beside one node rank by rank. hier's two stages are drawn one panel each (stage 1
 inter-node, stage 2 intra-node).
 
@@ -510,7 +511,7 @@ def simulate(args) -> dict:
     t_draw = time.perf_counter() - t0
     counts = words[:, :E]
     load = counts.sum(axis=0)
-    out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "markdown")},
+    out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "no_plot", "markdown")},
            "capacity": capacity,
            "expert_load": {"max": int(load.max()), "mean": float(load.mean()),
                            "min": int(load.min()),
@@ -881,10 +882,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the report's figures here")
     ap.add_argument("--markdown", action="store_true",
                     help="print the table as Markdown too (what docs/benchmarks.md quotes)")
-    ap.add_argument("--plot", metavar="PATH",
-                    help="PNG heatmap of the dispatch bytes each source sends each destination "
-                         f"(rank by rank up to {RANK_LEVEL_MAX} ranks; past that node by node "
-                         "beside one node rank by rank)")
+    ap.add_argument("--plot", metavar="PATH", default="epkit-simulate.png",
+                    help="where the PNG heatmap of the dispatch bytes each source sends each "
+                         f"destination goes (rank by rank up to {RANK_LEVEL_MAX} ranks; past that "
+                         "node by node beside one node rank by rank)")
+    ap.add_argument("--no-plot", action="store_true", help="draw no heatmap")
     ap.add_argument("--plot-transport", choices=list(TRANSPORTS), default="dedup",
                     help="whose dispatch bytes --plot shows (hier: one panel per stage, "
                          "inter-node then intra-node)")
@@ -935,7 +937,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
         print(f"wrote {args.json}")
-    if args.plot:
+    if not args.no_plot and _has_matplotlib():
         c = res["config"]
         routing = c["routing"] + (f" (skew {c['skew']})" if c["routing"] == "zipf" else "")
         tr = args.plot_transport
@@ -946,8 +948,17 @@ def main(argv=None) -> int:
                 f"top-{c['topk']}, {c['tokens']} tokens/rank, hidden {c['hidden']} {c['dtype']}, "
                 f"{routing} routing", args.ranks_per_node,
                 res["transports"][tr]["dispatch"]["stages"])
-        print(f"wrote {args.plot}")
+        print(f"wrote {args.plot} (--no-plot to skip)")
     return 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("no heatmap: matplotlib is not installed (pip install 'epkit[plot]'; --no-plot to skip)")
+        return False
+    return True
 
 
 if __name__ == "__main__":

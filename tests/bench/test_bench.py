@@ -1,6 +1,7 @@
 """epkit bench: a smoke run at a tiny size (no timing asserts: speed claims live in
 docs/benchmarks.md, measured by `epkit bench` itself)."""
 
+import importlib.util
 import json
 import math
 
@@ -25,6 +26,7 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
         return real(world, cfg, deadline, lambda k, p: (seen.append((k, p)), on_message(k, p)))
 
     monkeypatch.setattr(bench, "run_group", spy)
+    monkeypatch.chdir(tmp_path)  # where the default picture goes
     out = tmp_path / "bench.json"
     rc = bench.main(["--world-size", "2", "--tokens", "32", "--hidden", "64", "--experts", "8",
                      "--topk", "2", "--iters", "10", "--warmup", "1", "--kernel-reps", "3",
@@ -91,6 +93,10 @@ def test_tiny_run_writes_the_ratios(tmp_path, capsys, monkeypatch):
     assert text.count("2 ranks, 32 tokens/rank") == 1 and text.count("local kernels") == 1
     assert "peak MB/step" in text and "memory_vs_held" in text
     assert text.index("local kernels") < text.index("overlap (") < text.index("figures of merit")
+    # the picture, by default: the workload's methods, its path printed
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "epkit-bench.png").stat().st_size > 0
+        assert "wrote epkit-bench.png (--no-plot to skip)" in text
 
 
 def test_ratios_and_targets():
@@ -207,7 +213,7 @@ def test_quick_sweeps_show_a_trend_with_spread_and_a_legend_off_the_lines():
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    args = bench.parse_args(["--quick", "--plot", "x.png"])
+    args = bench.parse_args(["--quick", "--sweep"])
     assert len(args.sweep_tokens) >= 4 and len(args.sweep_world) >= 3
     rows = [{"name": name, "tokens": t, "world_size": w, "median_ms": f * t * w / 100,
              "p10_ms": 0.9 * f * t * w / 100, "p90_ms": 1.2 * f * t * w / 100, "iters": 10}

@@ -423,3 +423,17 @@ def test_past_128_ranks_the_heatmap_goes_node_by_node():
     assert "hottest destination node 5" in caption
     small, _ = sim.heatmap_panels([B[:128, :128]], G)      # up to 128 ranks: rank by rank
     assert len(small) == 1 and small[0].B.shape == (128, 128)
+
+
+def test_a_heatmap_by_default_and_none_with_no_plot(tmp_path, monkeypatch, capsys):
+    """Every run draws its heatmap (epkit-simulate.png in the working folder, the path printed);
+    --no-plot draws none."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    small = ["--ranks", "8", "--experts", "16", "--tokens", "16", "--hidden", "16"]
+    assert sim.main(small + ["--no-plot"]) == 0
+    assert not (tmp_path / "epkit-simulate.png").exists()
+    assert "wrote" not in capsys.readouterr().out
+    assert sim.main(small) == 0
+    assert (tmp_path / "epkit-simulate.png").stat().st_size > 0
+    assert "wrote epkit-simulate.png (--no-plot to skip)" in capsys.readouterr().out

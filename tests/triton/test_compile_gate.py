@@ -143,6 +143,9 @@ def test_exit_status(tmp_path):
                          tmp_path=tmp_path)
     assert rc == 0, out
     assert rows and all(r["violations"] == [] for r in rows)
+    # The columns are labelled, and the run closes with what it proved and what it did not.
+    assert any(ln.startswith("kernel ") and "compile ms" in ln for ln in out.splitlines()), out
+    assert "compile ms: how long" in out and "compiled for sm_90; not run on a GPU" in out, out
     rc, out, _ = gate("--compile", "sm_42", "--module", GATE_KERNELS)
     assert rc == 2 and "unknown target" in out
 
