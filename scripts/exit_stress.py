@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import hashlib
 import json
 import os
 import subprocess
@@ -58,6 +59,12 @@ def programs() -> dict[str, str]:
     return out
 
 
+def code_id(code: str) -> str:
+    """A program's identity in --results: its text's hash (a block keeps it when the lines
+    above it move)."""
+    return hashlib.sha1(code.encode()).hexdigest()[:12]
+
+
 def run_once(name: str, code: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="epkit-exit-") as tmp:
         path = os.path.join(tmp, "block.py")
@@ -75,7 +82,7 @@ def run_once(name: str, code: str) -> dict:
             rc, out = "timeout", e.output or ""
             out = out if isinstance(out, str) else out.decode(errors="replace")
     aborted = rc != 0 and any(s in out for s in ABORT_SIGNS)
-    return {"program": name, "rc": rc, "aborted": aborted, "failed": rc != 0 and not aborted,
+    return {"program": name, "code": code_id(code), "rc": rc, "aborted": aborted, "failed": rc != 0 and not aborted,
             "seconds": round(time.time() - t0, 2), "tail": out[-1500:] if rc != 0 else ""}
 
 
@@ -85,13 +92,13 @@ def load(n: int) -> list[subprocess.Popen]:
             for _ in range(n)]
 
 
-def table(results: list[dict], names: list[str]) -> str:
+def table(results: list[dict], progs: dict[str, str], names: list[str]) -> str:
     by = collections.defaultdict(list)
     for r in results:
-        by[r["program"]].append(r)
+        by[r["code"]].append(r)
     lines = ["| program | runs | aborted at exit | other failures |", "| --- | --- | --- | --- |"]
     for name in names:
-        rs = by.get(name, [])
+        rs = by.get(code_id(progs[name]), [])
         if rs:
             lines.append(f"| {name} | {len(rs)} | {sum(r['aborted'] for r in rs)} | "
                          f"{sum(r['failed'] for r in rs)} |")
@@ -123,12 +130,12 @@ def main(argv=None) -> int:
         with open(args.results) as f:
             done = [json.loads(line) for line in f if line.strip()]
     if not args.report:
-        counts = collections.Counter(r["program"] for r in done)
+        counts = collections.Counter(r["code"] for r in done)
         todo = []
         for name in names:
             want = (args.readme_runs if name.startswith("README") else
                     args.control_runs if name.startswith("control") else args.runs)
-            todo += [name] * max(0, want - counts[name])
+            todo += [name] * max(0, want - counts[code_id(progs[name])])
         # interleaved, so a change of load over the measurement falls on every program alike
         order = []
         queues = {n: todo.count(n) for n in names}
@@ -159,9 +166,9 @@ def main(argv=None) -> int:
     print(f"exit stress: torch {torch.__version__}, {os.cpu_count()} cores, "
           f"{args.parallel} launches at once beside {args.load} busy process(es); "
           "torchrun --nproc-per-node 2 --standalone each")
-    print(table(done, names))
-    epkit_aborts = sum(r["aborted"] for r in done if r["program"] in names
-                       and not r["program"].startswith("control"))
+    print(table(done, progs, names))
+    ours = {code_id(progs[n]) for n in names if not n.startswith("control")}
+    epkit_aborts = sum(r["aborted"] for r in done if r["code"] in ours)
     return 1 if epkit_aborts else 0
 
 
