@@ -11,7 +11,7 @@ A progress bar runs on stderr (where it is a terminal) and each table prints as 
 part of the run finishes.
 
     epkit bench                          # the default workload, full report
-    epkit bench --quick --json out.json  # about 30 s on 2 idle cores, 60 s at a load of 4
+    epkit bench --quick --json out.json  # the default workload, fewer iterations (--help: how long)
     epkit bench --sweep --plot docs/bench.png  # adds the sweeps over tokens per rank and world size
 
 Every run draws its picture (``--plot``, epkit-bench.png in the working folder unless named;
@@ -57,8 +57,8 @@ ALL_METHODS = ("epkit dedup", "epkit pairs", "megatron-style", "plain-torch", "p
 MISSED_NOTE = ("  MISSED is not an error: the run succeeded. The targets are the project's own "
                "goals for these ratios on this machine (docs/benchmarks.md), and a figure "
                "that misses one is reported as measured.")
-QUICK_DURATION = ("measured: about 30 s on 2 idle cores, 60 s at a load of 4; the first "
-                  "extension build aside")
+QUICK_DURATION = ("measured: 85 s on 2 cores at a load of 3 to 4.7, most of it the load's; "
+                  "the first extension build aside; docs/benchmarks.md")
 
 
 def _ints(text: str) -> list[int]:
