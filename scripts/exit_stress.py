@@ -48,13 +48,19 @@ dist.all_reduce(t)
 dist.barrier()
 dist.destroy_process_group()
 """
+# The same, with the group kept alive past destroy_process_group() as epkit kept it before issue
+# 36 (torch._dynamo, imported after init_process_group, imports torch.distributed.nn.functional,
+# whose default arguments then hold the default group): the mechanism, without epkit.
+KEPT = CONTROL.replace('dist.init_process_group("gloo")\n',
+                       'dist.init_process_group("gloo")\nimport torch._dynamo  # holds the group\n')
 ABORT_SIGNS = ("terminate called", "exitcode  : -6", "exitcode: -6", "Signals.SIGABRT", "SIGABRT")
 TIMEOUT = 300  # s a run; a run past it counts as a failure, not an abort
 
 
 def programs() -> dict[str, str]:
-    """name -> code: the control, then README's first program, then every two-rank doc block."""
-    out = {"control (plain torch)": CONTROL}
+    """name -> code: the controls, then README's first program, then every two-rank doc block."""
+    out = {"control (plain torch)": CONTROL,
+           "control, the group kept past destroy (torch._dynamo imported after init)": KEPT}
     out.update({f"{doc}:{line}": code for doc, line, code in BLOCKS if multi_rank(code)})
     return out
 
@@ -111,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--readme-runs", type=int, default=200,
                     help="runs of README's first program (default 200)")
     ap.add_argument("--control-runs", type=int, default=100,
-                    help="runs of the plain-torch control (default 100)")
+                    help="runs of each plain-torch control (default 100)")
     ap.add_argument("--only", default="", help="run only the programs whose name holds this")
     ap.add_argument("--parallel", type=int, default=2, help="launches at once (default 2)")
     ap.add_argument("--load", type=int, default=1, help="busy processes beside them (default 1)")

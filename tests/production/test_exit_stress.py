@@ -25,14 +25,15 @@ def test_outcomes_are_told_apart():
 def test_programs_and_table(tmp_path):
     progs = stress.programs()
     names = list(progs)
-    assert names[0].startswith("control") and names[1].startswith("README.md:")
+    assert names[0].startswith("control") and names[1].startswith("control, the group kept")
+    assert names[2].startswith("README.md:")
     assert len(names) >= 10 and all("init_process_group(" in c for c in progs.values())
     results = tmp_path / "r.jsonl"
-    assert stress.main(["--only", "control", "--control-runs", "1", "--load", "0", "--parallel", "1",
+    assert stress.main(["--only", "control (plain", "--control-runs", "1", "--load", "0", "--parallel", "1",
                         "--results", str(results)]) == 0
     done = results.read_text().splitlines()
     assert len(done) == 1
     # a second call with the same count runs nothing more (resumable)
-    assert stress.main(["--only", "control", "--control-runs", "1", "--load", "0",
+    assert stress.main(["--only", "control (plain", "--control-runs", "1", "--load", "0",
                         "--results", str(results)]) == 0
     assert len(results.read_text().splitlines()) == 1
