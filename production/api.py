@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -309,7 +310,9 @@ def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -
     return config.combine(expert_y, dispatch, weighted)
 
 
-_GROUPS_OF_ONE: dict = {}
+# Held weakly (as every group epkit keeps: collectives.group_ref): after destroy_process_group()
+# the groups of one go with the rest.
+_GROUPS_OF_ONE: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def group_of_one():

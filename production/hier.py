@@ -33,6 +33,7 @@ lazy and static exchanges, a payload, torch.compile.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
@@ -86,6 +87,14 @@ class Topology:
 
 
 _TOPOLOGIES: dict = {}  # (group name, G) -> (process groups of every subgroup, in order)
+
+
+@atexit.register
+def _forget_topologies() -> None:
+    """Drop the subgroups before the interpreter's teardown: once destroy_process_group() has
+    let them go, nothing else holds them, so they are freed (their gloo threads joined) while
+    the interpreter still runs (docs/usage.md, "Troubleshooting")."""
+    _TOPOLOGIES.clear()
 
 
 def _subgroup_sets(R: int, G: int) -> list:
