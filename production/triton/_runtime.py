@@ -118,7 +118,7 @@ def specialization(name: str, kernel, signature: dict, constexprs: dict | None =
 # see (two programs can race only where there are two programs) and what the compile gate must
 # compile. The module's own line stays the one source of each size.
 TILES_ENV = "EPKIT_TILES"  # "gpu": tests/triton runs every test at the GPU's tiles
-TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR")  # the launch constexprs that are tile sizes
+TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR", "TB", "KEYS", "BLOCKS")  # the launch constexprs that are tile sizes
 # Constexprs whose value follows the data (a data dimension padded to a power of two: KP for
 # top-k, CP for recv_map's columns, RP for the ranks; reduce, slot and places kernels): a
 # launch may take a value the recording never saw, so the record's check takes any value of

@@ -27,7 +27,7 @@ import torch
 
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 
-__all__ = ["write_rows", "read_ints", "tile", "GPU_TILES"]
+__all__ = ["write_rows", "int_at", "tile", "GPU_TILES"]
 
 # A program owns ROWS rows and walks their units BLOCK at a time, the tile fitted to the row:
 # a GPU takes one of three shapes (wide payload rows, short rows, the 8-byte slot rows), few
@@ -150,42 +150,16 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
            NW=NW, HDR=HDR, U=U, ROWS=rows, BLOCK=block)
 
 
-READ_BLOCK = 4096 if INTERPRETED else 1024  # integers a program reads
-
-
 @triton.jit
-def _read_kernel(buf, at, live, out, N, NB, NBYTES: tl.constexpr, BLOCK: tl.constexpr):
-    """out [N] int64: the little-endian integer of NBYTES bytes at buf [NB] uint8 + at[i]
-    (signed for 4 and 8 bytes), 0 where not live[i] or outside the buffer (never read)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    a = tl.load(at + i, mask=m, other=-1)
-    ok = m & (tl.load(live + i, mask=m, other=0) != 0) & (a >= 0) & (a + NBYTES <= NB)
-    v = tl.zeros([BLOCK], tl.int64)
+def int_at(buf, a, live, NB, NBYTES: tl.constexpr):
+    """The little-endian integers of NBYTES bytes at byte offsets ``a`` (int64, a tile) of
+    buf [NB] uint8 (int64, signed for 4 and 8 bytes), 0 where not ``live`` or outside the
+    buffer (never read): every read of a received buffer's words goes through here."""
+    ok = live & (a >= 0) & (a + NBYTES <= NB)
+    v = tl.zeros(a.shape, tl.int64)
     for j in tl.static_range(NBYTES):
         b = tl.load(buf + a + j, mask=ok, other=0).to(tl.int64) & 0xFF
         v = v | (b << (8 * j))
     if NBYTES == 4:  # the int32's sign
         v = v - ((v >> 31) & 1) * (1 << 32)
-    tl.store(out + i, tl.where(ok, v, 0), mask=m)
-
-
-def read_ints(buf: torch.Tensor, at: torch.Tensor, live: torch.Tensor,
-              nbytes: int) -> torch.Tensor:
-    """The little-endian integers of ``nbytes`` bytes at byte offsets ``at`` [...] int64 of
-    ``buf`` [NB] uint8 (int64, signed for 4 and 8 bytes), 0 where not ``live`` (a bool tensor
-    of at's shape) or out of the buffer (never read): the reads of unpack and of its paths, one
-    launch each."""
-    at, live = torch.broadcast_tensors(at, live)
-    at, live = at.contiguous(), live.contiguous()
-    out = torch.empty(at.shape, dtype=torch.int64, device=at.device)
-    if out.numel():
-        launch(_read_kernel, (cdiv(out.numel(), READ_BLOCK),), buf, at, live.view(torch.uint8),
-               out, out.numel(), buf.numel(), NBYTES=nbytes, BLOCK=READ_BLOCK)
-    return out
-
-for _n in (4, 8):
-    specialization(f"byterows.read[{_n} bytes]", _read_kernel,
-                   {"buf": "*u8", "at": "*i64", "live": "*u8", "out": "*i64", "N": "i32",
-                    "NB": "i64", "NBYTES": "constexpr", "BLOCK": "constexpr"},
-                   {"NBYTES": _n, "BLOCK": READ_BLOCK})
+    return tl.where(ok, v, 0)

@@ -17,18 +17,20 @@ import torch
 
 from epkit.reference import abi
 
-from . import byterows
+from .. import plan as W
+from . import byterows, ranks
 from . import rowchecks as ck
-from .byterows import read_ints
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton
+from .byterows import int_at
 from .indexmaps import excl, place, rank_in_key, section, take
-from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_SHAPE, ST_SLOT_ROW, ST_SLOTS,
-                         status_bit)
+from .wirechecks import ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_SHAPE, ST_SLOT_ROW, ST_SLOTS
 
 NAME = "dedup"
 CODE = abi.TRANSPORT_CODES[NAME]
 META_BYTES = abi.DEDUP_TOKEN_META_BYTES
 TOKEN_ROWS = True    # a row per (token, destination rank), its slots in slot rows
 SLOT_SECTIONS = 1    # each chunk ends in its slot section
+ROW_SLOT = False     # a row's slots travel in slot rows (unpack_slots finds their expert rows)
 MAX_TOPK = abi.DEDUP_MAX_TOPK    # a slot row's k: 8 bits
 MAX_LOCAL = abi.DEDUP_MAX_LOCAL  # a slot row's j: 24 bits
 SLOT = abi.SLOT_ROW_BYTES
@@ -102,9 +104,9 @@ def check_back(op, back, first) -> None:
 def pack_rows(ix):
     """The first section's token rows, from pack's index pass ``ix`` (pack.Slots): kept slots
     per (token, destination), a token's row in chunk d by an exclusive cumsum over the tokens.
-    Returns (send_map [T, R] int64, each row's token [QA] int64 (-1: no row), meta [QA, 2]
-    int32)."""
-    T, R, dev = ix.T, ix.R, ix.t.device
+    Returns (send_map [T, R] int64, then what the row writer takes: ``ix.first_rows`` of each
+    row's token [QA] int64 (-1: no row) and meta [QA, 2] int32)."""
+    T, R, dev = ix.T, ix.R, ix.idx.device
     td = ix.t * R + ix.d
     n_td = torch.zeros(T * R + 1, dtype=torch.int64, device=dev)
     n_td.scatter_add_(0, torch.where(ix.kept, td, T * R), torch.ones_like(td))
@@ -119,7 +121,7 @@ def pack_rows(ix):
     has, s = src >= 0, src.clamp(min=0)
     words = torch.stack([s // R, take(n_td.reshape(-1), s)], 1)
     meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    return send_map, torch.where(has, s // R, -1), meta
+    return (send_map, *ix.first_rows(torch.where(has, s // R, -1), meta))
 
 
 def pack_slots(ix) -> None:
@@ -140,50 +142,170 @@ def pack_slots(ix) -> None:
 
 
 # ---- unpack ----------------------------------------------------------------------------------
-def unpack_slots(rs, bits: list):
+@triton.jit
+def _any(cond, bit):
+    """``bit`` where any lane of ``cond`` holds, else 0 (int32)."""
+    return tl.max(cond.to(tl.int32), 0) * bit
+
+
+@triton.jit
+def _tokens_kernel(recv, at, data, nn_o, words, N, NB, P, K, BLOCK: tl.constexpr):
+    """Token rows [pid * BLOCK, +BLOCK): each one's slot count n (0 off the data rows, a
+    negative n as 0: ST_SLOTS; more than K: ST_EXPERT_ROW) into nn_o, this block's bits into
+    words[pid]."""
+    pid = tl.program_id(0)
+    r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inr = r < N
+    dv = inr & (tl.load(data + r, mask=inr, other=0) != 0)
+    n = int_at(recv, tl.load(at + r, mask=inr, other=0) + P + _META_N, dv, NB, 4)
+    nn = tl.where(dv, tl.maximum(n, 0), 0)
+    tl.store(nn_o + r, nn, mask=inr)
+    tl.store(words + pid, _any(dv & (n < 0), _ST_SLOTS) | _any(nn > K, _ST_EXPERT_ROW))
+
+
+@triton.jit
+def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, sv_o, key_o,
+                      words, NQ, NB, K, L, R, B, TOKCAP, HDR, NBLK, o_counts, o_bytes,
+                      o_nslots, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Slots q = n * K + c [pid * BLOCK, +BLOCK) (slot c of token row n): token row n's c-th
+    slot row, if it has one (c < its n), read from its chunk's slot section (after the chunk's
+    token section and, static, its header row; the rows of earlier token rows from the same
+    source, ``before``, ahead of it): k, local expert j (clamped to L - 1), the weight's bits,
+    whether it is a slot (sv) and its rank key (j, or L: none). Program 0 also checks each
+    source's slot rows against the plan's (the blocks' weighted histograms ``hist`` of the
+    token rows' n by source) and, static, the slot sections' in-band counts."""
+    pid = tl.program_id(0)
+    q = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < NQ
+    n = q // K
+    c = q % K
+    dv = inq & (tl.load(data + n, mask=inq, other=0) != 0)
+    sv = dv & (c < tl.minimum(tl.load(nn + n, mask=inq, other=0), K))
+    src = tl.load(s + n, mask=inq, other=0)
+    sec = tl.zeros([BLOCK], tl.int64)  # the source's slot section: its chunk's first byte,
+    for prev in range(R):               # then its token section
+        sec += tl.where(prev < src, tl.load(plan + o_bytes + prev), 0)
+    tok = tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + src, mask=inq, other=0))
+    so = (sec + tok * B + (HDR + tl.load(before + n, mask=inq, other=0)) * _SLOT) + c * _SLOT
+    bits = _any(sv & ((so < 0) | (so + _SLOT > NB)), _ST_SHAPE)
+    sv = sv & (so >= 0) & (so + _SLOT <= NB)
+    word = int_at(recv, so, sv, NB, 4)
+    kk = (word & 0xFFFFFFFF) >> _K_SHIFT
+    jj = word & _J_MASK
+    bad = sv & ((jj >= L) | (kk >= K))
+    bits |= _any(bad, _ST_SLOT_ROW)
+    sv = sv & ~bad
+    tl.store(kk_o + q, kk, mask=inq)
+    tl.store(jj_o + q, tl.minimum(jj, L - 1), mask=inq)
+    tl.store(wb_o + q, int_at(recv, so + 4, sv, NB, 4), mask=inq)
+    tl.store(sv_o + q, sv.to(tl.uint8), mask=inq)
+    tl.store(key_o + q, tl.where(sv, jj, L), mask=inq)
+    if pid == 0:
+        v = tl.arange(0, VEC)
+        ok = (tl.zeros([VEC], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # (interpreter)
+        done = tl.zeros([VEC], tl.int64)  # the bytes of the chunks before
+        for d0 in range(0, R, VEC):
+            d = d0 + v
+            tot = tl.zeros([VEC], tl.int64)
+            for blk in range(NBLK):
+                tot += tl.load(hist + blk * (R + 1) + d, mask=d < R, other=0)
+            nsl = tl.load(plan + o_nslots + d, mask=d < R, other=0)
+            bits |= _any((d < R) & (tot != nsl), _ST_SLOTS)
+            nb = tl.load(plan + o_bytes + d, mask=d < R, other=0)
+            first = tl.sum(done, 0) + tl.cumsum(nb, 0) - nb
+            tk = tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + d, mask=d < R, other=0))
+            hdr = (tl.zeros([VEC], tl.int64) + HDR) != 0  # a tile (interpreter)
+            head = int_at(recv, first + tk * B, (d < R) & ok & hdr, NB, 8)
+            bits |= _any((d < R) & hdr & (head != nsl), _ST_SLOTS)
+            done += nb
+    tl.store(words + pid, bits)
+
+
+@triton.jit
+def _slot_places_kernel(plan, jj, kk, sv, rank, hist, m_o, live_o, rk_o, words, NQ, K, L, M,
+                        NBLK, o_offsets, o_tpe, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Slots q [pid * BLOCK, +BLOCK): each slot's expert row m = offsets[j] + its rank among
+    the slots to local expert j (in received order), live when inside expert_rows, its
+    recv_map entry n * K + k; bits: a row past its expert's segment or expert_rows, two slots
+    of one token row naming one k (ST_EXPERT_ROW); program 0: the slots per local expert (the
+    blocks' histograms) against the plan's tokens_per_expert (ST_EXPERT_TOTAL)."""
+    pid = tl.program_id(0)
+    q = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < NQ
+    v = inq & (tl.load(sv + q, mask=inq, other=0) != 0)
+    j = tl.load(jj + q, mask=inq, other=0)
+    m = tl.load(plan + o_offsets + j, mask=inq, other=0) + tl.load(rank + q, mask=inq, other=0)
+    hi = tl.load(plan + o_offsets + j + 1, mask=inq, other=0)
+    bits = _any(v & ((m >= hi) | (m >= M)), _ST_EXPERT_ROW)
+    k = tl.load(kk + q, mask=inq, other=0)
+    n = q // K
+    twice = inq & (q < 0)
+    for c in range(K):
+        q2 = n * K + c
+        v2 = inq & (tl.load(sv + q2, mask=inq, other=0) != 0)
+        twice = twice | (v & v2 & (q2 != q) & (tl.load(kk + q2, mask=inq, other=-1) == k))
+    bits |= _any(twice, _ST_EXPERT_ROW)
+    tl.store(m_o + q, m, mask=inq)
+    tl.store(live_o + q, (v & (m < M)).to(tl.uint8), mask=inq)
+    tl.store(rk_o + q, n * K + k, mask=inq)
+    if pid == 0:
+        for j0 in range(0, L, VEC):
+            jv = j0 + tl.arange(0, VEC)
+            cnt = tl.zeros([VEC], tl.int64)
+            for blk in range(NBLK):
+                cnt += tl.load(hist + blk * (L + 1) + jv, mask=jv < L, other=0)
+            tpe = tl.load(plan + o_tpe + jv, mask=jv < L, other=0)
+            bits |= _any((jv < L) & (cnt != tpe), _ST_EXPERT_TOTAL)
+    tl.store(words + pid, bits)
+
+
+_ERR_CODE = tl.constexpr(W.ERR_CODE)
+_META_N = tl.constexpr(4 * abi.DEDUP_TOKEN_META.index("n"))
+_SLOT = tl.constexpr(abi.SLOT_ROW_BYTES)
+_K_SHIFT = tl.constexpr(abi.SLOT_K_SHIFT)
+_J_MASK = tl.constexpr((1 << abi.SLOT_K_SHIFT) - 1)
+_ST_SHAPE = tl.constexpr(ST_SHAPE)
+_ST_SLOTS = tl.constexpr(ST_SLOTS)
+_ST_SLOT_ROW = tl.constexpr(ST_SLOT_ROW)
+_ST_EXPERT_ROW = tl.constexpr(ST_EXPERT_ROW)
+_ST_EXPERT_TOTAL = tl.constexpr(ST_EXPERT_TOTAL)
+BLOCK = 4096 if INTERPRETED else 256  # token rows or slots a program of unpack's slot launches
+VEC = 64  # ranks or local experts a step of program 0's checks
+
+
+def unpack_slots(rs):
     """Each received token row's n slots, from unpack's row space ``rs`` (unpack.RowSpace):
     its slot rows (the chunk's slot section, the rows' n in order), each slot's expert row its
-    place among its local expert's slots (in received order) after the expert's offset. Appends
-    its status bits to ``bits``; returns per slot [N * K]: (expert row m, live, its recv_map
-    entry's flat place, k, the weight's bits)."""
+    place among its local expert's slots (in received order) after the expert's offset. Seven
+    launches: the token rows' n, their prefix within each source (ranks, weighted), the slot
+    rows, their ranks within local experts (ranks), the expert rows. Returns per slot
+    [N * K]: (expert row m, live, its recv_map entry's flat place, k, the weight's bits) and
+    the launches' status words (int32)."""
     recv, R, L, K, N, M, NB = rs.recv, rs.R, rs.L, rs.K, rs.N, rs.M, rs.NB
-    i64 = dict(dtype=torch.int64, device=recv.device)
-    offsets, data = rs.offsets, rs.data
-    n = read_ints(recv, rs.at + rs.P + abi.DEDUP_TOKEN_META.index("n") * 4, data, 4)
-    nn = torch.where(data, n.clamp(min=0), 0)
-    tot = torch.zeros(R, **i64).scatter_add_(0, rs.s, nn)
-    bits.append(status_bit(data & (n < 0), ST_SLOTS))
-    bits.append(status_bit(tot != rs.nslots, ST_SLOTS))
-    bits.append(status_bit(nn > K, ST_EXPERT_ROW))  # n > K slots cannot name distinct k
-    tok_rows = rs.counts if rs.tokcap < 0 else torch.full_like(rs.counts, rs.tokcap)
-    sec = rs.rchunk + tok_rows * rs.B  # each chunk's slot section (its header row first)
-    if rs.hdr:
-        bits.append(status_bit(read_ints(recv, sec, rs.ok, 8) != rs.nslots, ST_SLOTS))
-    first = sec[rs.s] + rs.hdr * SLOT + (excl(nn) - excl(tot)[rs.s]) * SLOT
-    qk = torch.arange(K, **i64)
-    sv = data[:, None] & (qk[None, :] < nn[:, None].clamp(max=K))
-    so = first[:, None] + qk[None, :] * SLOT
-    bits.append(status_bit(sv & ((so < 0) | (so + SLOT > NB)), ST_SHAPE))
-    sv = sv & (so >= 0) & (so + SLOT <= NB)
-    word = read_ints(recv, so, sv, 4)
-    wbits = read_ints(recv, so + 4, sv, 4).reshape(-1)
-    kk = (word & 0xFFFFFFFF) >> abi.SLOT_K_SHIFT
-    jj = word & ((1 << abi.SLOT_K_SHIFT) - 1)
-    bad = sv & ((jj >= L) | (kk >= K))
-    bits.append(status_bit(bad, ST_SLOT_ROW))
-    sv = (sv & ~bad).reshape(-1)
-    kk, jj = kk.reshape(-1), jj.reshape(-1).clamp(max=L - 1)
-    rank = rank_in_key(torch.where(sv, jj, L), L)
-    cnt = torch.zeros(L + 1, **i64).scatter_add_(0, torch.where(sv, jj, L),
-                                                 torch.ones_like(jj))[:L]
-    bits.append(status_bit(cnt != rs.tpe, ST_EXPERT_TOTAL))
-    m = offsets[jj] + rank
-    bits.append(status_bit(sv & ((m >= offsets[jj + 1]) | (m >= M)), ST_EXPERT_ROW))
-    rk = (rs.r[:, None] * K + kk.view(N, K)).reshape(-1) if K else kk
-    seen = torch.zeros(N * K + 1, **i64).scatter_add_(0, torch.where(sv, rk, N * K),
-                                                     torch.ones_like(rk))[: N * K]
-    bits.append(status_bit(seen > 1, ST_EXPERT_ROW))
-    return m, sv & (m < M), rk, kk, wbits
+    dev = recv.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    sl, NQ = rs.sl, N * K
+    nb_tok, nb_slot = cdiv(max(N, 1), BLOCK), cdiv(max(NQ, 1), BLOCK)
+    words = torch.empty(nb_tok + 2 * nb_slot, dtype=torch.int32, device=dev)
+    data = rs.data.view(torch.uint8)
+    nn = torch.empty(N, **i64)
+    launch(_tokens_kernel, (nb_tok,), recv, rs.at, data, nn, words, N, NB, rs.P, K,
+           BLOCK=BLOCK)
+    before, by_source = ranks.rank_in_key(rs.s, R, weight=nn, totals=True)
+    kk, jj, wbits, key = (torch.empty(NQ, **i64) for _ in range(4))
+    sv = torch.empty(NQ, dtype=torch.bool, device=dev)
+    launch(_slot_rows_kernel, (nb_slot,), recv, rs.plan, rs.s, data, nn, before, by_source,
+           kk, jj, wbits, sv.view(torch.uint8), key, words[nb_tok:], NQ, NB, max(K, 1), L, R,
+           rs.B, rs.tokcap, rs.hdr, by_source.shape[0], sl["recv_counts"].start,
+           sl["recv_bytes"].start, sl["recv_slots"].start, BLOCK=BLOCK, VEC=VEC)
+    rank, by_expert = ranks.rank_in_key(key, L, totals=True)
+    m, rk = torch.empty(NQ, **i64), torch.empty(NQ, **i64)
+    live = torch.empty(NQ, dtype=torch.bool, device=dev)
+    launch(_slot_places_kernel, (nb_slot,), rs.plan, jj, kk, sv.view(torch.uint8), rank,
+           by_expert, m, live.view(torch.uint8), rk, words[nb_tok + nb_slot:], NQ, max(K, 1),
+           L, M, by_expert.shape[0], sl["offsets"].start, sl["tokens_per_expert"].start,
+           BLOCK=BLOCK, VEC=VEC)
+    return m, live, rk, kk, wbits, words
 
 
 # ---- combine and the backward passes ---------------------------------------------------------

@@ -1,12 +1,12 @@
 """The integer bookkeeping of pack and unpack (no host read, no data-dependent size): prefix sums
-and ranks within keys by a stable sort as device-generic torch ops, and index maps inverted in
-two launches (``inverse.py``), so the row kernels can be output-indexed."""
+as device-generic torch ops, ranks within keys in two launches (``ranks.py``), and index maps
+inverted in two launches (``inverse.py``), so the row kernels can be output-indexed."""
 
 from __future__ import annotations
 
 import torch
 
-from . import inverse
+from . import inverse, ranks
 
 __all__ = ["excl", "rank_in_key", "take", "place", "section"]
 
@@ -17,15 +17,11 @@ def excl(v: torch.Tensor) -> torch.Tensor:
 
 
 def rank_in_key(key: torch.Tensor, nkeys: int) -> torch.Tensor:
-    """[n] int64: each element's rank among the elements of its key, in index order. A stable
-    sort by key gives the canonical order; rank = position minus the exclusive cumsum of the
-    key counts. key [n] int64 in [0, nkeys] (nkeys: a key for "none", ranked too)."""
-    n = key.numel()
-    order = torch.argsort(key, stable=True)
-    cnt = torch.zeros(nkeys + 1, dtype=torch.int64, device=key.device)
-    cnt.scatter_add_(0, key, torch.ones_like(key))
-    pos = torch.arange(n, dtype=torch.int64, device=key.device) - excl(cnt)[key[order]]
-    return torch.empty_like(key).scatter_(0, order, pos)
+    """[n] int64: each element's rank among the elements of its key, in index order (the
+    canonical order of a stable sort by key). key [n] int64 in [0, nkeys] (nkeys: a key for
+    "none", ranked too). Two launches (``ranks.rank_in_key``: the blocks' histograms, then each
+    block's ranks), not a sort's nine ops."""
+    return ranks.rank_in_key(key, nkeys)
 
 
 def take(v: torch.Tensor, at: torch.Tensor) -> torch.Tensor:

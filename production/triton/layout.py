@@ -1,27 +1,29 @@
 """``layout`` and ``prepare`` on any device (cpu/layout.cpp): the routing's counts and the count
-words this rank contributes to the count exchange, written as device-generic torch ops plus one
-single-program Triton kernel that assembles the words.
+words this rank contributes to the count exchange.
 
-No host read on ``prepare``'s path: every data-dependent verdict ("the first bad entry") is a
-0-d device tensor (argmax of a mask), and the kernel picks the error in cpu/layout.cpp's order
-(index range, duplicate expert, non-finite weight, H % block, non-finite payload, static
-overflow) and writes it into the words, which the group agrees on after the all-gather. Only
-metadata (shapes, dtypes, option values) raises here, as the C++ checks (checks.h) do.
-``layout`` is a standalone query that *raises* on an expert id outside [-1, E) (as the C++ op
-does): that verdict is its one host read (the first bad position and its id, read together),
-and it is not on the dispatch path.
+``prepare`` (the dispatch's path) is two launches and no host read: the scan (one program per
+block of tokens) finds its block's verdicts (the first id out of range and that id, the first
+row naming an expert twice and its smallest such expert, the first non-finite weight row, the
+first non-finite payload row: each "first" within the block) and its counts (slots per expert,
+tokens per rank); one program then takes each verdict from the first block that has one (the
+blocks are in token order), picks the error in cpu/layout.cpp's order (index range, duplicate
+expert, non-finite weight, H % block, non-finite payload, static overflow), adds up the blocks'
+counts and writes the words, which the group agrees on after the all-gather. Only metadata
+(shapes, dtypes, option values) raises here, as the C++ checks (checks.h) do. Floats are
+judged by their bits (an all-ones exponent), so no float is converted.
 
-Counting uses integer scatters (``scatter_add_``; integer sums do not depend on their order) and
-no output size that depends on data, so the ops are capturable.
+``layout`` is a standalone query (not on the dispatch path), written as device-generic torch
+ops: it *raises* on an expert id outside [-1, E) (as the C++ op does), its one host read (the
+first bad position and its id, read together). Counting uses integer scatters
+(``scatter_add_``; integer sums do not depend on their order).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._runtime import launch, specialization, tl, triton
+from ._runtime import INTERPRETED, launch, tl, triton
 from epkit.reference import abi
-from epkit.reference.errors import Reason
 
 __all__ = ["layout", "prepare", "counts"]
 
@@ -181,18 +183,130 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
 # found: [6] int64, the value checks' verdicts (-1: none): flat index of the first id out of
 # range, that id, first row naming an expert twice, that row's smallest such expert, first row
 # with a non-finite weight, first row with a non-finite payload value.
-_F_RANGE, _F_RANGE_VALUE, _F_DUP, _F_DUP_EXPERT, _F_WEIGHT, _F_PAYLOAD = range(6)
+_F_RANGE = tl.constexpr(0)
+_F_RANGE_VALUE = tl.constexpr(1)
+_F_DUP = tl.constexpr(2)
+_F_DUP_EXPERT = tl.constexpr(3)
+_F_WEIGHT = tl.constexpr(4)
+_F_PAYLOAD = tl.constexpr(5)
+_NONE = tl.constexpr(1 << 62)  # above every flat index: "not found" inside a min
+
+
+@triton.jit
+def _nonfinite(bits, XBITS: tl.constexpr):
+    """Whether the float of these bits (int16: bfloat16, int32: float32) is NaN or infinite:
+    its exponent is all ones (read from the bits: no float conversion)."""
+    if XBITS == 16:
+        return (bits.to(tl.int32) & 0x7F80) == 0x7F80
+    else:
+        return (bits & 0x7F800000) == 0x7F800000
+
+
+@triton.jit
+def _scan_kernel(idx, w, x, found, counts, T, K, E, L, R, H, CHECK_X: tl.constexpr,
+                 XBITS: tl.constexpr, TB: tl.constexpr, KC: tl.constexpr, VB: tl.constexpr):
+    """Tokens [pid * TB, +TB): this block's verdicts found[pid] [6] int64 (the first id out of
+    [-1, E) by flat index t * K + k and that id; the first row naming an expert twice and its
+    smallest such expert; the first row with a non-finite weight; with CHECK_X the first with a
+    non-finite payload value: -1 where none) and its counts counts[pid] [E + R] int64 (slots per
+    expert, tokens with a slot on each rank). idx [T, K] int64, w [T, K] float32 and x [T, H]
+    as integer bits. Tiles of TB tokens x KC slots (or VB values): the top-k is walked in
+    chunks, so no tile grows with it."""
+    pid = tl.program_id(0)
+    t = pid.to(tl.int64) * TB + tl.arange(0, TB)
+    tm = t < T
+    kc = tl.arange(0, KC)
+    no = tm & (t < 0)
+    first_k = tl.zeros([TB], tl.int64) + K  # each row's first slot out of range (K: none)
+    first_v = tl.zeros([TB], tl.int64)
+    dup_row = no
+    dup_min = tl.zeros([TB], tl.int64) + E
+    bad_w = no
+    for k0 in range(0, K, KC):
+        k = k0 + kc
+        m2 = tm[:, None] & (k[None, :] < K)
+        ids = tl.load(idx + t[:, None] * K + k[None, :], mask=m2, other=-1)
+        bad = m2 & ((ids < -1) | (ids >= E))
+        fk = tl.min(tl.where(bad, k[None, :], K), 1)
+        take = (first_k == K) & (fk < K)
+        first_v = tl.where(take, tl.sum(tl.where(bad & (k[None, :] == fk[:, None]), ids, 0), 1),
+                           first_v)
+        first_k = tl.where(take, fk, first_k)
+        wb = tl.load(w + t[:, None] * K + k[None, :], mask=m2, other=0)
+        bad_w = bad_w | (tl.max((m2 & _nonfinite(wb, 32)).to(tl.int32), 1) > 0)
+        # a row names an expert twice: a later slot repeats slot k1's id (not -1)
+        for k1 in range(0, tl.minimum(k0 + KC, K)):
+            col = tl.load(idx + t * K + k1, mask=tm, other=-1)
+            again = m2 & (k[None, :] > k1) & (ids == col[:, None]) & (col[:, None] >= 0)
+            hit = tl.max(again.to(tl.int32), 1) > 0
+            dup_row = dup_row | hit
+            dup_min = tl.where(hit, tl.minimum(dup_min, col), dup_min)
+    f_range = tl.min(tl.where(first_k < K, t * K + first_k, _NONE), 0)
+    v_range = tl.sum(tl.where((first_k < K) & (t * K + first_k == f_range), first_v, 0), 0)
+    f_dup = tl.min(tl.where(dup_row, t, _NONE), 0)
+    v_dup = tl.sum(tl.where(dup_row & (t == f_dup), dup_min, 0), 0)
+    f_weight = tl.min(tl.where(bad_w, t, _NONE), 0)
+    f_payload = tl.full([], _NONE, tl.int64)
+    if CHECK_X:
+        bad_x = no
+        for h0 in range(0, H, VB):
+            h = h0 + tl.arange(0, VB)
+            mx = tm[:, None] & (h[None, :] < H)
+            xb = tl.load(x + t[:, None] * H + h[None, :], mask=mx, other=0)
+            bad_x = bad_x | (tl.max((mx & _nonfinite(xb, XBITS)).to(tl.int32), 1) > 0)
+        f_payload = tl.min(tl.where(bad_x, t, _NONE), 0)
+    out = found + pid.to(tl.int64) * 6
+    tl.store(out + _F_RANGE, tl.where(f_range == _NONE, -1, f_range))
+    tl.store(out + _F_RANGE_VALUE, v_range)
+    tl.store(out + _F_DUP, tl.where(f_dup == _NONE, -1, f_dup))
+    tl.store(out + _F_DUP_EXPERT, v_dup)
+    tl.store(out + _F_WEIGHT, tl.where(f_weight == _NONE, -1, f_weight))
+    tl.store(out + _F_PAYLOAD, tl.where(f_payload == _NONE, -1, f_payload))
+    # the counts: slots per expert (ids in [0, E)), tokens with a slot on each rank
+    row = counts + pid.to(tl.int64) * (E + R)
+    for v0 in range(0, E, VB):
+        v = v0 + tl.arange(0, VB)
+        n = tl.zeros([VB], tl.int64)
+        for k1 in range(K):
+            col = tl.load(idx + t * K + k1, mask=tm, other=-1)
+            n += tl.sum((tm[:, None] & (col[:, None] == v[None, :])).to(tl.int64), 0)
+        tl.store(row + v, n, mask=v < E)
+    for v0 in range(0, R, VB):
+        v = v0 + tl.arange(0, VB)
+        on = (t[:, None] < 0) & (v[None, :] < 0)
+        for k1 in range(K):
+            col = tl.load(idx + t * K + k1, mask=tm, other=-1)
+            d = tl.where((col >= 0) & (col < E), col // L, R)
+            on = on | (tm[:, None] & (d[:, None] == v[None, :]))
+        tl.store(row + E + v, tl.sum(on.to(tl.int64), 0), mask=v < R)
+
+
+@triton.jit
+def _first_found(found_ptr, NBLK, F: tl.constexpr, V: tl.constexpr):
+    """(verdict F, word V) of the first block whose verdict F is not -1 (the
+    blocks are in token order, so it is the first in the routing), (-1, 0) if none."""
+    at = tl.full([], -1, tl.int64)
+    value = tl.zeros([], tl.int64)
+    for blk in range(NBLK):
+        i = tl.load(found_ptr + blk * 6 + F)
+        v = tl.load(found_ptr + blk * 6 + V)
+        take = (at < 0) & (i >= 0)
+        value = tl.where(take, v, value)
+        at = tl.where(take, i, at)
+    return at, value
 
 
 @triton.jit(do_not_specialize=["E", "R", "T", "H", "K", "x_dtype", "payload", "pre_code",
-                               "pre_a", "pre_b", "hidden_bad", "max_tokens"])
-def _words_kernel(found_ptr, tpe_ptr, tpr_ptr, words_ptr, E, R, T, H, K, x_dtype, payload,
-                  pre_code, pre_a, pre_b, hidden_bad, max_tokens, CHECK: tl.constexpr,
+                               "pre_a", "pre_b", "hidden_bad", "max_tokens", "NBLK"])
+def _words_kernel(found_ptr, counts_ptr, words_ptr, E, R, T, H, K, x_dtype, payload,
+                  pre_code, pre_a, pre_b, hidden_bad, max_tokens, NBLK, CHECK: tl.constexpr,
                   BLOCK: tl.constexpr):
     """One program writes the whole word vector ``words`` [8 + E + R] int64: the header (the
     error in cpu/layout.cpp's order, then tokens, hidden, topk, x dtype, payload) and the counts
-    ``tpe`` [E] int64, ``tpr`` [R] int64 (zeros when there is an error). ``found`` [6] int64:
-    the value checks' verdicts (module comment); read only when CHECK (pre_code == 0)."""
+    (tokens per expert [E], tokens per rank [R]: the sums of the scan's blocks' ``counts``
+    [NBLK, E + R] int64; zeros when there is an error). ``found`` [NBLK, 6] int64: each block's
+    verdicts (_scan_kernel), of which the first block's that found one wins; read only when
+    CHECK (pre_code == 0)."""
     E = E.to(tl.int64)
     R = R.to(tl.int64)
     code = pre_code.to(tl.int64)
@@ -200,10 +314,10 @@ def _words_kernel(found_ptr, tpe_ptr, tpr_ptr, words_ptr, E, R, T, H, K, x_dtype
     b = pre_b.to(tl.int64)
     zero = E * 0
     if CHECK:
-        i_range = tl.load(found_ptr + 0)
-        i_dup = tl.load(found_ptr + 2)
-        i_weight = tl.load(found_ptr + 4)
-        i_payload = tl.load(found_ptr + 5)
+        i_range, range_value = _first_found(found_ptr, NBLK, _F_RANGE, _F_RANGE_VALUE)
+        i_dup, dup_expert = _first_found(found_ptr, NBLK, _F_DUP, _F_DUP_EXPERT)
+        i_weight, _w = _first_found(found_ptr, NBLK, _F_WEIGHT, _F_WEIGHT)
+        i_payload, _p = _first_found(found_ptr, NBLK, _F_PAYLOAD, _F_PAYLOAD)
         # Latest check first, so the earliest failing check is the one left standing.
         code = tl.where((max_tokens >= 0) & (T > max_tokens), 20, zero)
         a = tl.where(code != 0, T.to(tl.int64), zero)
@@ -222,10 +336,10 @@ def _words_kernel(found_ptr, tpe_ptr, tpr_ptr, words_ptr, E, R, T, H, K, x_dtype
         code = wc
         dc = tl.where(i_dup >= 0, 2, code)
         a = tl.where(i_dup >= 0, i_dup, a)
-        b = tl.where(i_dup >= 0, tl.load(found_ptr + 3), b)
+        b = tl.where(i_dup >= 0, dup_expert, b)
         code = dc
         rc = tl.where(i_range >= 0, 1, code)
-        a = tl.where(i_range >= 0, tl.load(found_ptr + 1), a)
+        a = tl.where(i_range >= 0, range_value, a)
         b = tl.where(i_range >= 0, E, b)
         code = rc
         tl.store(words_ptr + 3, T.to(tl.int64))
@@ -247,49 +361,17 @@ def _words_kernel(found_ptr, tpe_ptr, tpr_ptr, words_ptr, E, R, T, H, K, x_dtype
     for i in range(0, tl.cdiv(n, BLOCK)):
         o = i * BLOCK + offs
         inside = o < n
+        v = o * 0
         if CHECK:
-            v = tl.load(tpe_ptr + o, mask=inside & (o < E) & keep, other=0)
-            v += tl.load(tpr_ptr + (o - E), mask=inside & (o >= E) & keep, other=0)
-        else:
-            v = o * 0
+            for blk in range(NBLK):
+                v += tl.load(counts_ptr + blk * n + o, mask=inside & keep, other=0)
         tl.store(words_ptr + 8 + o, v, mask=inside)
 
 
 _BLOCK = 128
-_SCALARS = ("E", "R", "T", "H", "K", "x_dtype", "payload", "pre_code", "pre_a", "pre_b",
-            "hidden_bad", "max_tokens")
-for _check in (True, False):
-    specialization(f"prepare_words_{'check' if _check else 'pre_error'}", _words_kernel,
-                   {"found_ptr": "*i64", "tpe_ptr": "*i64", "tpr_ptr": "*i64",
-                    "words_ptr": "*i64", **{s: "i64" for s in _SCALARS},
-                    "CHECK": "constexpr", "BLOCK": "constexpr"},
-                   {"CHECK": _check, "BLOCK": _BLOCK})
-
-
-def _found(x, idx, w, E, payload):
-    """The value checks' verdicts ``found`` [6] int64 (see above) as device tensors."""
-    T, K = idx.shape
-    flat = idx.view(-1)
-    none = torch.full((), -1, dtype=torch.int64, device=idx.device)
-    i_range = _first((flat < -1) | (flat >= E))
-    if K > 1:
-        # A row's ids sorted: equal neighbours (not -1) are a duplicate; the first such
-        # neighbour in sorted order is the row's smallest duplicated expert.
-        s = idx.sort(dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-        i_dup = _first(dup.any(1))
-        smallest = torch.where(dup, s[:, 1:], E).amin(1)
-        dup_expert = _at(smallest, i_dup)
-    else:
-        i_dup, dup_expert = none, none
-    i_weight = _first(~torch.isfinite(w).all(1)) if K else none
-    block = _BLOCKS[payload]
-    i_payload = none
-    if block and x.shape[1] % block == 0 and x.numel():
-        i_payload = _first(~torch.isfinite(x).all(1))
-    return torch.stack([i_range, _at(flat, i_range), i_dup, dup_expert, i_weight, i_payload])
-
-
+SCAN_TB = 1024 if INTERPRETED else 32  # tokens a program of the scan
+SCAN_KC = 16                           # slots a step
+SCAN_VB = 64                           # experts, ranks or payload values a step
 def prepare(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
             num_experts: int, num_ranks: int, pre_error: list, payload: int) -> torch.Tensor:
     """The count words ``[8 + E + R]`` int64 of this rank (abi.WORD_FIELDS, then tokens per
@@ -305,15 +387,23 @@ def prepare(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     x_dtype = pre[_PRE["x_dtype"]] if len(pre) > _PRE["x_dtype"] else 0
     max_tokens = pre[_PRE["max_tokens"]] if len(pre) > _PRE["max_tokens"] else -1
     if pre[0] != 0:
-        launch(_words_kernel, (1,), words, words, words, words, E, R, 0, 0, 0, x_dtype, payload,
-               pre[0], pre[1], pre[2], 0, -1, CHECK=False, BLOCK=_BLOCK)
+        launch(_words_kernel, (1,), words, words, words, E, R, 0, 0, 0, x_dtype, payload,
+               pre[0], pre[1], pre[2], 0, -1, 0, CHECK=False, BLOCK=_BLOCK)
         return words
+    # Two launches: the scan's blocks find their verdicts and counts, one program adds them up
+    # and writes the words (no host read, nothing sized by the data).
     idx = topk_idx.to(torch.int64).contiguous()
     T, K = idx.shape
     H = x.shape[1]
     block = _BLOCKS[payload]
-    found = _found(x, idx, topk_weights, E, payload)
-    tpe, tpr, _, _ = counts(idx, E, R)
-    launch(_words_kernel, (1,), found, tpe, tpr, words, E, R, T, H, K, x_dtype, payload, 0, 0, 0,
-           int(bool(block) and H % block != 0), max_tokens, CHECK=True, BLOCK=_BLOCK)
+    xbits = x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+    wbits = topk_weights.contiguous().view(torch.int32)
+    nblk = max(1, -(-T // SCAN_TB))
+    found = torch.empty((nblk, 6), dtype=torch.int64, device=dev)
+    sums = torch.empty((nblk, E + R), dtype=torch.int64, device=dev)
+    launch(_scan_kernel, (nblk,), idx, wbits, xbits, found, sums, T, K, E, E // R, R, H,
+           CHECK_X=bool(block) and H % block == 0 and x.numel() > 0, XBITS=8 * x.element_size(),
+           TB=SCAN_TB, KC=SCAN_KC, VB=SCAN_VB)
+    launch(_words_kernel, (1,), found, sums, words, E, R, T, H, K, x_dtype, payload, 0, 0, 0,
+           int(bool(block) and H % block != 0), max_tokens, nblk, CHECK=True, BLOCK=_BLOCK)
     return words

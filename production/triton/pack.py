@@ -10,16 +10,15 @@ chunks (padded, equal, static) ``tok_cap`` / ``slot_cap`` rows, the static ones 
 section with a header row whose first 8 bytes carry the section's count (int64), the unused
 rows zero, as cpu/pack.cpp's ``send.zero_()`` leaves them.
 
-Index pass (device-generic torch ops, no host read): a stable sort of the flattened slots
-``(t, k)`` by expert gives each slot its rank among this rank's slots to its expert in token
-order (rank = position minus the exclusive cumsum of the expert counts), so ``rank <
-own_kept[e]`` is the capacity's kept mask; pairs' row in its chunk follows from the plan's
-``own_kept`` prefix; dedup's token rows are an exclusive cumsum over the ``[T, R]`` table of
-kept slots, its slot rows a second stable sort by destination. Each section row of the buffer
-then gets its source (a payload row of x or none), its metadata words and its header value
-through an index map, and ``byterows.write_rows`` writes every byte of the section once. The
-shared pass is here; the rows that differ by transport are the path's (pairs.py, dedup.py:
-``pack_rows``, ``pack_slots``).
+Index pass, no host read: each slot's rank among this rank's slots to its expert in token
+order (``ranks.rank_in_key``, two launches: the blocks' histograms, then the ranks), so
+``rank < own_kept[e]`` is the capacity's kept mask. The rest is the path's: pairs' row in its
+chunk follows from the plan's ``own_kept`` prefix, in two launches of pairs.py (the slots',
+then the first section's rows); dedup's token rows are an exclusive cumsum over the ``[T, R]``
+table of kept slots, its slot rows a second rank by destination (torch ops around the ranks).
+Each section row of the buffer gets its source (a payload row of x or none), its metadata
+words and its header value through an index map, and ``byterows.write_rows`` writes every
+byte of the section once.
 
 Routing-dependent plan words are read on the device (the plan tensor); the host reads only
 the words the C++ kernel checks through a host pointer (``epkit.device.host_plan``: the plan on
@@ -32,8 +31,8 @@ the buffer all zeros (as csrc/cuda/pack.cu did).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, NamedTuple
 
 import torch
 
@@ -41,8 +40,8 @@ from epkit.reference import abi
 
 from .. import plan as W
 from ..plan import host_plan
-from . import byterows
-from .indexmaps import excl, rank_in_key, section
+from . import byterows, ranks
+from .indexmaps import excl, section
 from .inverse import invert
 from .transports import path_of
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
@@ -92,50 +91,133 @@ def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
     return p, path
 
 
-class Slots(NamedTuple):
+class Slots:
     """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py):
-    every slot (t, k) of the flattened [T * K] routing, the chunks and their sections."""
-    send: torch.Tensor       # [send_bytes] uint8, the buffer being written
-    x: torch.Tensor          # [T, H] contiguous, the payload rows
-    T: int
-    K: int
-    R: int
-    L: int
-    B: int                   # a first-section row's bytes
-    hdr: int                 # 1: each section opens with its header row (static)
-    ok: torch.Tensor         # 0-d bool: the plan carries no error
-    align: int               # of every row's byte offset
-    counts: torch.Tensor     # [R] int64: first-section rows sent to each rank
-    own: torch.Tensor        # [E] int64: this rank's kept slots per expert
-    nslots: torch.Tensor     # [R] int64: slot rows sent to each rank
-    chunk: torch.Tensor      # [R] int64: each chunk's first byte
-    tok_rows: torch.Tensor   # [R] int64: each chunk's first-section rows (fixed: the cap)
-    slot_rows: torch.Tensor  # [R] int64: each chunk's slot-section rows
-    QA: int                  # first-section rows of the buffer
-    QB: int                  # slot-section rows of the buffer
-    baseA: torch.Tensor      # [R] int64: each chunk's first row among the QA
-    kept: torch.Tensor       # [T * K] bool: the slot is sent
-    e: torch.Tensor          # [T * K] int64: its expert (clamped to E - 1)
-    rank: torch.Tensor       # [T * K] int64: its rank among this rank's slots to e
-    d: torch.Tensor          # [T * K] int64: its destination rank
-    j: torch.Tensor          # [T * K] int64: its local expert there
-    slot: torch.Tensor       # [T * K] int64: its flat index t * K + k
-    t: torch.Tensor          # [T * K] int64
-    k: torch.Tensor          # [T * K] int64
-    wbits: torch.Tensor      # [T * K] int64: its weight's bits
-    row_of: Callable         # (d, i) -> the row in the row space combine and backward use
+    every slot (t, k) of the flattened [T * K] routing, the chunks and their sections. The
+    sizes and the slots' ranks are made at once; every other field is made (as torch ops) when
+    a path first asks for it, so a path whose kernels read the plan and the routing themselves
+    (pairs) launches none of them."""
+
+    def __init__(self, send, x, idx, topk_weights, plan, p, B: int, align: int, QA: int,
+                 QB: int, rank, fill):
+        R, E = p[W.RANKS], p[W.EXPERTS]
+        self.send = send              # [send_bytes] uint8, the buffer being written
+        self.x = x                    # [T, H] contiguous, the payload rows
+        self.idx = idx                # [T * K] int64, the routing flattened
+        self.topk_weights = topk_weights  # [T, K] float32
+        self.plan = plan              # [n] int64, the device plan
+        self.sl = W.plan_slices(R, E)  # its sections
+        self.T, self.K = topk_weights.shape
+        self.R, self.E, self.L = R, E, p[W.LOCAL_EXPERTS]
+        self.P = x.shape[1] * x.element_size()  # payload bytes of a row
+        self.B = B                    # a first-section row's bytes
+        self.cap, self.tokcap, self.slotcap = p[W.STATIC_CAP], p[W.TOK_CAP], p[W.SLOT_CAP]
+        self.hdr = 1 if self.cap >= 0 else 0  # each section opens with its header row (static)
+        self.align = align            # of every row's byte offset
+        self.QA, self.QB = QA, QB     # first- and slot-section rows of the buffer
+        self.rank = rank              # [T * K] int64: each slot's rank among this rank's
+                                      # slots to its expert (ids outside [0, E): among "none")
+        self.fill = fill              # [QA] int64, filled with -1 by the ranks' first launch
+
+    def section(self, name: str) -> torch.Tensor:
+        """A section of the device plan (a view: no launch)."""
+        return self.plan[self.sl[name]]
+
+    @functools.cached_property
+    def counts(self):  # [R] int64: first-section rows sent to each rank
+        return self.section("send_counts")
+
+    @functools.cached_property
+    def own(self):  # [E] int64: this rank's kept slots per expert
+        return self.section("own_kept")
+
+    @functools.cached_property
+    def nslots(self):  # [R] int64: slot rows sent to each rank
+        return self.section("send_slots")
+
+    @functools.cached_property
+    def ok(self):  # 0-d bool: the plan carries no error (an erroneous plan sends nothing)
+        return self.plan[W.ERR_CODE] == 0
+
+    @functools.cached_property
+    def chunk(self):  # [R] int64: each chunk's first byte
+        return excl(self.section("send_bytes"))
+
+    @functools.cached_property
+    def tok_rows(self):  # [R] int64: each chunk's first-section rows (fixed: the cap)
+        return self.counts if self.tokcap < 0 else torch.full_like(self.counts, self.tokcap)
+
+    @functools.cached_property
+    def slot_rows(self):  # [R] int64: each chunk's slot-section rows
+        return self.nslots if self.slotcap < 0 else torch.full_like(self.nslots, self.slotcap)
+
+    @functools.cached_property
+    def first_section(self):  # (d, pos, byte offset) of each of the QA rows, each chunk's first
+        return section(self.QA, self.tok_rows, self.chunk, self.B, self.R)
+
+    @property
+    def baseA(self):  # [R] int64: each chunk's first row among the QA
+        return self.first_section[3]
+
+    @functools.cached_property
+    def valid(self):  # [T * K] bool: the slot names an expert
+        return (self.idx >= 0) & (self.idx < self.E)
+
+    @functools.cached_property
+    def e(self):  # [T * K] int64: its expert (E - 1 where it names none)
+        return torch.where(self.valid, self.idx, self.E - 1)
+
+    @functools.cached_property
+    def kept(self):  # [T * K] bool: the slot is sent
+        return self.valid & (self.rank < self.own[self.e]) & self.ok
+
+    @functools.cached_property
+    def d(self):  # [T * K] int64: its destination rank
+        return self.e // self.L
+
+    @functools.cached_property
+    def j(self):  # [T * K] int64: its local expert there
+        return self.e % self.L
+
+    @functools.cached_property
+    def slot(self):  # [T * K] int64: its flat index t * K + k
+        return torch.arange(self.idx.numel(), dtype=torch.int64, device=self.idx.device)
+
+    @functools.cached_property
+    def t(self):
+        return self.slot // max(self.K, 1)
+
+    @functools.cached_property
+    def k(self):
+        return self.slot % max(self.K, 1)
+
+    @functools.cached_property
+    def wbits(self):  # [T * K] int64: its weight's bits
+        return self.topk_weights.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+
+    def row_of(self, d, i):
+        """The row (d, i) is in the row space combine and the backward passes exchange."""
+        if self.cap >= 0:
+            return d * (1 + self.cap) + 1 + i
+        return excl(self.counts)[d] + i
+
+    def first_rows(self, token, meta):
+        """What the first section's row writer takes, from each of its QA rows' token
+        ``token`` [QA] int64 (-1: no payload) and meta words ``meta`` [QA, NW] int32:
+        (byte offsets, source offsets, meta, header values or None)."""
+        dA, posA, offA, _ = self.first_section
+        hdrA = torch.where(self.ok & (posA == 0), self.counts[dA], -1) if self.hdr else None
+        return offA, torch.where(token >= 0, token * self.P, -1), meta, hdrA
 
 
 def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Tensor:
-    dev = x.device
     x = x.contiguous()
     T, K = topk_idx.shape
     P = x.shape[1] * x.element_size()
-    R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
+    R, E = p[W.RANKS], p[W.EXPERTS]
     B = row_bytes(path, P)
     sl = W.plan_slices(R, E)
-    cap, tokcap, slotcap = p[W.STATIC_CAP], p[W.TOK_CAP], p[W.SLOT_CAP]
-    hdr = 1 if cap >= 0 else 0
+    tokcap, slotcap = p[W.TOK_CAP], p[W.SLOT_CAP]
 
     # Host sizes of the two sections (routing-independent for the static exchange; the eager
     # exchanges' host words are the whole plan), and whether they cover every byte.
@@ -147,46 +229,21 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Ten
         send.zero_()  # bytes outside every row (no plan of epkit.plan has them): zeros
         align = 1
 
-    # The plan's routing words, on the device.
-    pl = plan
-    counts, own = pl[sl["send_counts"]], pl[sl["own_kept"]]
-    nslots = pl[sl["send_slots"]]
-    ok = pl[W.ERR_CODE] == 0  # an erroneous plan sends nothing
-    chunk = excl(pl[sl["send_bytes"]])
-    tok_rows = counts if tokcap < 0 else torch.full_like(counts, tokcap)
-    slot_rows = nslots if slotcap < 0 else torch.full_like(nslots, slotcap)
-
-    # Each slot's rank among this rank's slots to its expert (token order): the kept mask.
-    idx = topk_idx.to(torch.int64).reshape(-1)
-    TK = idx.numel()
+    idx = topk_idx.to(torch.int64).reshape(-1).contiguous()
     if _readable(idx):  # the C++ kernel's range check (on a GPU: masked, not sent)
         bad = (idx < -1) | (idx >= E)
         if bool(bad.any()):
             i = int(bad.to(torch.uint8).argmax())
             fail("epkit.pack", f"topk_idx[{i // K}, {i % K}] = {int(idx[i])} outside [-1, {E})")
-    valid = (idx >= 0) & (idx < E)
-    key = torch.where(valid, idx, E)
-    rank = rank_in_key(key, E)
-    e = key.clamp(max=E - 1)
-    kept = valid & (rank < own[e]) & ok
-    d, j = e // L, e % L
-    slot = torch.arange(TK, dtype=torch.int64, device=dev)
-    t, k = slot // max(K, 1), slot % max(K, 1)
-    wbits = topk_weights.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
-    row_start = excl(counts)
-
-    def row_of(d, i):  # the row in the row space combine and the backward passes exchange
-        return d * (1 + cap) + 1 + i if cap >= 0 else row_start[d] + i
-
+    # Each slot's rank among this rank's slots to its expert (token order): the capacity's
+    # kept mask is rank < own_kept[e]. The same launches fill a first-section map with -1.
+    fill = torch.empty(QA, dtype=torch.int64, device=x.device)
+    rank = ranks.rank_in_key(idx, E, fill=fill)
+    ix = Slots(send, x, idx, topk_weights, plan, p, B, align, QA, QB, rank, fill)
     # The first section's rows come from the path (a row per slot, or per token and rank),
     # written here in one pass; then its slot section, if it has one.
-    dA, posA, offA, baseA = section(QA, tok_rows, chunk, B, R)
-    hdrA = torch.where(ok & (posA == 0), counts[dA], -1) if hdr else None
-    ix = Slots(send, x, T, K, R, L, B, hdr, ok, align, counts, own, nslots, chunk, tok_rows,
-               slot_rows, QA, QB, baseA, kept, e, rank, d, j, slot, t, k, wbits, row_of)
-    send_map, token, meta = path.pack_rows(ix)
-    byterows.write_rows(send, offA, B, x, torch.where(token >= 0, token * P, -1), P, meta, hdrA,
-                        align=math.gcd(align, P))
+    send_map, offA, src_off, meta, hdrA = path.pack_rows(ix)
+    byterows.write_rows(send, offA, B, x, src_off, P, meta, hdrA, align=math.gcd(align, P))
     path.pack_slots(ix)
     return send_map
 

@@ -14,16 +14,16 @@ import torch
 
 from epkit.reference import abi
 
+from .. import plan as W
 from . import rowchecks as ck
-from .byterows import read_ints
-from .indexmaps import excl, place, take
-from .wirechecks import ST_EXPERT_ROW, ST_ROWS, status_bit
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 
 NAME = "pairs"
 CODE = abi.TRANSPORT_CODES[NAME]
 META_BYTES = abi.PAIRS_META_BYTES
 TOKEN_ROWS = False   # a row per kept slot, not per (token, destination rank)
 SLOT_SECTIONS = 0    # the slot itself travels in the row: a chunk has no slot section
+ROW_SLOT = True      # the row's metadata is its one slot: unpack's row space finds its expert row
 MAX_TOPK = (1 << 31) - 1   # k travels as an int32
 MAX_LOCAL = (1 << 31) - 1  # and j
 SEND_MAP = "pairs: one column per slot"
@@ -82,18 +82,109 @@ def check_back(op, back, first) -> None:
 
 
 # ---- pack ------------------------------------------------------------------------------------
+@triton.jit
+def _excl_at(plan, o, n, at, inside):
+    """The exclusive prefix sum of the plan's words [o, o + n) at positions ``at`` (a tile):
+    a walk over the n words (cached scalar loads), no cumsum launch."""
+    acc = tl.zeros(at.shape, tl.int64)
+    for q in range(n):
+        acc += tl.where(inside & (q < at), tl.load(plan + o + q), 0)
+    return acc
+
+
+@triton.jit
+def _slots_kernel(idx, rank, plan, send_map, src, TK, E, L, R, CAP, TOKCAP, QA, o_own,
+                  o_counts, BLOCK: tl.constexpr):
+    """Slots q [pid * BLOCK, +BLOCK) of the flattened routing: whether each is sent (it names
+    an expert e, its rank among this rank's slots to e is below own_kept[e], the plan carries
+    no error) and where: row i of chunk d = e // L, i = its rank plus the kept slots of the
+    experts before e on d (own_kept's prefix); send_map[q] its row in the row space (static
+    d * (1 + cap) + 1 + i, ragged the rows of the chunks before plus i), -1 if not sent; and
+    src[first-section row] = q (src filled with -1 by the ranks' launch)."""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < TK
+    e = tl.load(idx + q, mask=inq, other=-1)
+    valid = inq & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    d = e // L
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # a tile (interpreter)
+    r = tl.load(rank + q, mask=inq, other=0)
+    kept = valid & ok & (r < tl.load(plan + o_own + e, mask=valid, other=0))
+    i = _excl_at(plan, o_own, E, e, inq) + r - _excl_at(plan, o_own, E, d * L, inq)
+    count = tl.load(plan + o_counts + d, mask=valid, other=0)
+    kept = kept & (i >= 0) & (i < count)
+    before = _excl_at(plan, o_counts, R, d, inq)  # rows of the chunks before d
+    static = (tl.zeros([BLOCK], tl.int64) + CAP) >= 0
+    row = tl.where(static, d * (1 + CAP) + 1 + i, before + i)
+    tl.store(send_map + q, tl.where(kept, row, -1), mask=inq)
+    # chunk d's first row among the first section's QA: the chunks before, fixed (the cap)
+    # or ragged (their counts), then the header row (static)
+    at = tl.where(TOKCAP >= 0, d * TOKCAP, before) + static.to(tl.int64) + i
+    tl.store(src + at, q, mask=kept & (at >= 0) & (at < QA))
+
+
+@triton.jit
+def _rows_meta_kernel(idx, wbits, plan, src, off, src_off, meta, hdr_v, QA, K, L, R, B, P,
+                      TOKCAP, HDR, o_counts, o_bytes, BLOCK: tl.constexpr):
+    """The first section's rows q [pid * BLOCK, +BLOCK): each one's slot s = src[q] (-1: a
+    row without one), its meta words (t, k, j, the weight's bits: zeros without a slot), its
+    payload's byte offset in x (t * P, -1: zeros), its own byte offset (its chunk's first byte
+    plus its place in the chunk times B) and, static, the header value of a chunk's first row
+    (its count; -1 elsewhere)."""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < QA
+    s = tl.load(src + q, mask=inq, other=-1)
+    has = inq & (s >= 0)
+    s = tl.where(has, s, 0)
+    t, k = s // K, s % K
+    e = tl.load(idx + s, mask=has, other=0)
+    w = tl.load(wbits + s, mask=has, other=0)
+    tl.store(meta + 4 * q, tl.where(has, t, 0).to(tl.int32), mask=inq)
+    tl.store(meta + 4 * q + 1, tl.where(has, k, 0).to(tl.int32), mask=inq)
+    tl.store(meta + 4 * q + 2, tl.where(has, e % L, 0).to(tl.int32), mask=inq)
+    tl.store(meta + 4 * q + 3, tl.where(has, w, 0), mask=inq)
+    tl.store(src_off + q, tl.where(has, t * P, -1), mask=inq)
+    # the chunk d of row q: how many chunks' first sections end at or before q
+    rows = tl.zeros([BLOCK], tl.int64)
+    d = tl.zeros([BLOCK], tl.int64)
+    for c in range(R):
+        rows += tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + c))
+        d += (rows <= q).to(tl.int64)
+    d = tl.minimum(d, R - 1)
+    base = tl.where(TOKCAP >= 0, d * TOKCAP, _excl_at(plan, o_counts, R, d, inq))
+    pos = q - base
+    tl.store(off + q, _excl_at(plan, o_bytes, R, d, inq) + pos * B, mask=inq)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + _ERR_CODE)) == 0
+    head = ok & (pos == 0) & ((tl.zeros([BLOCK], tl.int64) + HDR) != 0)
+    tl.store(hdr_v + q, tl.where(head, tl.load(plan + o_counts + d, mask=inq, other=0), -1),
+             mask=inq)
+
+
+_ERR_CODE = tl.constexpr(W.ERR_CODE)
+BLOCK = 4096 if INTERPRETED else 256  # slots or rows a program of the two index launches
+
+
 def pack_rows(ix):
-    """The first section's rows, one per kept slot, from pack's index pass ``ix`` (pack.Slots):
-    (send_map [T, K] int64, each row's token [QA] int64 (-1: no row), meta [QA, 4] int32)."""
-    own_start = excl(ix.own)
-    i = own_start[ix.e] + ix.rank - own_start[ix.d * ix.L]  # index in chunk d
-    kept = ix.kept & (i >= 0) & (i < ix.counts[ix.d])
-    send_map = torch.where(kept, ix.row_of(ix.d, i), -1).view(ix.T, ix.K)
-    src = place(ix.QA, ix.baseA[ix.d] + ix.hdr + i, kept, ix.slot)
-    has, s = src >= 0, src.clamp(min=0)
-    words = torch.stack([take(v, s) for v in (ix.t, ix.k, ix.j, ix.wbits)], 1)
-    meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    return send_map, torch.where(has, take(ix.t, s), -1), meta
+    """The first section's rows, one per kept slot, from pack's index pass ``ix`` (pack.Slots),
+    in two launches (the slots', then the rows'): (send_map [T, K] int64, the rows' byte
+    offsets [QA], their payloads' source offsets [QA] (-1: zeros), meta [QA, 4] int32, the
+    header values [QA] int64 or None)."""
+    dev, TK, QA = ix.idx.device, ix.idx.numel(), ix.QA
+    i64 = dict(dtype=torch.int64, device=dev)
+    send_map = torch.empty(TK, **i64)
+    sl = ix.sl
+    if TK:
+        launch(_slots_kernel, (cdiv(TK, BLOCK),), ix.idx, ix.rank, ix.plan, send_map, ix.fill,
+               TK, ix.E, ix.L, ix.R, ix.cap, ix.tokcap, QA, sl["own_kept"].start,
+               sl["send_counts"].start, BLOCK=BLOCK)
+    off, src_off, hdr = (torch.empty(QA, **i64) for _ in range(3))
+    meta = torch.empty((QA, 4), dtype=torch.int32, device=dev)
+    wbits = ix.topk_weights.contiguous().view(torch.int32)
+    if QA:
+        launch(_rows_meta_kernel, (cdiv(QA, BLOCK),), ix.idx, wbits, ix.plan, ix.fill, off,
+               src_off, meta, hdr, QA, max(ix.K, 1), ix.L, ix.R, ix.B, ix.P, ix.tokcap, ix.hdr,
+               sl["send_counts"].start, sl["send_bytes"].start, BLOCK=BLOCK)
+    return send_map.view(ix.T, ix.K), off, src_off, meta, hdr if ix.hdr else None
 
 
 def pack_slots(ix) -> None:
@@ -101,26 +192,12 @@ def pack_slots(ix) -> None:
 
 
 # ---- unpack ----------------------------------------------------------------------------------
-def unpack_slots(rs, bits: list):
-    """Each received row's one slot, from unpack's row space ``rs`` (unpack.RowSpace): its
-    expert row from the plan's kept blocks (recv_kept, s-major, each block's rows in order).
-    Appends its status bits to ``bits``; returns per slot [N]: (expert row m, live, its
-    recv_map entry's flat place, k, the weight's bits)."""
-    R, L = rs.R, rs.L
-    k, wbits = (read_ints(rs.recv, rs.at + rs.P + abi.PAIRS_META.index(f) * 4, rs.data, 4)
-                for f in ("k", "w"))
-    kept = rs.kept
-    ends = kept.cumsum(0)  # flat prefix of the blocks (s, j)
-    bits.append(status_bit((kept < 0) | (ends[-1] != rs.counts.sum()), ST_ROWS))
-    blk = torch.searchsorted(ends, rs.g, right=True)
-    inb = blk < R * L
-    blk = blk.clamp(max=R * L - 1)
-    base = (rs.offsets[:L][None, :] + excl(kept.view(R, L))).reshape(-1)  # block's first row
-    bits.append(status_bit((base + kept).view(R, L) > rs.offsets[1:][None, :], ST_EXPERT_ROW))
-    m = base[blk] + rs.g - (ends[blk] - kept[blk])
-    live = rs.data & inb & (m >= 0) & (m < rs.M)
-    bits.append(status_bit(rs.data & ~live & rs.ok, ST_ROWS))
-    return m, live, rs.r, k, wbits
+def unpack_slots(rs):
+    """Each received row's one slot: unpack's row space launch found its expert row (``rs``,
+    unpack.RowSpace; rowspace.py, ROW_SLOT) and set its status bits. Returns per slot [N]:
+    (expert row m, live, None: its recv_map entry is its row, k, the weight's bits) and no
+    status words of its own (an empty int32 tensor)."""
+    return rs.m, rs.live, None, rs.k, rs.wbits, rs.k.new_empty(0, dtype=torch.int32)
 
 
 # ---- combine and the backward passes ---------------------------------------------------------

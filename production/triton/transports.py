@@ -10,14 +10,17 @@ asks the path afterwards, never the code. Every path module has the same names:
 
 - the wire format: ``NAME``, ``CODE``, ``META_BYTES`` (a first-section row's bytes after the
   payload), ``TOKEN_ROWS`` (a row per (token, destination) rather than per slot),
-  ``SLOT_SECTIONS`` (slot sections per chunk), ``MAX_TOPK``, ``MAX_LOCAL`` (what a row can
+  ``SLOT_SECTIONS`` (slot sections per chunk), ``ROW_SLOT`` (a first-section row's metadata
+  is its one slot, which unpack's row space launch places), ``MAX_TOPK``, ``MAX_LOCAL`` (what a row can
   encode), ``send_map_cols(K, R)``, ``recv_map_cols(K)``, ``back_dtype(y_dtype)``,
   ``units_per_row(itemsize)``;
 - the argument checks where checks.h asks the transport: ``check_pack_topk``,
   ``check_local_experts``, ``check_gather``, ``check_units``, ``check_first``, ``check_back``,
   and the texts ``SEND_MAP``, ``UNMATCHED_SLOT``;
-- pack: ``pack_rows(ix)`` (the first section's rows), ``pack_slots(ix)`` (the slot section);
-- unpack: ``unpack_slots(rs, bits)`` (each received slot's expert row);
+- pack: ``pack_rows(ix)`` (send_map and what the first section's row writer takes),
+  ``pack_slots(ix)`` (the slot section);
+- unpack: ``unpack_slots(rs)`` (each received slot's expert row, and its launches' status
+  words);
 - combine and the backward passes: ``unit_map`` (the expert side's units), ``slot_rows``,
   ``bad_rows``, ``reduce_units`` (the source side's steps), ``slot_places``,
   ``send_map_entry``.
@@ -36,7 +39,8 @@ __all__ = ["PATHS", "INTERFACE", "path_of"]
 
 # The names above, what every path module defines (the ops ask nothing else of a path).
 INTERFACE = (
-    "NAME", "CODE", "META_BYTES", "TOKEN_ROWS", "SLOT_SECTIONS", "MAX_TOPK", "MAX_LOCAL",
+    "NAME", "CODE", "META_BYTES", "TOKEN_ROWS", "SLOT_SECTIONS", "ROW_SLOT", "MAX_TOPK",
+    "MAX_LOCAL",
     "SEND_MAP", "UNMATCHED_SLOT", "send_map_cols", "recv_map_cols", "back_dtype",
     "units_per_row", "check_pack_topk", "check_local_experts", "check_gather", "check_units",
     "check_first", "check_back", "pack_rows", "pack_slots", "unpack_slots", "unit_map",

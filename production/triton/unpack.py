@@ -7,16 +7,16 @@ exchange (compact for ragged, padded and equal; static chunks of ``1 + cap`` row
 rows are filled in the canonical order: local expert j takes its rows from source ranks in
 ascending order, from each in token order, each segment padded to ``offsets[j + 1]``.
 
-Index pass (device-generic torch ops on the device plan and the received bytes, no host
-read): pairs' expert row is closed-form (chunk s holds blocks (s, j), j ascending, of the
-plan's ``recv_kept[s, j]`` rows; a received row's block is a search in their flat prefix);
-dedup's slots, each token row's ``n`` slot rows read into an ``[N, K]`` table, take the next row
-of their expert's segment in received order: a stable sort by local expert (rank = position
-minus the exclusive cumsum of the counts). The inverse map (each expert row's received row)
-then drives ``byterows.write_rows``, which writes every byte of ``expert_x`` once, payload or
-zero padding; ``row_src``, ``row_weight`` and ``recv_map`` are gathers through the same maps.
-The row space and the maps are shared, here; each slot's expert row is the path's
-(``unpack_slots`` of pairs.py, dedup.py).
+Index pass, no host read, three launches: the row space (rowspace.py: each received row's
+source, byte offset, data flag and token from the plan's words, every status bit, and pairs'
+slot, whose expert row is closed-form: chunk s holds blocks (s, j), j ascending, of the plan's
+``recv_kept[s, j]`` rows, a row's block a search in their flat prefix); the path's slots where
+they travel apart (dedup: each token row's ``n`` slot rows read into an ``[N, K]`` table take the
+next row of their expert's segment in received order, a stable sort by local expert, as torch
+ops); the maps launch (each expert row's received slot, each recv_map entry); the outputs
+launch (the call's status from the programs' words, then ``row_src``, ``row_weight`` and the
+rows' byte offsets through the maps). ``byterows.write_rows`` then writes every byte of
+``expert_x`` once, payload or zero padding.
 
 **The status word.** The C++ kernel raises when the received chunks disagree with the plan
 (an in-band count, a slot row, an expert's total); a GPU cannot without a host read. So every
@@ -47,14 +47,13 @@ from epkit.reference import abi
 
 from .. import plan as W
 from ..plan import host_plan
-from . import byterows
-from .byterows import read_ints
-from .indexmaps import excl, place
+from . import byterows, rowspace
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .transports import path_of
 from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
                          ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
                          check_nonneg, check_plan_chunks, check_plan_header, check_plan_tensor,
-                         check_plan_transport, fail, row_bytes, status_bit, status_of)
+                         check_plan_transport, fail, row_bytes)
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
@@ -122,9 +121,9 @@ def _check(recv, plan, transport, H, dtype, K, N, M):
 
 
 class RowSpace(NamedTuple):
-    """What unpack's shared pass knows of the received rows, for its path's index pass
-    (pairs.py, dedup.py): the row space [N] (combine's and the backward passes' rows) and the
-    plan's receive words (on the device)."""
+    """What unpack's row space launch (rowspace.py) found of the received rows, for its path's
+    slots (``unpack_slots`` of pairs.py, dedup.py): the row space [N] (combine's and the
+    backward passes' rows) and the plan's receive words (on the device)."""
     recv: torch.Tensor     # [NB] uint8, the received chunks
     NB: int
     P: int                 # payload bytes of a row
@@ -136,88 +135,114 @@ class RowSpace(NamedTuple):
     M: int                 # expert_rows
     hdr: int               # 1: each section opens with its header row (static)
     tokcap: int            # first-section rows of a fixed chunk (-1: ragged)
-    ok: torch.Tensor       # 0-d bool: the plan carries no error
-    counts: torch.Tensor   # [R] int64: first-section rows from each source
-    nslots: torch.Tensor   # [R] int64: slot rows from each source
-    kept: torch.Tensor     # [R * L] int64: recv_kept, s-major
-    offsets: torch.Tensor  # [L + 1] int64: each local expert's first row
-    tpe: torch.Tensor      # [L] int64: tokens_per_expert
-    rchunk: torch.Tensor   # [R] int64: each source's chunk's first byte
-    r: torch.Tensor        # [N] int64: the rows
+    plan: torch.Tensor     # [n] int64, the device plan
+    sl: dict               # its sections (plan_slices)
     s: torch.Tensor        # [N] int64: each row's source
-    g: torch.Tensor        # [N] int64: its data row's index among all data rows
     at: torch.Tensor       # [N] int64: its byte offset in recv
-    data: torch.Tensor     # [N] bool: it is a data row, inside the buffer
+    data: torch.Tensor     # [N] bool: it is a data row, inside the buffer, of a plan that
+                           # carries no error
+    m: torch.Tensor        # the row's one slot (a path with ROW_SLOT, else empty): [N] int64
+    live: torch.Tensor     # its expert row, [N] bool whether it has one, [N] int64 its k
+    k: torch.Tensor        # and its weight's bits
+    wbits: torch.Tensor
+
+    def section(self, name: str) -> torch.Tensor:
+        """A section of the device plan (a view: no launch)."""
+        return self.plan[self.sl[name]]
+
+
+_ERR_CODE = tl.constexpr(W.ERR_CODE)
+MAPS_BLOCK = 4096 if INTERPRETED else 256  # slots a program of the maps and outputs launches
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _maps_kernel(m, live, entry, src_slot, recv_map, NQ, M, NC, ENTRY: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The inverse maps of slots q [NQ] (m: each one's expert row, live: it has one):
+    src_slot[m[q]] = q and recv_map[entry[q]] = m[q] (ENTRY false: entry[q] = q) for the live
+    ones in range; both were filled with -1 by the row space launch."""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < NQ
+    mq = tl.load(m + q, mask=inq, other=-1)
+    lv = inq & (tl.load(live + q, mask=inq, other=0) != 0)
+    tl.store(src_slot + mq, q, mask=lv & (mq >= 0) & (mq < M))
+    if ENTRY:
+        e = tl.load(entry + q, mask=inq, other=-1)
+    else:
+        e = q
+    tl.store(recv_map + e, mq, mask=lv & (e >= 0) & (e < NC))
+
+
+@triton.jit
+def _outputs_kernel(plan, bits, NBITS, words, NWORDS, src_slot, recv_map, s, t, at, k, w,
+                    row_src, row_weight, src_off, out_off, status, M, NC, C, P,
+                    BLOCK: tl.constexpr):
+    """The call's status (the OR of the row space's words and the path's, 0 under a plan
+    that carries an error) and, per expert row e [M], its received slot's outputs: row_src (s, t, k),
+    row_weight's bits, the payload's byte offset in recv (src_off, -1: padding) and its own in
+    expert_x (out_off); all in their "nothing received" form under a nonzero status, recv_map
+    [NC] too."""
+    pid = tl.program_id(0)
+    v = tl.arange(0, 64)
+    st = tl.zeros([], tl.int32)
+    for b0 in range(0, NBITS, 64):
+        st |= tl.reduce(tl.load(bits + b0 + v, mask=b0 + v < NBITS, other=0), 0, _or)
+    for b0 in range(0, NWORDS, 64):
+        st |= tl.reduce(tl.load(words + b0 + v, mask=b0 + v < NWORDS, other=0), 0, _or)
+    st = tl.where(tl.load(plan + _ERR_CODE) == 0, st, 0)
+    e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    good = (tl.zeros([BLOCK], tl.int32) + st) == 0  # a tile (the interpreter: a bool one)
+    em = e < M
+    ss = tl.load(src_slot + e, mask=em, other=-1)
+    has = em & good & (ss >= 0)
+    qs = tl.maximum(ss, 0)
+    q = qs // C
+    tl.store(row_src + 3 * e, tl.where(has, tl.load(s + q, mask=has, other=0), -1), mask=em)
+    tl.store(row_src + 3 * e + 1, tl.where(has, tl.load(t + q, mask=has, other=0), -1),
+             mask=em)
+    tl.store(row_src + 3 * e + 2, tl.where(has, tl.load(k + qs, mask=has, other=0), -1),
+             mask=em)
+    tl.store(row_weight + e, tl.where(has, tl.load(w + qs, mask=has, other=0), 0).to(tl.int32),
+             mask=em)
+    tl.store(src_off + e, tl.where(has, tl.load(at + q, mask=has, other=0), -1), mask=em)
+    tl.store(out_off + e, e * P, mask=em)
+    tl.store(recv_map + e, tl.full([BLOCK], -1, tl.int64), mask=(e < NC) & ~good)
+    if pid == 0:
+        tl.store(status, st)
 
 
 def _unpack(recv, plan, path, P, K, N, M, p):
+    """The index pass (module docstring): (status, row_src, row_weight, recv_map, src_off,
+    out_off), in three launches and the path's own slot work."""
     dev = recv.device
     R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
-    sl = W.plan_slices(R, E)
     B = row_bytes(path, P)
     cap, tokcap = p[W.STATIC_CAP], p[W.TOK_CAP]
-    hdr = 1 if cap >= 0 else 0
-    NB = recv.numel()
-    i64 = dict(dtype=torch.int64, device=dev)
-
-    pl = plan
-    counts, nslots = pl[sl["recv_counts"]], pl[sl["recv_slots"]]
-    offsets, tpe = pl[sl["offsets"]], pl[sl["tokens_per_expert"]]
-    kept = pl[sl["recv_kept"]]  # [R * L], s-major
-    ok = pl[W.ERR_CODE] == 0
-    rchunk = excl(pl[sl["recv_bytes"]])
-    bits = [status_bit(pl[sl["recv_bytes"]].sum() != NB, ST_SHAPE),
-            status_bit(pl[W.RECV_BYTES] != NB, ST_SHAPE),
-            status_bit(pl[W.RECV_ROWS] != N, ST_SHAPE),
-            status_bit(pl[W.EXPERT_ROWS] != M, ST_SHAPE),
-            status_bit(offsets[L] > M, ST_SHAPE),
-            status_bit(offsets[1:] < offsets[:-1], ST_SHAPE),
-            status_bit(offsets[0] < 0, ST_SHAPE)]
-
-    # The row space: each row's source s, its data row i, whether it is one, its bytes.
-    r = torch.arange(N, **i64)
-    if cap >= 0:
-        s, i = r // (1 + cap), r % (1 + cap) - 1
-        data = (s < R) & (i >= 0)
-        s = s.clamp(max=R - 1)
-        data = data & (i < counts[s])
-        g = excl(counts)[s] + i  # the data row's index among all data rows
-        bits.append(status_bit((counts > 0) & (torch.arange(R, **i64) * (1 + cap) + counts >= N),
-                               ST_SHAPE))  # a data row past recv_rows
-        bits.append(status_bit(read_ints(recv, rchunk, ok, 8) != counts, ST_INBAND))
-    else:
-        data = r < counts.sum()
-        s = torch.searchsorted(counts.cumsum(0), r, right=True).clamp(max=R - 1)
-        i, g = r - excl(counts)[s], r
-        bits.append(status_bit(counts.sum() > N, ST_SHAPE))
-    at = rchunk[s] + (hdr + i) * B
-    bits.append(status_bit(data & (at + B > NB), ST_SHAPE))
-    data = data & ok & (at + B <= NB)
-    t = read_ints(recv, at + P + abi.PAIRS_META.index("t") * 4, data, 4)
-
-    # Each received slot's expert row comes from the path (a row's one slot, or a token row's
-    # n slot rows); the outputs are then the same inverse maps for both.
-    rs = RowSpace(recv, NB, P, B, R, L, K, N, M, hdr, tokcap, ok, counts, nslots, kept, offsets,
-                  tpe, rchunk, r, s, g, at, data)
-    m, live, entry, k, wbits = path.unpack_slots(rs, bits)
-    status = torch.where(ok, status_of(bits), 0).to(torch.int32)
-    good = status == 0
     C = path.recv_map_cols(K)
-    src_slot = torch.where(good, place(M, m, live, torch.arange(N * C, **i64)), -1)
-    recv_map = torch.where(good, place(N * C, entry, live, m), -1).view(N, C)
-    has, qs = src_slot >= 0, src_slot.clamp(min=0)
-    q = qs // max(C, 1)
-    src = torch.where(has, q, -1)
-    row_src = torch.where(has[:, None], torch.stack([_at(s, q), _at(t, q), _at(k, qs)], 1), -1)
-    row_weight = torch.where(has, _at(wbits, qs), 0).to(torch.int32).view(torch.float32)
-    return status, src, at, row_src, row_weight, recv_map
-
-
-def _at(v: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    """``v[i]`` for indices that are only read where an entry exists: when ``v`` is empty (no
-    slots: top-k 0, or no rows received) every such entry is masked, yet padding rows still
-    index it (with 0), so an empty ``v`` reads as zeros (a shape decision, no host read)."""
-    return v[i] if v.numel() else torch.zeros_like(i, dtype=v.dtype)
+    i64 = dict(dtype=torch.int64, device=dev)
+    src_slot, recv_map = torch.empty(M, **i64), torch.empty(N * C, **i64)
+    s, at, data, t, m, live, k, wbits, bits = rowspace.row_space(
+        recv, plan, path.ROW_SLOT, P, B, R, E, N, M, cap, (src_slot, recv_map))
+    rs = RowSpace(recv, recv.numel(), P, B, R, L, K, N, M, 1 if cap >= 0 else 0, tokcap, plan,
+                  W.plan_slices(R, E), s, at, data, m, live, k, wbits)
+    m, live, entry, k, wbits, words = path.unpack_slots(rs)
+    NQ = m.numel()
+    launch(_maps_kernel, (cdiv(NQ, MAPS_BLOCK),), m, live.view(torch.uint8),
+           m if entry is None else entry, src_slot, recv_map, NQ, M, N * C,
+           ENTRY=entry is not None, BLOCK=MAPS_BLOCK)
+    row_src = torch.empty((M, 3), **i64)
+    row_weight = torch.empty(M, dtype=torch.int32, device=dev)
+    src_off, out_off = torch.empty(M, **i64), torch.empty(M, **i64)
+    status = torch.empty((), dtype=torch.int32, device=dev)
+    launch(_outputs_kernel, (cdiv(max(M, N * C, 1), MAPS_BLOCK),), plan, bits, bits.numel(),
+           words if words.numel() else bits, words.numel(), src_slot, recv_map, s, t, at, k if k.numel() else s, wbits if wbits.numel() else s,
+           row_src, row_weight, src_off, out_off, status, M, N * C, max(C, 1), P, BLOCK=MAPS_BLOCK)
+    return status, row_src, row_weight.view(torch.float32), recv_map.view(N, C), src_off, out_off
 
 
 def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
@@ -228,10 +253,9 @@ def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, h
     p, path = _check(recv, plan, transport, H, dtype, K, N, M)
     recv = recv.contiguous()
     P = H * dtype.itemsize
-    status, src, at, row_src, row_weight, recv_map = _unpack(recv, plan, path, P, K, N, M, p)
+    status, row_src, row_weight, recv_map, src_off, out_off = _unpack(recv, plan, path, P, K,
+                                                                      N, M, p)
     expert_x = torch.empty((M, H), dtype=dtype, device=recv.device)
-    src_off = torch.where(src >= 0, at[src.clamp(min=0)], -1) if N else torch.full_like(src, -1)
-    out_off = torch.arange(M, dtype=torch.int64, device=recv.device) * P
     # every source offset is a chunk start plus rows of B bytes, every output one of P bytes
     chunks = p[W.plan_slices(p[W.RANKS], p[W.EXPERTS])["recv_bytes"]]
     align = math.gcd(P, row_bytes(path, P), SLOT, *chunks)

@@ -121,6 +121,35 @@ def test_prepare_error_priority(cpp, payload):
     assert codes == ([1, 2, 13, 14, 20, 0] if payload else [1, 2, 13, 20, 20, 0])
 
 
+@pytest.mark.parametrize("fault", ["none", "range", "dup", "weight", "payload"])
+def test_prepare_across_many_programs(cpp, fault):
+    """At a GPU launch's tiles the scan is several programs (300 tokens, 64 a program): each
+    block's counts add up, and of two faults in different blocks the first block's wins, with
+    its own position and value (a bfloat16 payload: its bits are checked, not a conversion)."""
+    from epkit.triton import _runtime
+
+    rng = np.random.default_rng(11)
+    T, K, E, R, H = 300, 4, 16, 4, 64
+    idx = routing(rng, T, K, E, unused=0.3)
+    w = rng.random((T, K)).astype(np.float32)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    if fault == "range":
+        idx[250, 1], idx[130, 3] = E + 3, -7
+    elif fault == "dup":
+        idx[200, 0] = idx[200, 2] = 5
+        idx[70, 1] = idx[70, 3] = 9
+        idx[70, 0] = idx[70, 2] = 2
+    elif fault == "weight":
+        w[290, 0], w[140, 2] = np.nan, -np.inf
+    elif fault == "payload":
+        x[299, 5], x[65, 63] = float("inf"), float("nan")
+    args = (x, torch.from_numpy(idx), torch.from_numpy(w), E, R, [0, 0, 0, 2, -1], 1)
+    with _runtime.gpu_tiles():
+        assert -(-T // tl_layout.SCAN_TB) >= 4
+        words = same_words(cpp, args)
+    assert int(words[0]) == {"none": 0, "range": 1, "dup": 2, "weight": 13, "payload": 14}[fault]
+
+
 @pytest.mark.parametrize("H", [48, 100])
 def test_prepare_hidden_not_a_block_multiple(cpp, H):
     x, idx, w = torch.randn(3, H), torch.tensor([[0, 1], [1, -1], [2, 3]]), torch.rand(3, 2)
