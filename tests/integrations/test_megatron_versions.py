@@ -52,5 +52,6 @@ def test_megatron_example_on_0_16_1():
     from test_examples import run_example
 
     out = run_example("megatron_cpu.py", env=_env())
-    assert len(re.findall(r"^rank \d: megatron-core 0\.16\.1, \d+ tensors compared with "
-                          r"Megatron's own dispatcher: all bit for bit equal$", out, re.M)) == 2, out[-3000:]
+    said = re.findall(r"rank (\d): megatron-core 0\.16\.1, \d+ tensors compared with "
+                      r"Megatron's own dispatcher: all bit for bit equal", out)
+    assert sorted(said) == ["0", "1"], out[-3000:]
