@@ -17,6 +17,10 @@ def run(rank, world, store_path, queue, timeout_s, scenario):
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    # Every rank through the group's set-up before the victim leaves: a victim that exits
+    # while a slow survivor still connects gloo's mesh makes init_process_group raise there,
+    # before the epkit call under test (ci-fresh under load: one survivor never answered).
+    dist.barrier()
     import epkit
 
     E = 2 * world
