@@ -336,3 +336,60 @@ def _cap(found: list[tuple[str, str]]) -> list[tuple[str, str]]:
         if seen[rule] <= MAX_EVIDENCE:
             out.append((rule, evidence))
     return out
+
+
+# ----- access widths (every target) ------------------------------------------------------------
+
+_PTX_BITS = {"8": 1, "16": 2, "32": 4, "64": 8, "128": 16}
+_AMD_WIDTH = {"dwordx4": 16, "dwordx3": 12, "dwordx2": 8, "dword": 4, "b128": 16, "b96": 12,
+              "b64": 8, "b32": 4, "short": 2, "ushort": 2, "sshort": 2, "b16": 2, "short_d16": 2,
+              "short_d16_hi": 2, "byte": 1, "ubyte": 1, "sbyte": 1, "b8": 1, "u8": 1, "i8": 1,
+              "u16": 2, "i16": 2, "ubyte_d16": 1, "sbyte_d16": 1, "ubyte_d16_hi": 1,
+              "sbyte_d16_hi": 1, "byte_d16_hi": 1}
+
+
+def ptx_access_widths(ptx: str) -> tuple[int, int]:
+    """The widest global load and store of a PTX listing, in bytes (0: none): ``ld.global.v4.b32``
+    is 16, ``st.global.b16`` 2."""
+    widest = {"ld": 0, "st": 0}
+    for op, _ in _ptx_instructions(ptx):
+        parts = op.split(".")
+        if parts[0] not in widest or "global" not in parts[1:]:
+            continue
+        vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        bits = next((_PTX_BITS[m.group(1)] for p in reversed(parts)
+                     if (m := re.fullmatch(r"[bsuf](\d+)", p)) and m.group(1) in _PTX_BITS), 0)
+        widest[parts[0]] = max(widest[parts[0]], vec * bits)
+    return widest["ld"], widest["st"]
+
+
+def amdgcn_access_widths(asm: str) -> tuple[int, int]:
+    """The widest global (or buffer) load and store of an AMDGCN listing, in bytes (0: none):
+    ``global_load_dwordx4`` is 16, ``global_store_short`` 2."""
+    widest = {"load": 0, "store": 0}
+    for op, _, _ in _amd_instructions(asm):
+        m = re.fullmatch(r"(?:global|buffer)_(load|store)_(\w+)", op)
+        if m and m.group(2) in _AMD_WIDTH:
+            widest[m.group(1)] = max(widest[m.group(1)], _AMD_WIDTH[m.group(2)])
+    return widest["load"], widest["store"]
+
+
+# A row mover (pack, unpack, scatter_rows, the return path's units, the reduce, the backward's
+# row kernel) takes the constexpr VB: the bytes every row offset, row length and buffer of the
+# launch is a multiple of, up to 16. Launched with VB = 16 it must move rows 16 bytes at a time.
+ROW_VECTOR = "VB"
+ROW_VECTOR_BYTES = 16
+
+
+def row_width_violations(constexprs: dict, widths: tuple[int, int]) -> list[tuple[str, str]]:
+    """A row mover launched for 16-byte rows (``VB`` = 16) whose widest global load or store
+    is narrower: the rows move in smaller pieces than the launch allows (an offset or length
+    whose alignment the compiler cannot see: ``tl.multiple_of`` it)."""
+    if constexprs.get(ROW_VECTOR) != ROW_VECTOR_BYTES:
+        return []
+    load, store = widths
+    if load >= ROW_VECTOR_BYTES and store >= ROW_VECTOR_BYTES:
+        return []
+    return [(f"row mover launched for {ROW_VECTOR_BYTES}-byte rows (VB={ROW_VECTOR_BYTES}) moves "
+             f"them {min(load, store)} bytes at a time (widest global load {load} B, store "
+             f"{store} B)", f"load {load} B, store {store} B")]

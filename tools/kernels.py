@@ -7,12 +7,15 @@ launch's tile sizes under the launch hook (``_runtime.record_launches``); every 
 tests/triton is checked against that record, so it cannot drift from what is launched.
 ``epkit kernels --compile sm_90,gfx942`` compiles each of them for each target
 (``triton.compile`` on an ``ASTSource``, no driver needed), prints registers, spills, scratch,
-shared memory / LDS and compile time, and fails (exit 1) on any rule the
+shared memory / LDS, the widest global load and store and compile time, and fails (exit 1) on
+any rule the
 compiled code breaks (``kernel_rules.py``): in an exact kernel, fused multiply-add, approximate
 division, flush-to-zero or hardware float narrowing in the PTX / AMDGCN; in every kernel, a
 spill, shared memory over the target's limit, an int32 multiply fed by a program id; from the
 launch and the TTIR, an exact kernel launched with ``enable_fp_fusion=True`` or reducing floats
-(``tl.sum``), and any kernel loading a buffer it stored to before a ``tl.debug_barrier()``. The
+(``tl.sum``), and any kernel loading a buffer it stored to before a ``tl.debug_barrier()``; a
+row mover launched for 16-byte rows (constexpr ``VB`` = 16) whose widest global load or store
+is narrower. The
 interpreter cannot see any of these: it never fuses, divides exactly and has no registers.
 
 Compiling needs ``TRITON_INTERPRET=0`` before Triton is imported (``epkit.triton`` otherwise
@@ -297,7 +300,8 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
     signature, constexprs, options, attrs = _split(spec)
     row = {"kernel": spec.name, "where": _where(spec.kernel), "target": target_name,
            "exact": bool(spec.exact), "registers": None, "spills": None, "scratch": None,
-           "shared": None, "compile_ms": None, "violations": []}
+           "shared": None, "load_bytes": None, "store_bytes": None, "vector": None,
+           "compile_ms": None, "violations": []}
     if getattr(spec.kernel, "missing", None):
         row["violations"].append({"rule": "does not compile: the recorded kernel is gone (renamed "
                                           "or removed since it was recorded? epkit kernels --record)",
@@ -337,6 +341,7 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
         row.update(registers=usage.get("REG"), spills=spills,
                    scratch=usage.get("STACK", 0) + usage.get("LOCAL", 0),
                    shared=max(shared, usage.get("SHARED", 0)))
+        widths = rules.ptx_access_widths(asm["ptx"])
         if spec.exact:
             found += rules.ptx_violations(asm["ptx"]) + rules.llir_violations(asm["llir"])
         if spills:
@@ -347,11 +352,14 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
         row.update(registers=f"{meta.get('vgpr_count', '?')}v/{meta.get('sgpr_count', '?')}s",
                    spills=spills, scratch=meta.get("private_segment_fixed_size", 0),
                    shared=max(shared, meta.get("group_segment_fixed_size", 0)))
+        widths = rules.amdgcn_access_widths(asm["amdgcn"])
         if spec.exact:
             found += rules.amdgcn_violations(asm["amdgcn"]) + rules.amd_llir_violations(asm["llir"])
         if spills:
             found.append((f"register spill ({meta.get('vgpr_spill_count', 0)} VGPR, "
                           f"{meta.get('sgpr_spill_count', 0)} SGPR)", ""))
+    row.update(load_bytes=widths[0], store_bytes=widths[1], vector=constexprs.get(rules.ROW_VECTOR))
+    found += rules.row_width_violations(constexprs, widths)
     if row["shared"] > shared_limit:
         found.append((f"shared memory / LDS {row['shared']} bytes over {target_name}'s {shared_limit}", ""))
     row["violations"] = [{"rule": r, "evidence": e} for r, e in found]
@@ -361,18 +369,23 @@ def compile_one(spec, target_name: str, tmp: str) -> dict:
 # ----- output --------------------------------------------------------------------------------
 
 def _table(rows: list[dict]) -> str:
-    head = ("kernel", "target", "registers", "spills", "scratch", "shared", "compile ms", "rules")
+    head = ("kernel", "target", "registers", "spills", "scratch", "shared", "ld/st B", "VB",
+            "compile ms", "rules")
     body = [(r["kernel"], r["target"], str(r["registers"] if r["registers"] is not None else "-"),
              str(r["spills"] if r["spills"] is not None else "-"),
              str(r["scratch"] if r["scratch"] is not None else "-"),
-             str(r["shared"] if r["shared"] is not None else "-"), str(r["compile_ms"]),
+             str(r["shared"] if r["shared"] is not None else "-"),
+             f"{r['load_bytes']}/{r['store_bytes']}" if r.get("load_bytes") is not None else "-",
+             str(r.get("vector") or "-"), str(r["compile_ms"]),
              "ok" if not r["violations"] else f"{len(r['violations'])} broken")
             for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in (head, *body)]
     legend = ("registers: per thread (sm), VGPR/SGPR (gfx); spills: bytes stored + loaded (sm), "
               "registers spilled (gfx); scratch: stack + local / private segment bytes; shared: "
-              "shared memory / LDS bytes per program; compile ms: how long this compilation took")
+              "shared memory / LDS bytes per program; ld/st B: the widest global load / store in "
+              "bytes; VB: a row mover's guaranteed row alignment in bytes (16: its rows must "
+              "move 16 bytes at a time); compile ms: how long this compilation took")
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:], legend])
 
 

@@ -102,12 +102,13 @@ SPECIALIZATIONS: list[Specialization] = []
 
 
 def specialization(name: str, kernel, signature: dict, constexprs: dict | None = None,
-                   exact: bool = True) -> None:
+                   exact: bool = True, aligned: tuple = ()) -> None:
     """Declare a specialisation. The gate compiles declarations only for ``epkit kernels
     --module`` (its own planted kernels); epkit's launches are compiled from their record
-    (``launched.py``), so the kernel modules' declarations are no longer what is checked."""
+    (``launched.py``), so the kernel modules' declarations are no longer what is checked.
+    ``aligned``: the arguments compiled as 16-byte aligned (as a launch would specialise them)."""
     SPECIALIZATIONS.append(Specialization(name, kernel, dict(signature), dict(constexprs or {}),
-                                          exact))
+                                          exact, tuple(aligned)))
 
 
 # ----- tile sizes: the interpreter's or a GPU launch's -----------------------------------------

@@ -109,6 +109,19 @@ def phases(x, o, n, BLOCK: tl.constexpr, FENCED: tl.constexpr):
     tl.store(x + offs, v, mask=m)
 
 
+@triton.jit
+def row_mover(src, dst, off, n, H, VB: tl.constexpr, HINT: tl.constexpr, BLOCK: tl.constexpr):
+    # rows of H int32 units copied to row offsets read from memory: launched for 16-byte rows
+    # (VB = 16), it must tell the compiler (HINT), else each unit moves alone
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.load(off + r)
+    if HINT:
+        o = tl.multiple_of(o, VB // 4)
+    cols = tl.arange(0, BLOCK)
+    m = (cols < H) & (r < n)
+    tl.store(dst + o + cols, tl.load(src + r * H + cols, mask=m), mask=m)
+
+
 F32x3_FUSED = dict(F32x3, FUSED="constexpr")
 F32x3_ROUNDED = dict(F32x3, ROUNDED="constexpr")
 specialization("fused_mul_add", mul_add, F32x3_FUSED, {"BLOCK": 128, "FUSED": True})
@@ -141,6 +154,10 @@ specialization("float_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 
 specialization("clean_int_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 128, "INTS": True})
 specialization("not_exact_float_sum", float_sum, dict(X_O_N, INTS="constexpr"), {"BLOCK": 128, "INTS": False},
                exact=False)
+ROW_MOVER = {"src": "*i32", "dst": "*i32", "off": "*i64", "n": "i32", "H": "i32"}
+for _name, _hint in (("narrow_row_mover", False), ("clean_row_mover", True)):
+    specialization(_name, row_mover, ROW_MOVER, {"VB": 16, "HINT": _hint, "BLOCK": 1024},
+                   aligned=("src", "dst", "off", "H"))
 specialization("barrier_store_then_load", phases, dict(X_O_N, FENCED="constexpr"), {"BLOCK": 128, "FENCED": True})
 specialization("clean_two_buffers", phases, dict(X_O_N, FENCED="constexpr"), {"BLOCK": 128, "FENCED": False})
 
