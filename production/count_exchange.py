@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import _build
 from .collectives import all_gather, group_from_name
 from .hostreads import to_host
-from .memory import device_path, mark_host, pinned
+from .memory import device_path, host_work, mark_host, pinned
 from .moves import token_rows_gather
 from .transports import by_code
 from .plan import (DROPPED_ANY, ERR_RANK, HOST, TEMPLATE, WORD_HEADER, raise_error)
@@ -80,11 +80,12 @@ def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
     counts and ``shape`` = ``[H, K, dtype code, payload]``: exactly the plan's
     routing-independent words (ranks, experts, capacity, the static caps). Marked as a template
     (:data:`TEMPLATE`: epkit.moves.may_drop then answers "a capacity is set")."""
-    template = mark_host(torch.zeros((R, W), dtype=torch.int64))
-    F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
-    for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
-        template[:, F[field]] = int(value)
-    mirror = mark_host(C.plan(template, *args))
+    with host_work():
+        template = mark_host(torch.zeros((R, W), dtype=torch.int64))
+        F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
+        for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
+            template[:, F[field]] = int(value)
+        mirror = mark_host(C.plan(template, *args))
     setattr(mirror, TEMPLATE, True)
     return mirror
 

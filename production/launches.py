@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import triton as kernels
+from .memory import HOST_WORK
 
 __all__ = ["Launches", "count_launches", "LAUNCH_FREE", "DELEGATES"]
 
@@ -85,6 +86,8 @@ class Launches:
             elif name.startswith("c10d::"):
                 self.collectives += 1
                 self.by_name[name] += 1
+            elif name == HOST_WORK:  # host memory only: no launch on a GPU (memory.host_work)
+                continue
             elif name.startswith("aten::") and name not in DELEGATES:
                 if name not in LAUNCH_FREE:
                     self.aten += 1

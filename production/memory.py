@@ -17,9 +17,11 @@ import torch
 
 from . import triton
 
-__all__ = ["HOST_MEMORY", "device_path", "mark_host", "is_host", "pinned"]
+__all__ = ["HOST_MEMORY", "HOST_WORK", "device_path", "mark_host", "is_host", "pinned",
+           "host_work"]
 
 HOST_MEMORY = "_epkit_host_memory"  # attribute of a tensor in host memory on the device path
+HOST_WORK = "epkit::host_work"  # the profiler range of work on host memory (host_work)
 
 
 def device_path(t) -> bool:
@@ -50,3 +52,11 @@ def is_host(t: torch.Tensor) -> bool:
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """A host tensor in pinned memory where there is CUDA (else itself), marked as host."""
     return mark_host(t.pin_memory() if torch.cuda.is_available() else t)
+
+
+def host_work():
+    """A profiler range around work on host memory only (the static exchange's template plan
+    and its words, a host mirror's word): on CUDA it runs on the CPU and launches no kernel,
+    so ``epkit.device.count_launches`` does not count what runs inside (on
+    ``EPKIT_KERNELS=triton`` the same CPU tensors would otherwise look like device ones)."""
+    return torch.profiler.record_function(HOST_WORK)

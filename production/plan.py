@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .hostreads import to_host
-from .memory import device_path
+from .memory import device_path, host_work
 from epkit.reference import abi
 from epkit.reference.errors import error
 
@@ -67,9 +67,14 @@ def ranks_per_node(plan: torch.Tensor) -> int:
 
 
 def stamp_ranks_per_node(plan: torch.Tensor, G: int) -> torch.Tensor:
-    """Write ``G`` into the plan and its host mirror (on CUDA a fill, no host wait)."""
+    """Write ``G`` into the plan and its host mirror (on CUDA a fill, no host wait). ``G`` = 1
+    writes nothing: the plan's word is 0 there, which :func:`ranks_per_node` reads as 1 (one
+    launch fewer for every one-node dispatch)."""
+    if G == 1:
+        return plan
     plan[RANKS_PER_NODE] = G
     mirror = host_plan(plan)
     if mirror is not plan:
-        mirror[RANKS_PER_NODE] = G
+        with host_work():
+            mirror[RANKS_PER_NODE] = G
     return plan

@@ -123,8 +123,9 @@ TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR", "TB", "KEYS", "BLOCKS")  # the launch 
 # Constexprs whose value follows the data (a data dimension padded to a power of two: KP for
 # top-k, CP for recv_map's columns, RP for the ranks; reduce, slot and places kernels): a
 # launch may take a value the recording never saw, so the record's check takes any value of
-# these (the gate compiles the largest recorded). A new one is added here by name.
-SIZE_CONSTEXPRS = ("KP", "CP", "RP")
+# these (the gate compiles the largest recorded). A new one is added here by name. VB, a row
+# mover's alignment (16 for every real model's rows), follows the data's sizes and pointers.
+SIZE_CONSTEXPRS = ("KP", "CP", "RP", "VB")
 _TILE_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s+if\s+INTERPRETED\s+else\s+(.+?)\s*(#.*)?$")
 _TILES = ["gpu" if not INTERPRETED else "interpreter"]
 

@@ -23,7 +23,7 @@ import torch
 from . import bits
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
-from .combine import kp, slot_tile
+from .combine import _vb16, kp, slot_tile
 from .inverse import invert
 from .transports import path_of
 
@@ -32,6 +32,12 @@ __all__ = ["combine_backward_dest", "gather_slot_values", "scatter_slot_values"]
 # Rows per program: the 16-lane walk along H is serial per row, so a program's parallelism is
 # ROWS x 16 lanes; the interpreter pays per operation and takes many rows.
 ROWS = 64 if INTERPRETED else 8
+# the dest kernel's rows at two warps a program: rows that are whole 16-byte pieces (VB = 16)
+# take 16 x 64 columns, 16 elements a thread on sm_90 and 8 on gfx942, so a bfloat16 row moves
+# 16 bytes an access (8 x 64 at 4 warps: 4 to 8 bytes); other rows ROWS (16 spilled their
+# weighted forms on both targets: epkit kernels --compile)
+DEST_ROWS_16 = 64 if INTERPRETED else 16
+DEST_WARPS = 2  # (not by VB: a launch option the record keys on)
 
 
 def _iview(t: torch.Tensor) -> torch.Tensor:
@@ -62,10 +68,14 @@ def _add_chunks(lanes, p, ROWS: tl.constexpr):
 @triton.jit
 def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
                  G_BF16: tl.constexpr, Y_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
-                 ROWS: tl.constexpr):
+                 VB: tl.constexpr, ROWS: tl.constexpr):
     """Rows m of grad_y [M, H] (integer view of y's dtype) and grad_w [M] float32: the received
     row n = src[m] // C of recv [N, H] (integer view) times row_weight[m] (weighted), cast to
-    y's dtype; grad_w[m] = <g, y[m]> in 16 lanes (weighted, else 0); src[m] < 0: zeros."""
+    y's dtype; grad_w[m] = <g, y[m]> in 16 lanes (weighted, else 0); src[m] < 0: zeros.
+    VB: 16 when H is a multiple of 8 and every buffer starts 16-byte aligned (combine._vb16),
+    told to the compiler so a row moves 16 bytes an access; else 1."""
+    if VB == 16:
+        H = (H // 8) * 8  # H itself, its divisibility seen
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < M
     s = tl.load(src + rows, mask=rmask, other=-1)
@@ -166,9 +176,12 @@ def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight
     grad_y = torch.empty((M, H), dtype=y.dtype, device=y.device)
     grad_w = torch.empty((M,), dtype=torch.float32, device=y.device)
     w = row_weight.contiguous() if weighted else grad_w  # (unread when unweighted)
-    launch(_dest_kernel, (cdiv(M, ROWS),), _iview(recv), src, _iview(y), w, _iview(grad_y),
+    vb = _vb16(H, recv, y, grad_y)
+    rows = DEST_ROWS_16 if vb == 16 else ROWS
+    launch(_dest_kernel, (cdiv(M, rows),), _iview(recv), src, _iview(y), w, _iview(grad_y),
            grad_w, M, H, max(recv_map.shape[1], 1), G_BF16=recv.dtype == torch.bfloat16,
-           Y_BF16=y.dtype == torch.bfloat16, WEIGHTED=weighted, ROWS=ROWS)
+           Y_BF16=y.dtype == torch.bfloat16, WEIGHTED=weighted, VB=vb, ROWS=rows,
+           num_warps=DEST_WARPS)
     return grad_y, grad_w
 
 
@@ -315,7 +328,8 @@ for _gb in (True, False):
                  "grad_y": _ptr(_yb), "grad_w": "*fp32", "M": "i32", "H": "i32", "C": "i32",
                  "G_BF16": "constexpr", "Y_BF16": "constexpr", "WEIGHTED": "constexpr",
                  "ROWS": "constexpr"},
-                {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "ROWS": ROWS})
+                {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "VB": 1, "ROWS": ROWS,
+                 "num_warps": DEST_WARPS})
 for _c in (1, 8):
     specialization(f"backward.gather_slots[C<={_c}]", _gather_slots_kernel,
                    {"values": "*i32", "recv_map": "*i64", "first": "*i64", "out": "*i32",

@@ -23,6 +23,8 @@ corrupt device plan cannot make the kernel touch memory it does not own).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
@@ -32,9 +34,12 @@ __all__ = ["write_rows", "int_at", "tile", "GPU_TILES"]
 # A program owns ROWS rows and walks their units BLOCK at a time, the tile fitted to the row:
 # a GPU takes one of three shapes (wide payload rows, short rows, the 8-byte slot rows), few
 # rows each: every row carries its own int64 offsets and masks, and 32 x 128 or 256 x 16 tiles
-# spilled scalar registers on gfx942 (epkit kernels --compile); the interpreter, which pays per tl.* operation more than per element,
-# 64 Ki units, BLOCK the row's length rounded up to a power of two (at most 1 Ki).
-GPU_TILES = ((4, 1024), (8, 128), (32, 16))  # (ROWS, BLOCK), chosen by the row's units
+# spilled scalar registers on gfx942 (epkit kernels --compile). Each holds at least 1,024
+# units (4 KiB of int32): 16 bytes for each of a program's 256 threads on gfx942 (128 on
+# sm_90), so a 16-byte row moves 16 bytes an access (32 x 16 gave gfx942's threads 8 bytes).
+# The interpreter, which pays per tl.* operation more than per element: 64 Ki units, BLOCK the
+# row's length rounded up to a power of two (at most 1 Ki).
+GPU_TILES = ((4, 1024), (8, 128), (64, 16))  # (ROWS, BLOCK), chosen by the row's units
 INTERPRETER_TILE = 1 << 16
 
 
@@ -51,66 +56,78 @@ def tile(W: int) -> tuple[int, int]:
 
 @triton.jit
 def _rows_kernel(out, src, out_off, src_off, hdr, meta, Q, P, N_OUT, N_SRC,
-                 NW: tl.constexpr, HDR: tl.constexpr, U: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 NW: tl.constexpr, HDR: tl.constexpr, U: tl.constexpr, VB: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK: tl.constexpr):
     # Units of U bytes (1: uint8; 4: int32, when every row and offset is a multiple of 4):
     # P, N_OUT, N_SRC count units, out_off / src_off are bytes. A row is P payload units then
-    # 4 NW / U metadata units; a header row's first 8 / U units are its header's. Three
-    # stores with disjoint masks (payload, metadata, header): each unit has one writer.
+    # 4 NW / U metadata units; a header row's first 8 / U units are its header's. Two stores
+    # with disjoint masks (payload, metadata): each unit has one writer, and a header row's
+    # header units are chosen by value inside them, so no mask is cut below a vector.
+    # VB: the bytes every offset, P and both buffers are multiples of (the launch guarantees
+    # it): told to the compiler (tl.multiple_of), the payload moves VB bytes an access (16:
+    # ld/st.global.v4.b32, global_load/store_dwordx4; epkit kernels --compile checks it).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64 from the start
     ob = tl.load(out_off + rows, mask=rows < Q, other=-1)
     sb = tl.load(src_off + rows, mask=rows < Q, other=-1)
+    if VB > 1:  # (a row's -1 is no access: its masks are off)
+        ob = tl.multiple_of(ob, VB)
+        sb = tl.multiple_of(sb, VB)
     o = ob // U
     s = sb // U  # (tested on the byte offsets: -1 // U truncates to 0 on a GPU)
-    live = (rows < Q) & (ob >= 0) & (o + P + 4 * NW // U <= N_OUT)  # the row fits out
-    has = live & (sb >= 0) & (s + P <= N_SRC)  # its payload comes from src (else zeros)
+    PV = (P // (VB // U)) * (VB // U)  # P itself (VB // U divides it), its divisibility seen
+    live = (rows < Q) & (ob >= 0) & (o + PV + 4 * NW // U <= N_OUT)  # the row fits out
+    has = live & (sb >= 0) & (s + PV <= N_SRC)  # its payload comes from src (else zeros)
     if HDR:
         h = tl.load(hdr + rows, mask=live, other=-1)
         head = live & (h >= 0)
     else:
         head = rows < 0
-    for c0 in range(0, P, BLOCK):
+    for c0 in range(0, PV, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
-        keep = live[:, None] & (cols < P)[None, :]
-        if HDR:
-            keep = keep & ~(head[:, None] & (cols < 8 // U)[None, :])
+        keep = live[:, None] & ((cols // (VB // U)) < (P // (VB // U)))[None, :]  # a vector's
         v = tl.load(src + (s[:, None] + cols[None, :]), mask=keep & has[:, None], other=0)
+        if HDR:
+            v = _with_header(v, head, h, cols, U)
         tl.store(out + (o[:, None] + cols[None, :]), v, mask=keep)
     if NW > 0:
         mc = tl.arange(0, 4 * NW // U)  # metadata units
-        keep = live[:, None] & ~(head[:, None] & ((P + mc) < 8 // U)[None, :])
+        keep = live[:, None] & (mc >= 0)[None, :]
         if U == 1:  # field mc // 4, byte mc % 4 (little-endian), cut by shifts
             word = tl.load(meta + rows[:, None] * NW + (mc // 4)[None, :], mask=keep, other=0)
             v = ((word >> ((mc % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
         else:  # a unit is a field
             v = tl.load(meta + rows[:, None] * NW + mc[None, :], mask=keep, other=0)
-        tl.store(out + (o[:, None] + (P + mc)[None, :]), v, mask=keep)
-    if HDR:
-        hc = tl.arange(0, 8 // U)  # the int64 header: 8 bytes, or two int32 halves, low first
-        lead = (h[:, None] >> (hc * (8 * U)).to(tl.int64)[None, :]) & ((1 << (8 * U)) - 1)
-        if U == 1:
-            v = lead.to(tl.uint8)
-        else:
-            v = lead.to(tl.int32)
-        tl.store(out + (o[:, None] + hc[None, :]), v, mask=head[:, None] & (hc >= 0)[None, :])
+        if HDR:
+            v = _with_header(v, head, h, PV + mc, U)
+        tl.store(out + (o[:, None] + (PV + mc)[None, :]), v, mask=keep)
+
+
+@triton.jit
+def _with_header(v, head, h, cols, U: tl.constexpr):
+    """v [ROWS, n] (units at row columns ``cols``) with a header row's first 8 / U units
+    replaced by its int64 header ``h`` (little-endian: 8 bytes, or two int32 halves)."""
+    HU = 8 // U
+    shift = (tl.minimum(cols, HU - 1) * (8 * U)).to(tl.int64)
+    part = (h[:, None] >> shift[None, :]) & ((1 << (8 * U)) - 1)
+    return tl.where(head[:, None] & (cols < HU)[None, :], part.to(v.dtype), v)
 
 
 def _sig(U: int) -> dict:
     unit = "*u8" if U == 1 else "*i32"
     return {"out": unit, "src": unit, "out_off": "*i64", "src_off": "*i64", "hdr": "*i64",
             "meta": "*i32", "Q": "i64", "P": "i32", "N_OUT": "i64", "N_SRC": "i64",
-            "NW": "constexpr", "HDR": "constexpr", "U": "constexpr", "ROWS": "constexpr",
-            "BLOCK": "constexpr"}
+            "NW": "constexpr", "HDR": "constexpr", "U": "constexpr", "VB": "constexpr",
+            "ROWS": "constexpr", "BLOCK": "constexpr"}
 
 
 def declare(name: str, NW: int, HDR: bool) -> None:
     """Declare the compiled forms that ``write_rows(..., NW, HDR)`` launches: byte and int32
     units, each GPU tile (for the compile gate; the interpreter's tiles are not compiled)."""
-    for U in (1, 4):
+    for U, VB in ((1, 1), (4, 4), (4, 16)):
         for rows, block in GPU_TILES:
-            specialization(f"{name}.u{U}.b{block}", _rows_kernel, _sig(U),
-                           {"NW": NW, "HDR": HDR, "U": U, "ROWS": rows, "BLOCK": block},
-                           exact=True)
+            specialization(f"{name}.u{U}.vb{VB}.b{block}", _rows_kernel, _sig(U),
+                           {"NW": NW, "HDR": HDR, "U": U, "VB": VB, "ROWS": rows,
+                            "BLOCK": block}, exact=True)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -135,8 +152,11 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
     assert W == P + 4 * NW and (hdr is None or W >= 8)
     ob, sb = _bytes(out), _bytes(src)
     HDR = hdr is not None
-    U = 4 if all(v % 4 == 0 for v in (align, P, W, ob.numel(), sb.numel(), ob.data_ptr(),
-                                      sb.data_ptr())) else 1
+    # the widest access every row allows: offsets, payload length and both buffers' starts
+    # (and lengths, for int32 units) its multiples; W - P (metadata) is whole int32 words
+    VB = math.gcd(16, align, P, ob.data_ptr(), sb.data_ptr())
+    U = 4 if VB % 4 == 0 and all(v % 4 == 0 for v in (W, ob.numel(), sb.numel())) else 1
+    VB = VB if U == 4 else 1
     if U == 4:
         ob, sb = ob.view(torch.int32), sb.view(torch.int32)
     # Unused pointers (NW = 0, no HDR) still need their declared types.
@@ -147,7 +167,7 @@ def write_rows(out: torch.Tensor, out_off: torch.Tensor, W: int, src: torch.Tens
     rows, block = tile(P // U)
     launch(_rows_kernel, (cdiv(Q, rows),), ob, sb, out_off, src_off, hdr, meta,
            Q, P // U, ob.numel(), sb.numel(),
-           NW=NW, HDR=HDR, U=U, ROWS=rows, BLOCK=block)
+           NW=NW, HDR=HDR, U=U, VB=VB, ROWS=rows, BLOCK=block)
 
 
 @triton.jit

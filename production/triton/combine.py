@@ -24,6 +24,8 @@ tensors the C++ kernel's error is raised too (reading them is free there).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import bits
@@ -39,9 +41,21 @@ __all__ = ["gather_rows", "gather_units", "reduce_tokens"]
 # spilled on sm_90, epkit kernels --compile).
 ROWS = 64 if INTERPRETED else 4
 BLOCK = 256 if INTERPRETED else 128
-# the reduce's columns: it also walks the token's slots ([ROWS, KP] tiles), and at 4 x 128 a
-# dedup float32 form spilled 4 bytes on sm_90 (epkit kernels --compile)
-REDUCE_BLOCK = 256 if INTERPRETED else 64
+# the reduce's tiles, (ROWS, BLOCK), at two warps a program: it also walks the token's slots
+# ([ROWS, KP] tiles). Rows that are whole 16-byte pieces (VB = 16) take 8 x 128: 16 elements a
+# thread on sm_90, 8 on gfx942, so a bfloat16 row's loads and stores are 16 bytes; other rows
+# take 4 x 32 (more elements a thread spilled there: 4 x 64 at two warps 4 bytes on sm_90, at
+# one warp SGPRs on gfx942; epkit kernels --compile). The warps do not follow the data (a
+# launch option the record keys on; VB does, SIZE_CONSTEXPRS)
+REDUCE_TILE = (64, 256) if INTERPRETED else (4, 32)
+REDUCE_TILE_16 = (64, 256) if INTERPRETED else (8, 128)
+REDUCE_WARPS = 2
+# the units kernel's row tile on a GPU, in bytes: ROWS x 1 KiB is 16 bytes for each thread of
+# a program (4 warps of 32 on sm_90, 4 wavefronts of 64 on gfx942: 256 threads), so a thread's
+# access can be 16 bytes whatever the element size (BLOCK = 1 KiB / element bytes). Forming
+# partials takes two warps (a float32 sum a column: at four, a bfloat16 form spilled on sm_90)
+UNITS_ROW_BYTES = 1024
+UNITS_PARTIAL_WARPS = 2
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -56,16 +70,20 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _units_kernel(y, umap, recv_map, row_weight, out, U, H, M, C, US,
                   PARTIAL: tl.constexpr, PER: tl.constexpr, BF16: tl.constexpr,
-                  WEIGHTED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                  WEIGHTED: tl.constexpr, ES: tl.constexpr, VB: tl.constexpr,
+                  ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out [U, H] (the units, integer view) from umap [U] int64 (stride US: pairs reads
     recv_map's column in place): m in [0, M), the unit is y's row m (bits); -1 or out of range,
     zeros (padding, gaps, a raw token row's unused units); -2 - (n * PER + j) (PARTIAL), unit
     j of token row n's float32 partial (its bytes j H .. (j + 1) H of y's dtype), the partial
-    formed here from recv_map [N, C] row n, c ascending."""
+    formed here from recv_map [N, C] row n, c ascending. ES: y's element bytes; VB: the bytes
+    H * ES and both buffers' starts are multiples of (up to 16), told to the compiler so a row
+    moves VB bytes an access."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    H = (H // (VB // ES)) * (VB // ES)  # H itself (VB // ES divides it), its divisibility seen
     rmask = rows < U
-    cmask = cols < H
+    cmask = (cols // (VB // ES)) < (H // (VB // ES))  # constant over a vector
     src = tl.load(umap + rows * US, mask=rmask, other=-1)
     src = tl.where(src < M, src, -1)
     raw = rmask & (src >= 0)
@@ -135,10 +153,13 @@ def units(y, umap, recv_map, row_weight, partial: bool, weighted: bool, out) -> 
     # token rows sum their slots into float32 partials (weighted there); slot rows are copied
     w = row_weight.contiguous() if partial and weighted else yi  # (unread otherwise)
     oi = out.view(yi.dtype).view(U, yi.shape[1])
-    launch(_units_kernel, (cdiv(U, ROWS), cdiv(yi.shape[1], BLOCK)), yi, umap, recv_map, w, oi,
+    es = yi.element_size()
+    vb = math.gcd(16, yi.shape[1] * es, yi.data_ptr(), oi.data_ptr())
+    block = BLOCK if INTERPRETED else UNITS_ROW_BYTES // es
+    launch(_units_kernel, (cdiv(U, ROWS), cdiv(yi.shape[1], block)), yi, umap, recv_map, w, oi,
            U, yi.shape[1], M, recv_map.shape[1], umap.stride(0), PARTIAL=partial, PER=per,
-           BF16=partial and y.dtype == torch.bfloat16, WEIGHTED=partial and weighted, ROWS=ROWS,
-           BLOCK=BLOCK)
+           BF16=partial and y.dtype == torch.bfloat16, WEIGHTED=partial and weighted, ES=es,
+           VB=vb, ROWS=ROWS, BLOCK=block, num_warps=UNITS_PARTIAL_WARPS if partial else 4)
 
 
 def gather_rows(expert_y: torch.Tensor, recv_map: torch.Tensor, row_weight: torch.Tensor,
@@ -196,8 +217,8 @@ def slot_tile(idx, send_map, rows, rmask, K, C, E, R, L, TOKEN_ROWS: tl.constexp
 def _reduce_kernel(back, send_map, idx, w, first, out, T, H, K, C, E, R, L, G, S, U,
                    TOKEN_ROWS: tl.constexpr, COMPACT: tl.constexpr, PER: tl.constexpr,
                    BACK_BF16: tl.constexpr, OUT_BF16: tl.constexpr, WEIGHTED: tl.constexpr,
-                   GROUPED: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   GROUPED: tl.constexpr, KP: tl.constexpr, VB: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out [T, H] (integer view of out_dtype): each token's sum over its used slots in (rank,
     k) order, the steps found here from its routing (no bookkeeping launched before it).
 
@@ -211,12 +232,18 @@ def _reduce_kernel(back, send_map, idx, w, first, out, T, H, K, C, E, R, L, G, S
     each adds its own unit (first + place in the group), else the group's first slot takes its
     float32 partial. The group's last slot flushes the partial into the total (or the node
     partial, GROUPED: nodes of G ranks). A group whose units lie outside back's U adds
-    nothing (the C++ kernel raises; on the device path it is masked)."""
+    nothing (the C++ kernel raises; on the device path it is masked). VB: 16 when H is a
+    multiple of 8 and both buffers start 16-byte aligned (a row is then whole 16-byte pieces in
+    either element size), told to the compiler; else 1."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ks = tl.arange(0, KP)
     rmask = rows < T
-    cmask = cols < H
+    if VB == 16:
+        H = (H // 8) * 8  # H itself, its divisibility seen
+        cmask = (cols // 8) < (H // 8)  # constant over a vector
+    else:
+        cmask = cols < H
     tk, ok_e, d, r = slot_tile(idx, send_map, rows, rmask, K, C, E, R, L, TOKEN_ROWS, ROWS, KP)
     used = ok_e & (r >= 0) & (r < S)
     NONE = (R + 1) * KP  # above every used key
@@ -352,13 +379,21 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
             ck.fail(op, path.UNMATCHED_SLOT)
     w = topk_weights.contiguous() if weighted else out_dummy(back)  # (unread unweighted)
     out = torch.empty((T, H), dtype=out_dtype, device=back.device)
-    launch(_reduce_kernel, (cdiv(T, ROWS), cdiv(H, REDUCE_BLOCK)), int_view(back).view(U, H),
+    vb = _vb16(H, back, out)
+    rows, block = REDUCE_TILE_16 if vb == 16 else REDUCE_TILE
+    launch(_reduce_kernel, (cdiv(T, rows), cdiv(H, block)), int_view(back).view(U, H),
            send_map, idx, w, first if compact else send_map, int_view(out), T, H, K,
            send_map.shape[1], E, R, E // R, G, S, U, TOKEN_ROWS=path.TOKEN_ROWS,
            COMPACT=compact, PER=per, BACK_BF16=back.dtype == torch.bfloat16,
            OUT_BF16=out_dtype == torch.bfloat16, WEIGHTED=weighted, GROUPED=G > 1,
-           KP=kp(K), ROWS=ROWS, BLOCK=REDUCE_BLOCK)
+           KP=kp(K), VB=vb, ROWS=rows, BLOCK=block, num_warps=REDUCE_WARPS)
     return out
+
+
+def _vb16(H: int, *bufs: torch.Tensor) -> int:
+    """16 when rows of H elements (2 or 4 bytes) are whole 16-byte pieces in every buffer:
+    H a multiple of 8 and each buffer 16-byte aligned; else 1."""
+    return 16 if H % 8 == 0 and all(b.data_ptr() % 16 == 0 for b in bufs) else 1
 
 
 def out_dummy(t: torch.Tensor) -> torch.Tensor:
@@ -384,9 +419,11 @@ for _yt, _partial, _bf16 in [(torch.int16, True, True), (torch.int32, True, Fals
              "row_weight": "*fp32" if _w else _INT_PTR[_yt], "out": _INT_PTR[_yt], "U": "i32",
              "H": "i32", "M": "i32", "C": "i32", "US": "i32", "PARTIAL": "constexpr",
              "PER": "constexpr", "BF16": "constexpr", "WEIGHTED": "constexpr",
-             "ROWS": "constexpr", "BLOCK": "constexpr"},
+             "ES": "constexpr", "VB": "constexpr", "ROWS": "constexpr", "BLOCK": "constexpr"},
             {"PARTIAL": _partial, "PER": 2 if _bf16 else 1, "BF16": _bf16, "WEIGHTED": _w,
-             "ROWS": ROWS, "BLOCK": BLOCK})
+             "ES": _yt.itemsize, "VB": _yt.itemsize, "ROWS": ROWS,
+             "BLOCK": UNITS_ROW_BYTES // _yt.itemsize,
+             "num_warps": UNITS_PARTIAL_WARPS if _partial else 4})
 _REDUCE_FORMS = [(tr, bb, ob, wt, False) for tr in ("pairs", "dedup")
                  for bb, ob in ((True, True), (False, False), (False, True))
                  for wt in (True, False)] + [("dedup", True, True, True, True),
@@ -405,4 +442,4 @@ for _tr, _bb, _ob, _w, _g in _REDUCE_FORMS:
          "ROWS": "constexpr", "BLOCK": "constexpr"},
         {"TOKEN_ROWS": _dedup, "COMPACT": _dedup, "PER": 2 if _dedup and _bb else 1,
          "BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g, "KP": 8,
-         "ROWS": ROWS, "BLOCK": REDUCE_BLOCK})
+         "VB": 1, "ROWS": REDUCE_TILE[0], "BLOCK": REDUCE_TILE[1], "num_warps": REDUCE_WARPS})

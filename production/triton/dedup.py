@@ -17,12 +17,12 @@ import torch
 
 from epkit.reference import abi
 
-from .. import plan as W
 from . import byterows, ranks
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .byterows import int_at
-from .indexmaps import excl, place, rank_in_key, section, take
+from .rowspace import any_bit
+from .sections import ERR_CODE, SLOT_ROW, TOKEN_ROW, excl_at, section_rows
 from .wirechecks import ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_SHAPE, ST_SLOT_ROW, ST_SLOTS
 
 NAME = "dedup"
@@ -101,53 +101,117 @@ def check_back(op, back, first) -> None:
 
 
 # ---- pack ------------------------------------------------------------------------------------
+@triton.jit
+def _open_kernel(idx, rank, plan, keys, nopen, TK, K, E, L, R, o_own, BLOCK: tl.constexpr):
+    """Slots q [pid * BLOCK, +BLOCK) of the flattened routing (slot k of token t = q // K):
+    whether each is sent (it names an expert e, its rank among this rank's slots to e is below
+    own_kept[e], the plan carries no error) and whether it opens its token's row to rank
+    d = e // L (no earlier slot k' < k of the token is sent to d). Writes the two rank keys:
+    keys[q] = d for an opening slot (token rows: a token's place among the tokens opening on
+    d), keys[TK + q] = R + d for a sent slot (slot rows: its place among d's slots), 2 R
+    (none) otherwise; and nopen[q] = the token's sent slots to d (a token row's n)."""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < TK
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
+    kept, d = _sent(idx, rank, plan, q, inq, ok, E, L, o_own)
+    t = q // K
+    n = tl.zeros([BLOCK], tl.int64)
+    earlier = q < 0
+    for k2 in range(K):  # the token's slots: a walk of K cached loads each
+        q2 = t * K + k2
+        kept2, d2 = _sent(idx, rank, plan, q2, inq, ok, E, L, o_own)
+        same = kept & kept2 & (d2 == d)
+        n += same.to(tl.int64)
+        earlier = earlier | (same & (q2 < q))
+    tl.store(keys + q, tl.where(kept & ~earlier, d, 2 * R), mask=inq)
+    tl.store(keys + TK + q, tl.where(kept, R + d, 2 * R), mask=inq)
+    tl.store(nopen + q, n, mask=inq)
+
+
+@triton.jit
+def _sent(idx, rank, plan, q, inq, ok, E, L, o_own):
+    """(sent, destination rank) of slots q: it names an expert e in [0, E), its rank among
+    this rank's slots to e is below own_kept[e] and the plan carries no error."""
+    e = tl.load(idx + q, mask=inq, other=-1)
+    valid = inq & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    r = tl.load(rank + q, mask=inq, other=0)
+    return valid & ok & (r < tl.load(plan + o_own + e, mask=valid, other=0)), e // L
+
+
+@triton.jit
+def _places_kernel(keys, rank2, plan, send_map, srcA, srcB, TK, K, R, CAP, TOKCAP, SLOTCAP, QA,
+                   QB, o_counts, o_nslots, BLOCK: tl.constexpr):
+    """Slots q [pid * BLOCK, +BLOCK): an opening slot's token row, its place tok = rank2[q]
+    among the tokens opening on d, is sent when tok < send_counts[d]: send_map[t, d] its row in
+    the row space (static d * (1 + cap) + 1 + tok, ragged the rows of the chunks before plus
+    tok), srcA[its first-section row] = q; a sent slot's slot row, its place u = rank2[TK + q]
+    among d's slots, is sent when u < send_slots[d]: srcB[its slot-section row] = q. (send_map,
+    srcA and srcB filled with -1 by the ranks' launch.)"""
+    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inq = q < TK
+    ka = tl.load(keys + q, mask=inq, other=2 * R)
+    kb = tl.load(keys + TK + q, mask=inq, other=2 * R)
+    static = ((tl.zeros([BLOCK], tl.int64) + CAP) >= 0).to(tl.int64)
+    # the token row
+    opening = inq & (ka < R)
+    d = tl.where(opening, ka, 0)
+    tok = tl.load(rank2 + q, mask=opening, other=0)
+    opening = opening & (tok < tl.load(plan + o_counts + d, mask=opening, other=0))
+    before = excl_at(plan, o_counts, R, d, opening)  # rows of the chunks before d
+    row = tl.where(static != 0, d * (1 + CAP) + 1 + tok, before + tok)
+    tl.store(send_map + (q // K) * R + d, row, mask=opening)
+    at = tl.where(TOKCAP >= 0, d * TOKCAP, before) + static + tok
+    tl.store(srcA + at, q, mask=opening & (at >= 0) & (at < QA))
+    # the slot row
+    sent = inq & (kb >= R) & (kb < 2 * R)
+    d = tl.where(sent, kb - R, 0)
+    u = tl.load(rank2 + TK + q, mask=sent, other=0)
+    sent = sent & (u < tl.load(plan + o_nslots + d, mask=sent, other=0))
+    at = tl.where(SLOTCAP >= 0, d * SLOTCAP, excl_at(plan, o_nslots, R, d, sent)) + static + u
+    tl.store(srcB + at, q, mask=sent & (at >= 0) & (at < QB))
+
+
+PACK_BLOCK = 4096 if INTERPRETED else 256  # slots a program of pack's slot launches
+
+
 def pack_rows(ix):
-    """The first section's token rows, from pack's index pass ``ix`` (pack.Slots): kept slots
-    per (token, destination), a token's row in chunk d by an exclusive cumsum over the tokens.
-    Returns (send_map [T, R] int64, then what the row writer takes: ``ix.first_rows`` of each
-    row's token [QA] int64 (-1: no row) and meta [QA, 2] int32)."""
-    T, R, dev = ix.T, ix.R, ix.idx.device
-    td = ix.t * R + ix.d
-    n_td = torch.zeros(T * R + 1, dtype=torch.int64, device=dev)
-    n_td.scatter_add_(0, torch.where(ix.kept, td, T * R), torch.ones_like(td))
-    n_td = n_td[: T * R].view(T, R)
-    opens = n_td > 0
-    tok = excl(opens.to(torch.int64))  # token row of (t, d) within chunk d
-    dd = torch.arange(R, dtype=torch.int64, device=dev).expand(T, R)
-    opens = opens & (tok < ix.counts[None, :])
-    send_map = torch.where(opens, ix.row_of(dd, tok), -1)
-    src = place(ix.QA, (ix.baseA[None, :] + ix.hdr + tok).reshape(-1), opens.reshape(-1),
-                torch.arange(T * R, dtype=torch.int64, device=dev))
-    has, s = src >= 0, src.clamp(min=0)
-    words = torch.stack([s // R, take(n_td.reshape(-1), s)], 1)
-    meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    return (send_map, *ix.first_rows(torch.where(has, s // R, -1), meta))
+    """The first section's token rows, from pack's index pass ``ix`` (pack.Slots): each slot
+    sent or not and whether it opens its token's row to its rank (``_open_kernel``), the
+    token rows' and the slot rows' places (one ``ranks.rank_in_key`` over both keys, two
+    launches), send_map and the two sections' row maps (``_places_kernel``), then the token
+    rows' words (sections.py). Returns (send_map [T, R] int64, the rows' byte offsets [QA],
+    their payloads' source offsets [QA], meta [QA, 2] int32, the header values or None); the
+    slot section's row map waits on ``ix`` for :func:`pack_slots`. send_map is a view of the
+    buffer that holds the two row maps too (one -1 fill for the three)."""
+    T, R, TK, QA, QB = ix.T, ix.R, ix.idx.numel(), ix.QA, ix.QB
+    i64 = dict(dtype=torch.int64, device=ix.idx.device)
+    maps = torch.empty(T * R + QA + QB, **i64)
+    send_map, srcA, srcB = maps[: T * R], maps[T * R: T * R + QA], maps[T * R + QA:]
+    keys, nopen = torch.empty(2 * TK, **i64), torch.empty(TK, **i64)
+    sl = ix.sl
+    if TK:
+        launch(_open_kernel, (cdiv(TK, PACK_BLOCK),), ix.idx, ix.rank, ix.plan, keys, nopen,
+               TK, max(ix.K, 1), ix.E, ix.L, R, sl["own_kept"].start, BLOCK=PACK_BLOCK)
+    rank2 = ranks.rank_in_key(keys, 2 * R, fill=maps)
+    if TK:
+        launch(_places_kernel, (cdiv(TK, PACK_BLOCK),), keys, rank2, ix.plan, send_map, srcA,
+               srcB, TK, max(ix.K, 1), R, ix.cap, ix.tokcap, ix.slotcap, QA, QB,
+               sl["send_counts"].start, sl["send_slots"].start, BLOCK=PACK_BLOCK)
+    ix.slot_src = srcB
+    rows = section_rows(ix, TOKEN_ROW, srcA, QA, ix.B, "send_counts", ix.tokcap, aux=nopen)
+    return (send_map.view(T, R), *rows)
 
 
 def pack_slots(ix) -> None:
-    """The slot rows: chunk d's kept slots in (t, k) order, after its token section."""
-    R, d = ix.R, ix.d
-    u = rank_in_key(torch.where(ix.kept, d, R), R)
-    kept = ix.kept & (u < ix.nslots[d])
-    dB, posB, offB, baseB = section(ix.QB, ix.slot_rows, ix.chunk + ix.tok_rows * ix.B, SLOT, R)
-    src = place(ix.QB, baseB[d] + ix.hdr + u, kept, ix.slot)
-    has, s = src >= 0, src.clamp(min=0)
-    # k >= 128 sets the int32's sign bit: the conversion keeps the low 32 bits
-    code = ((take(ix.k, s) << abi.SLOT_K_SHIFT) | take(ix.j, s)).to(torch.int32)
-    words = torch.stack([code.to(torch.int64), take(ix.wbits, s)], 1)
-    meta = torch.where(has[:, None], words, 0).to(torch.int32)
-    hdrB = torch.where(ix.ok & (posB == 0), ix.nslots[dB], -1) if ix.hdr else None
-    byterows.write_rows(ix.send, offB, SLOT, ix.x, torch.full_like(offB, -1), 0, meta, hdrB,
-                        align=ix.align)
+    """The slot rows: chunk d's sent slots in (t, k) order, after its token section (their
+    map made by :func:`pack_rows`), their words (sections.py) and the row writer."""
+    offB, src_off, meta, hdrB = section_rows(ix, SLOT_ROW, ix.slot_src, ix.QB, SLOT,
+                                             "send_slots", ix.slotcap)
+    byterows.write_rows(ix.send, offB, SLOT, ix.x, src_off, 0, meta, hdrB, align=ix.align)
 
 
 # ---- unpack ----------------------------------------------------------------------------------
-@triton.jit
-def _any(cond, bit):
-    """``bit`` where any lane of ``cond`` holds, else 0 (int32)."""
-    return tl.max(cond.to(tl.int32), 0) * bit
-
-
 @triton.jit
 def _tokens_kernel(recv, at, data, nn_o, words, N, NB, P, K, BLOCK: tl.constexpr):
     """Token rows [pid * BLOCK, +BLOCK): each one's slot count n (0 off the data rows, a
@@ -160,7 +224,7 @@ def _tokens_kernel(recv, at, data, nn_o, words, N, NB, P, K, BLOCK: tl.constexpr
     n = int_at(recv, tl.load(at + r, mask=inr, other=0) + P + _META_N, dv, NB, 4)
     nn = tl.where(dv, tl.maximum(n, 0), 0)
     tl.store(nn_o + r, nn, mask=inr)
-    tl.store(words + pid, _any(dv & (n < 0), _ST_SLOTS) | _any(nn > K, _ST_EXPERT_ROW))
+    tl.store(words + pid, any_bit(dv & (n < 0), _ST_SLOTS) | any_bit(nn > K, _ST_EXPERT_ROW))
 
 
 @triton.jit
@@ -182,18 +246,17 @@ def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, s
     dv = inq & (tl.load(data + n, mask=inq, other=0) != 0)
     sv = dv & (c < tl.minimum(tl.load(nn + n, mask=inq, other=0), K))
     src = tl.load(s + n, mask=inq, other=0)
-    sec = tl.zeros([BLOCK], tl.int64)  # the source's slot section: its chunk's first byte,
-    for prev in range(R):               # then its token section
-        sec += tl.where(prev < src, tl.load(plan + o_bytes + prev), 0)
+    sec = excl_at(plan, o_bytes, R, src, inq)  # the source's chunk's first byte (then its
+    # token section and the slot rows of the token rows before)
     tok = tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + src, mask=inq, other=0))
     so = (sec + tok * B + (HDR + tl.load(before + n, mask=inq, other=0)) * _SLOT) + c * _SLOT
-    bits = _any(sv & ((so < 0) | (so + _SLOT > NB)), _ST_SHAPE)
+    bits = any_bit(sv & ((so < 0) | (so + _SLOT > NB)), _ST_SHAPE)
     sv = sv & (so >= 0) & (so + _SLOT <= NB)
     word = int_at(recv, so, sv, NB, 4)
     kk = (word & 0xFFFFFFFF) >> _K_SHIFT
     jj = word & _J_MASK
     bad = sv & ((jj >= L) | (kk >= K))
-    bits |= _any(bad, _ST_SLOT_ROW)
+    bits |= any_bit(bad, _ST_SLOT_ROW)
     sv = sv & ~bad
     tl.store(kk_o + q, kk, mask=inq)
     tl.store(jj_o + q, tl.minimum(jj, L - 1), mask=inq)
@@ -202,7 +265,7 @@ def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, s
     tl.store(key_o + q, tl.where(sv, jj, L), mask=inq)
     if pid == 0:
         v = tl.arange(0, VEC)
-        ok = (tl.zeros([VEC], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # (interpreter)
+        ok = (tl.zeros([VEC], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # (interpreter)
         done = tl.zeros([VEC], tl.int64)  # the bytes of the chunks before
         for d0 in range(0, R, VEC):
             d = d0 + v
@@ -210,13 +273,13 @@ def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, s
             for blk in range(NBLK):
                 tot += tl.load(hist + blk * (R + 1) + d, mask=d < R, other=0)
             nsl = tl.load(plan + o_nslots + d, mask=d < R, other=0)
-            bits |= _any((d < R) & (tot != nsl), _ST_SLOTS)
+            bits |= any_bit((d < R) & (tot != nsl), _ST_SLOTS)
             nb = tl.load(plan + o_bytes + d, mask=d < R, other=0)
             first = tl.sum(done, 0) + tl.cumsum(nb, 0) - nb
             tk = tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + d, mask=d < R, other=0))
             hdr = (tl.zeros([VEC], tl.int64) + HDR) != 0  # a tile (interpreter)
             head = int_at(recv, first + tk * B, (d < R) & ok & hdr, NB, 8)
-            bits |= _any((d < R) & hdr & (head != nsl), _ST_SLOTS)
+            bits |= any_bit((d < R) & hdr & (head != nsl), _ST_SLOTS)
             done += nb
     tl.store(words + pid, bits)
 
@@ -236,7 +299,7 @@ def _slot_places_kernel(plan, jj, kk, sv, rank, hist, m_o, live_o, rk_o, words, 
     j = tl.load(jj + q, mask=inq, other=0)
     m = tl.load(plan + o_offsets + j, mask=inq, other=0) + tl.load(rank + q, mask=inq, other=0)
     hi = tl.load(plan + o_offsets + j + 1, mask=inq, other=0)
-    bits = _any(v & ((m >= hi) | (m >= M)), _ST_EXPERT_ROW)
+    bits = any_bit(v & ((m >= hi) | (m >= M)), _ST_EXPERT_ROW)
     k = tl.load(kk + q, mask=inq, other=0)
     n = q // K
     twice = inq & (q < 0)
@@ -244,7 +307,7 @@ def _slot_places_kernel(plan, jj, kk, sv, rank, hist, m_o, live_o, rk_o, words, 
         q2 = n * K + c
         v2 = inq & (tl.load(sv + q2, mask=inq, other=0) != 0)
         twice = twice | (v & v2 & (q2 != q) & (tl.load(kk + q2, mask=inq, other=-1) == k))
-    bits |= _any(twice, _ST_EXPERT_ROW)
+    bits |= any_bit(twice, _ST_EXPERT_ROW)
     tl.store(m_o + q, m, mask=inq)
     tl.store(live_o + q, (v & (m < M)).to(tl.uint8), mask=inq)
     tl.store(rk_o + q, n * K + k, mask=inq)
@@ -255,11 +318,10 @@ def _slot_places_kernel(plan, jj, kk, sv, rank, hist, m_o, live_o, rk_o, words, 
             for blk in range(NBLK):
                 cnt += tl.load(hist + blk * (L + 1) + jv, mask=jv < L, other=0)
             tpe = tl.load(plan + o_tpe + jv, mask=jv < L, other=0)
-            bits |= _any((jv < L) & (cnt != tpe), _ST_EXPERT_TOTAL)
+            bits |= any_bit((jv < L) & (cnt != tpe), _ST_EXPERT_TOTAL)
     tl.store(words + pid, bits)
 
 
-_ERR_CODE = tl.constexpr(W.ERR_CODE)
 _META_N = tl.constexpr(4 * abi.DEDUP_TOKEN_META.index("n"))
 _SLOT = tl.constexpr(abi.SLOT_ROW_BYTES)
 _K_SHIFT = tl.constexpr(abi.SLOT_K_SHIFT)

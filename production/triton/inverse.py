@@ -16,7 +16,7 @@ import torch
 
 from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
 
-__all__ = ["invert", "place"]
+__all__ = ["invert"]
 
 BLOCK = 4096 if INTERPRETED else 1024
 
@@ -39,31 +39,6 @@ def _invert_kernel(map, inv, N, Q, DIV, SCALE, BLOCK: tl.constexpr):
     q = tl.load(map + i, mask=m, other=-1)
     ok = m & (q >= 0) & (q < Q)
     tl.store(inv + q, (i // DIV) * SCALE, mask=ok)
-
-
-@triton.jit
-def _place_kernel(q, keep, what, out, N, Q, BLOCK: tl.constexpr):
-    """out[q[i]] = what[i] for the kept entries i of q [N] in [0, Q)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < N
-    at = tl.load(q + i, mask=m, other=-1)
-    ok = m & (tl.load(keep + i, mask=m, other=0) != 0) & (at >= 0) & (at < Q)
-    tl.store(out + at, tl.load(what + i, mask=ok, other=0), mask=ok)
-
-
-def place(Q: int, q: torch.Tensor, keep: torch.Tensor, what: torch.Tensor) -> torch.Tensor:
-    """``[Q] int64``: ``what[i]`` at ``q[i]`` for each kept ``i`` with ``q[i]`` in [0, Q), -1
-    elsewhere (``indexmaps.place``'s contract), in two launches."""
-    q, keep, what = torch.broadcast_tensors(q, keep, what)
-    q, keep = q.reshape(-1).contiguous(), keep.reshape(-1).contiguous()
-    what = what.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(Q, dtype=torch.int64, device=q.device)
-    if Q:
-        launch(_fill_kernel, (cdiv(Q, BLOCK),), out, out, Q, 1, OWN=False, BLOCK=BLOCK)
-    if Q and q.numel():
-        launch(_place_kernel, (cdiv(q.numel(), BLOCK),), q, keep.view(torch.uint8), what, out,
-               q.numel(), Q, BLOCK=BLOCK)
-    return out
 
 
 def invert(index_map: torch.Tensor, Q: int, div: int = 1, scale: int = 1, own: bool = False):
@@ -89,6 +64,3 @@ for _own in (False, True):
 specialization("inverse.invert", _invert_kernel,
                {"map": "*i64", "inv": "*i64", "N": "i32", "Q": "i32", "DIV": "i32",
                 "SCALE": "i64", "BLOCK": "constexpr"}, {"BLOCK": BLOCK})
-specialization("inverse.place", _place_kernel,
-               {"q": "*i64", "keep": "*u8", "what": "*i64", "out": "*i64", "N": "i32",
-                "Q": "i32", "BLOCK": "constexpr"}, {"BLOCK": BLOCK})

@@ -14,11 +14,11 @@ Index pass, no host read: each slot's rank among this rank's slots to its expert
 order (``ranks.rank_in_key``, two launches: the blocks' histograms, then the ranks), so
 ``rank < own_kept[e]`` is the capacity's kept mask. The rest is the path's: pairs' row in its
 chunk follows from the plan's ``own_kept`` prefix, in two launches of pairs.py (the slots',
-then the first section's rows); dedup's token rows are an exclusive cumsum over the ``[T, R]``
-table of kept slots, its slot rows a second rank by destination (torch ops around the ranks).
-Each section row of the buffer gets its source (a payload row of x or none), its metadata
-words and its header value through an index map, and ``byterows.write_rows`` writes every
-byte of the section once.
+then the first section's rows); dedup's token rows and slot rows are ranked in one more ranks
+pass (a token among the tokens opening on a rank, a slot among the rank's slots), around an
+open launch and a places launch of dedup.py, then each section's rows. Each section row of the
+buffer gets its source (a payload row of x or none), its metadata words and its header value
+(sections.py), and ``byterows.write_rows`` writes every byte of the section once.
 
 Routing-dependent plan words are read on the device (the plan tensor); the host reads only
 the words the C++ kernel checks through a host pointer (``epkit.device.host_plan``: the plan on
@@ -31,7 +31,6 @@ the buffer all zeros (as csrc/cuda/pack.cu did).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -41,7 +40,6 @@ from epkit.reference import abi
 from .. import plan as W
 from ..plan import host_plan
 from . import byterows, ranks
-from .indexmaps import excl, section
 from .inverse import invert
 from .transports import path_of
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
@@ -92,11 +90,10 @@ def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
 
 
 class Slots:
-    """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py):
-    every slot (t, k) of the flattened [T * K] routing, the chunks and their sections. The
-    sizes and the slots' ranks are made at once; every other field is made (as torch ops) when
-    a path first asks for it, so a path whose kernels read the plan and the routing themselves
-    (pairs) launches none of them."""
+    """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py): the
+    routing, the plan and the sizes of the buffer's two sections, and every slot's rank among
+    this rank's slots to its expert. No tensor is made here: the paths' kernels read the plan
+    and the routing themselves."""
 
     def __init__(self, send, x, idx, topk_weights, plan, p, B: int, align: int, QA: int,
                  QB: int, rank, fill):
@@ -118,96 +115,11 @@ class Slots:
         self.rank = rank              # [T * K] int64: each slot's rank among this rank's
                                       # slots to its expert (ids outside [0, E): among "none")
         self.fill = fill              # [QA] int64, filled with -1 by the ranks' first launch
-
-    def section(self, name: str) -> torch.Tensor:
-        """A section of the device plan (a view: no launch)."""
-        return self.plan[self.sl[name]]
-
-    @functools.cached_property
-    def counts(self):  # [R] int64: first-section rows sent to each rank
-        return self.section("send_counts")
-
-    @functools.cached_property
-    def own(self):  # [E] int64: this rank's kept slots per expert
-        return self.section("own_kept")
-
-    @functools.cached_property
-    def nslots(self):  # [R] int64: slot rows sent to each rank
-        return self.section("send_slots")
-
-    @functools.cached_property
-    def ok(self):  # 0-d bool: the plan carries no error (an erroneous plan sends nothing)
-        return self.plan[W.ERR_CODE] == 0
-
-    @functools.cached_property
-    def chunk(self):  # [R] int64: each chunk's first byte
-        return excl(self.section("send_bytes"))
-
-    @functools.cached_property
-    def tok_rows(self):  # [R] int64: each chunk's first-section rows (fixed: the cap)
-        return self.counts if self.tokcap < 0 else torch.full_like(self.counts, self.tokcap)
-
-    @functools.cached_property
-    def slot_rows(self):  # [R] int64: each chunk's slot-section rows
-        return self.nslots if self.slotcap < 0 else torch.full_like(self.nslots, self.slotcap)
-
-    @functools.cached_property
-    def first_section(self):  # (d, pos, byte offset) of each of the QA rows, each chunk's first
-        return section(self.QA, self.tok_rows, self.chunk, self.B, self.R)
+        self.slot_src = None          # [QB] int64: the slot section's row map (dedup's pack_rows)
 
     @property
-    def baseA(self):  # [R] int64: each chunk's first row among the QA
-        return self.first_section[3]
-
-    @functools.cached_property
-    def valid(self):  # [T * K] bool: the slot names an expert
-        return (self.idx >= 0) & (self.idx < self.E)
-
-    @functools.cached_property
-    def e(self):  # [T * K] int64: its expert (E - 1 where it names none)
-        return torch.where(self.valid, self.idx, self.E - 1)
-
-    @functools.cached_property
-    def kept(self):  # [T * K] bool: the slot is sent
-        return self.valid & (self.rank < self.own[self.e]) & self.ok
-
-    @functools.cached_property
-    def d(self):  # [T * K] int64: its destination rank
-        return self.e // self.L
-
-    @functools.cached_property
-    def j(self):  # [T * K] int64: its local expert there
-        return self.e % self.L
-
-    @functools.cached_property
-    def slot(self):  # [T * K] int64: its flat index t * K + k
-        return torch.arange(self.idx.numel(), dtype=torch.int64, device=self.idx.device)
-
-    @functools.cached_property
-    def t(self):
-        return self.slot // max(self.K, 1)
-
-    @functools.cached_property
-    def k(self):
-        return self.slot % max(self.K, 1)
-
-    @functools.cached_property
-    def wbits(self):  # [T * K] int64: its weight's bits
-        return self.topk_weights.contiguous().view(torch.int32).reshape(-1).to(torch.int64)
-
-    def row_of(self, d, i):
-        """The row (d, i) is in the row space combine and the backward passes exchange."""
-        if self.cap >= 0:
-            return d * (1 + self.cap) + 1 + i
-        return excl(self.counts)[d] + i
-
-    def first_rows(self, token, meta):
-        """What the first section's row writer takes, from each of its QA rows' token
-        ``token`` [QA] int64 (-1: no payload) and meta words ``meta`` [QA, NW] int32:
-        (byte offsets, source offsets, meta, header values or None)."""
-        dA, posA, offA, _ = self.first_section
-        hdrA = torch.where(self.ok & (posA == 0), self.counts[dA], -1) if self.hdr else None
-        return offA, torch.where(token >= 0, token * self.P, -1), meta, hdrA
+    def wbits32(self):  # [T * K] int32: each slot's weight's bits (a view: no launch)
+        return self.topk_weights.contiguous().view(torch.int32).reshape(-1)
 
 
 def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 
 from epkit.reference import abi
 
-from .. import plan as W
 from . import rowchecks as ck
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
+from .sections import ERR_CODE, PAIRS_ROW, excl_at, section_rows
 
 NAME = "pairs"
 CODE = abi.TRANSPORT_CODES[NAME]
@@ -83,16 +83,6 @@ def check_back(op, back, first) -> None:
 
 # ---- pack ------------------------------------------------------------------------------------
 @triton.jit
-def _excl_at(plan, o, n, at, inside):
-    """The exclusive prefix sum of the plan's words [o, o + n) at positions ``at`` (a tile):
-    a walk over the n words (cached scalar loads), no cumsum launch."""
-    acc = tl.zeros(at.shape, tl.int64)
-    for q in range(n):
-        acc += tl.where(inside & (q < at), tl.load(plan + o + q), 0)
-    return acc
-
-
-@triton.jit
 def _slots_kernel(idx, rank, plan, send_map, src, TK, E, L, R, CAP, TOKCAP, QA, o_own,
                   o_counts, BLOCK: tl.constexpr):
     """Slots q [pid * BLOCK, +BLOCK) of the flattened routing: whether each is sent (it names
@@ -107,13 +97,13 @@ def _slots_kernel(idx, rank, plan, send_map, src, TK, E, L, R, CAP, TOKCAP, QA, 
     valid = inq & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
     d = e // L
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # a tile (interpreter)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
     r = tl.load(rank + q, mask=inq, other=0)
     kept = valid & ok & (r < tl.load(plan + o_own + e, mask=valid, other=0))
-    i = _excl_at(plan, o_own, E, e, inq) + r - _excl_at(plan, o_own, E, d * L, inq)
+    i = excl_at(plan, o_own, E, e, inq) + r - excl_at(plan, o_own, E, d * L, inq)
     count = tl.load(plan + o_counts + d, mask=valid, other=0)
     kept = kept & (i >= 0) & (i < count)
-    before = _excl_at(plan, o_counts, R, d, inq)  # rows of the chunks before d
+    before = excl_at(plan, o_counts, R, d, inq)  # rows of the chunks before d
     static = (tl.zeros([BLOCK], tl.int64) + CAP) >= 0
     row = tl.where(static, d * (1 + CAP) + 1 + i, before + i)
     tl.store(send_map + q, tl.where(kept, row, -1), mask=inq)
@@ -123,68 +113,23 @@ def _slots_kernel(idx, rank, plan, send_map, src, TK, E, L, R, CAP, TOKCAP, QA, 
     tl.store(src + at, q, mask=kept & (at >= 0) & (at < QA))
 
 
-@triton.jit
-def _rows_meta_kernel(idx, wbits, plan, src, off, src_off, meta, hdr_v, QA, K, L, R, B, P,
-                      TOKCAP, HDR, o_counts, o_bytes, BLOCK: tl.constexpr):
-    """The first section's rows q [pid * BLOCK, +BLOCK): each one's slot s = src[q] (-1: a
-    row without one), its meta words (t, k, j, the weight's bits: zeros without a slot), its
-    payload's byte offset in x (t * P, -1: zeros), its own byte offset (its chunk's first byte
-    plus its place in the chunk times B) and, static, the header value of a chunk's first row
-    (its count; -1 elsewhere)."""
-    q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inq = q < QA
-    s = tl.load(src + q, mask=inq, other=-1)
-    has = inq & (s >= 0)
-    s = tl.where(has, s, 0)
-    t, k = s // K, s % K
-    e = tl.load(idx + s, mask=has, other=0)
-    w = tl.load(wbits + s, mask=has, other=0)
-    tl.store(meta + 4 * q, tl.where(has, t, 0).to(tl.int32), mask=inq)
-    tl.store(meta + 4 * q + 1, tl.where(has, k, 0).to(tl.int32), mask=inq)
-    tl.store(meta + 4 * q + 2, tl.where(has, e % L, 0).to(tl.int32), mask=inq)
-    tl.store(meta + 4 * q + 3, tl.where(has, w, 0), mask=inq)
-    tl.store(src_off + q, tl.where(has, t * P, -1), mask=inq)
-    # the chunk d of row q: how many chunks' first sections end at or before q
-    rows = tl.zeros([BLOCK], tl.int64)
-    d = tl.zeros([BLOCK], tl.int64)
-    for c in range(R):
-        rows += tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + c))
-        d += (rows <= q).to(tl.int64)
-    d = tl.minimum(d, R - 1)
-    base = tl.where(TOKCAP >= 0, d * TOKCAP, _excl_at(plan, o_counts, R, d, inq))
-    pos = q - base
-    tl.store(off + q, _excl_at(plan, o_bytes, R, d, inq) + pos * B, mask=inq)
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + _ERR_CODE)) == 0
-    head = ok & (pos == 0) & ((tl.zeros([BLOCK], tl.int64) + HDR) != 0)
-    tl.store(hdr_v + q, tl.where(head, tl.load(plan + o_counts + d, mask=inq, other=0), -1),
-             mask=inq)
-
-
-_ERR_CODE = tl.constexpr(W.ERR_CODE)
-BLOCK = 4096 if INTERPRETED else 256  # slots or rows a program of the two index launches
+BLOCK = 4096 if INTERPRETED else 256  # slots a program of the slots' launch
 
 
 def pack_rows(ix):
     """The first section's rows, one per kept slot, from pack's index pass ``ix`` (pack.Slots),
-    in two launches (the slots', then the rows'): (send_map [T, K] int64, the rows' byte
-    offsets [QA], their payloads' source offsets [QA] (-1: zeros), meta [QA, 4] int32, the
-    header values [QA] int64 or None)."""
-    dev, TK, QA = ix.idx.device, ix.idx.numel(), ix.QA
-    i64 = dict(dtype=torch.int64, device=dev)
-    send_map = torch.empty(TK, **i64)
+    in two launches (the slots', then the rows': sections.py): (send_map [T, K] int64, the
+    rows' byte offsets [QA], their payloads' source offsets [QA] (-1: zeros), meta [QA, 4]
+    int32, the header values [QA] int64 or None)."""
+    TK, QA = ix.idx.numel(), ix.QA
+    send_map = torch.empty(TK, dtype=torch.int64, device=ix.idx.device)
     sl = ix.sl
     if TK:
         launch(_slots_kernel, (cdiv(TK, BLOCK),), ix.idx, ix.rank, ix.plan, send_map, ix.fill,
                TK, ix.E, ix.L, ix.R, ix.cap, ix.tokcap, QA, sl["own_kept"].start,
                sl["send_counts"].start, BLOCK=BLOCK)
-    off, src_off, hdr = (torch.empty(QA, **i64) for _ in range(3))
-    meta = torch.empty((QA, 4), dtype=torch.int32, device=dev)
-    wbits = ix.topk_weights.contiguous().view(torch.int32)
-    if QA:
-        launch(_rows_meta_kernel, (cdiv(QA, BLOCK),), ix.idx, wbits, ix.plan, ix.fill, off,
-               src_off, meta, hdr, QA, max(ix.K, 1), ix.L, ix.R, ix.B, ix.P, ix.tokcap, ix.hdr,
-               sl["send_counts"].start, sl["send_bytes"].start, BLOCK=BLOCK)
-    return send_map.view(ix.T, ix.K), off, src_off, meta, hdr if ix.hdr else None
+    rows = section_rows(ix, PAIRS_ROW, ix.fill, QA, ix.B, "send_counts", ix.tokcap)
+    return (send_map.view(ix.T, ix.K), *rows)
 
 
 def pack_slots(ix) -> None:

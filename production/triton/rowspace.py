@@ -39,6 +39,7 @@ from epkit.reference import abi
 from .. import plan as W
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .byterows import int_at
+from .sections import ERR_CODE
 from .wirechecks import ST_EXPERT_ROW, ST_INBAND, ST_ROWS, ST_SHAPE
 
 __all__ = ["row_space", "BLOCK"]
@@ -46,7 +47,6 @@ __all__ = ["row_space", "BLOCK"]
 BLOCK = 4096 if INTERPRETED else 256  # rows a program
 
 # the plan's header words and the wire's metadata offsets, as the kernel reads them
-_ERR_CODE = tl.constexpr(W.ERR_CODE)
 _RECV_ROWS = tl.constexpr(W.RECV_ROWS)
 _EXPERT_ROWS = tl.constexpr(W.EXPERT_ROWS)
 _RECV_BYTES = tl.constexpr(W.RECV_BYTES)
@@ -61,7 +61,7 @@ _VEC = tl.constexpr(64)  # plan words a step of program 0's checks
 
 
 @triton.jit
-def _any(cond, bit):
+def any_bit(cond, bit):
     """``bit`` where any lane of ``cond`` holds, else 0 (int32)."""
     return tl.max(cond.to(tl.int32), 0) * bit
 
@@ -74,7 +74,7 @@ def _plan_bits(recv, plan, N, NB, M, R, L, CAP, o_counts, o_offsets, o_kept, o_r
     v = tl.arange(0, _VEC)
     bits = ((tl.load(plan + _RECV_BYTES) != NB) | (tl.load(plan + _RECV_ROWS) != N)
             | (tl.load(plan + _EXPERT_ROWS) != M)).to(tl.int32) * _ST_SHAPE
-    ok = (tl.zeros([_VEC], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # a tile (interpreter)
+    ok = (tl.zeros([_VEC], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
     # offsets: start at 0 or after, never decrease, end inside expert_rows
     bits |= ((tl.load(plan + o_offsets) < 0) | (tl.load(plan + o_offsets + L) > M)).to(
         tl.int32) * _ST_SHAPE
@@ -82,7 +82,7 @@ def _plan_bits(recv, plan, N, NB, M, R, L, CAP, o_counts, o_offsets, o_kept, o_r
         j = j0 + v
         lo = tl.load(plan + o_offsets + j, mask=j < L, other=0)
         hi = tl.load(plan + o_offsets + j + 1, mask=j < L, other=0)
-        bits |= _any((j < L) & (hi < lo), _ST_SHAPE)
+        bits |= any_bit((j < L) & (hi < lo), _ST_SHAPE)
     # the chunks: their bytes add up to the buffer; static chunks hold at most cap rows and
     # open with their in-band count; ragged ones hold at most recv_rows rows in all
     nbytes = tl.zeros([_VEC], tl.int64)
@@ -93,8 +93,8 @@ def _plan_bits(recv, plan, N, NB, M, R, L, CAP, o_counts, o_offsets, o_kept, o_r
         b = tl.load(plan + o_rbytes + s, mask=s < R, other=0)
         first = tl.sum(nbytes, 0) + tl.cumsum(b, 0) - b  # each chunk's first byte
         if CAP >= 0:
-            bits |= _any((s < R) & (c > 0) & (s * (1 + CAP) + c >= N), _ST_SHAPE)
-            bits |= _any((s < R) & (int_at(recv, first, (s < R) & ok, NB, 8) != c), _ST_INBAND)
+            bits |= any_bit((s < R) & (c > 0) & (s * (1 + CAP) + c >= N), _ST_SHAPE)
+            bits |= any_bit((s < R) & (int_at(recv, first, (s < R) & ok, NB, 8) != c), _ST_INBAND)
         nbytes += b
         nrows += c
     bits |= (tl.sum(nbytes, 0) != NB).to(tl.int32) * _ST_SHAPE
@@ -109,8 +109,8 @@ def _plan_bits(recv, plan, N, NB, M, R, L, CAP, o_counts, o_offsets, o_kept, o_r
             nxt = tl.load(plan + o_offsets + j + 1, mask=j < L, other=0)
             for s in range(R):
                 kp = tl.load(plan + o_kept + s * L + j, mask=j < L, other=0)
-                bits |= _any((j < L) & (kp < 0), _ST_ROWS)
-                bits |= _any((j < L) & (col + kp > nxt), _ST_EXPERT_ROW)
+                bits |= any_bit((j < L) & (kp < 0), _ST_ROWS)
+                bits |= any_bit((j < L) & (col + kp > nxt), _ST_EXPERT_ROW)
                 col += kp
                 ends += kp
         bits |= (tl.sum(ends, 0) != tl.sum(nrows, 0)).to(tl.int32) * _ST_ROWS
@@ -128,7 +128,7 @@ def _row_space_kernel(recv, plan, s_o, at_o, data_o, t_o, m_o, live_o, k_o, w_o,
     r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(fill_a + r, tl.full([BLOCK], -1, tl.int64), mask=r < QA)
     tl.store(fill_b + r, tl.full([BLOCK], -1, tl.int64), mask=r < QB)
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + _ERR_CODE)) == 0  # (tiles: as static)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # (tiles: as static)
     row = r < N
     static = (tl.zeros([BLOCK], tl.int64) + CAP) >= 0  # a tile: the interpreter keeps it bool
     # the source: static chunks of 1 + cap rows; ragged, the chunks ending at or before r
@@ -154,7 +154,7 @@ def _row_space_kernel(recv, plan, s_o, at_o, data_o, t_o, m_o, live_o, k_o, w_o,
     g = tl.where(static, before + i, r)
     data = row & data & ((i < count) | ~static)
     at = first + (static.to(tl.int64) + i) * B
-    bits = _any(data & (at + B > NB), _ST_SHAPE)
+    bits = any_bit(data & (at + B > NB), _ST_SHAPE)
     data = data & ok & (at + B <= NB)
     tl.store(s_o + r, s, mask=row)
     tl.store(at_o + r, at, mask=row)
@@ -180,7 +180,7 @@ def _row_space_kernel(recv, plan, s_o, at_o, data_o, t_o, m_o, live_o, k_o, w_o,
             base += tl.where(q < sb, tl.load(plan + o_kept + q * L + jb, mask=row, other=0), 0)
         m = base + g - start
         live = data & inb & (m >= 0) & (m < M)
-        bits |= _any(data & ~live, _ST_ROWS)
+        bits |= any_bit(data & ~live, _ST_ROWS)
         tl.store(m_o + r, m, mask=row)
         tl.store(live_o + r, live.to(tl.uint8), mask=row)
     tl.store(data_o + r, data.to(tl.uint8), mask=row)

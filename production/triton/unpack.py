@@ -49,6 +49,7 @@ from .. import plan as W
 from ..plan import host_plan
 from . import byterows, rowspace
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
+from .sections import ERR_CODE
 from .transports import path_of
 from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
                          ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
@@ -151,7 +152,6 @@ class RowSpace(NamedTuple):
         return self.plan[self.sl[name]]
 
 
-_ERR_CODE = tl.constexpr(W.ERR_CODE)
 MAPS_BLOCK = 4096 if INTERPRETED else 256  # slots a program of the maps and outputs launches
 
 
@@ -194,7 +194,7 @@ def _outputs_kernel(plan, bits, NBITS, words, NWORDS, src_slot, recv_map, s, t, 
         st |= tl.reduce(tl.load(bits + b0 + v, mask=b0 + v < NBITS, other=0), 0, _or)
     for b0 in range(0, NWORDS, 64):
         st |= tl.reduce(tl.load(words + b0 + v, mask=b0 + v < NWORDS, other=0), 0, _or)
-    st = tl.where(tl.load(plan + _ERR_CODE) == 0, st, 0)
+    st = tl.where(tl.load(plan + ERR_CODE) == 0, st, 0)
     e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     good = (tl.zeros([BLOCK], tl.int32) + st) == 0  # a tile (the interpreter: a bool one)
     em = e < M

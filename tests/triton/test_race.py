@@ -141,7 +141,7 @@ def _row_writer_with_two_writers_of_row_0():
     defect: its last output row is row 0 again (an index map with a duplicate entry)."""
     from epkit.triton import byterows
 
-    Q, W = 40, 64  # 16 int32 units a row: a GPU tile of 32 rows, so rows 0 and 39 are two programs
+    Q, W = 80, 64  # 16 int32 units a row: a GPU tile of 64 rows, so rows 0 and 79 are two programs
     src = torch.arange(Q * W, dtype=torch.int32).view(torch.uint8)[: Q * W].clone()
     out = torch.zeros(Q * W, dtype=torch.uint8)
     out_off = torch.arange(Q, dtype=torch.int64) * W
@@ -154,8 +154,8 @@ def test_two_writers_of_one_row_caught_at_gpu_tile_sizes():
     from epkit.triton import _runtime, byterows
 
     if _runtime.tiles() == "interpreter":  # (not under EPKIT_TILES=gpu)
-        # interpreter tiles: one program owns all 40 rows; writing row 0 twice is its own business
-        assert byterows.tile(16)[0] >= 40
+        # interpreter tiles: one program owns all 80 rows; writing row 0 twice is its own business
+        assert byterows.tile(16)[0] >= 80
         _row_writer_with_two_writers_of_row_0()
     with _runtime.gpu_tiles():
         assert _runtime.tiles() == "gpu" and byterows.tile(16) in byterows.GPU_TILES
@@ -176,13 +176,13 @@ def test_gpu_tiles_switches_every_module_and_restores():
 @pytest.mark.parametrize("transport,exchange", [("dedup", "static"), ("pairs", "ragged")])
 def test_group_round_trip_at_gpu_tile_sizes(transport, exchange):
     """dispatch -> combine -> both backward passes of a small group, every kernel at a GPU
-    launch's tiles (several programs a launch: 34 token rows of 16 float32 are two programs of
-    the row writer's 32-row tile, nine of combine's reduce), race-checked, bit for bit against
+    launch's tiles (several programs a launch: rank 0's 70 tokens of 16 float32 are two or
+    more programs of the row writer's 64-row tile, 18 of combine's reduce), race-checked, bit for bit against
     the C++ kernels."""
     import sim
     from epkit.triton import _runtime
 
-    case = sim.make_case(2, 2, 3, 16, [34, 6], torch.float32, seed=3)
+    case = sim.make_case(2, 2, 3, 16, [70, 6], torch.float32, seed=3)
     kw = dict(align=2, capacity=None, transport=transport, exchange=exchange, y_dtype=torch.float32)
     want = sim.run(case, weighted=True, device="cpu", C=sim.CPP, **kw)
     with _runtime.gpu_tiles():
