@@ -111,25 +111,17 @@ def build(config, call_number: int, x, topk_idx, topk_weights, plan, expert_x, r
     handle = Handle(topk_idx, topk_weights.detach(), send_map, recv_map, plan, config, x.dtype,
                     call_number, expert_x.shape[0], expert_x.shape[1], group_name(config.group),
                     hier_state)
-    # The counts are the plan's words: one copy of the span that holds them (one launch, not
-    # one a field), each field a view of it, so writing one leaves the plan as it was.
-    lo, hi = sl["tokens_per_expert"].start, sl["send_bytes"].stop
-    words = plan[lo:hi].clone()
-
-    def field(name):
-        return words[sl[name].start - lo: sl[name].stop - lo]
-
     d = Dispatch(
         expert_x=expert_x,
-        tokens_per_expert=field("tokens_per_expert"),
-        expert_offsets=field("offsets"),
+        tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
+        expert_offsets=plan[sl["offsets"]].clone(),
         row_src=row_src,
         row_weight=row_weight,
-        dropped_per_expert=field("dropped"),
-        bytes_sent=field("send_bytes") if bytes_sent is None else bytes_sent,
+        dropped_per_expert=plan[sl["dropped"]].clone(),
+        bytes_sent=plan[sl["send_bytes"]].clone() if bytes_sent is None else bytes_sent,
         expert_scale=expert_scale,
         expert_x_hp=expert_x_hp,
-        padded_tokens_per_expert=field("offsets").diff(),
+        padded_tokens_per_expert=plan[sl["offsets"]].diff(),
         handle=handle,
     )
     if not torch.compiler.is_compiling():
