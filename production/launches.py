@@ -8,7 +8,7 @@ as on CUDA, so the same ops are issued::
 
     with count_launches() as n:
         d = epkit.dispatch(...)
-    n.kernels, n.collectives, n.by_name   # e.g. 9, 2, Counter({"triton::_plan_kernel": 1, ...})
+    n.kernels, n.collectives, n.by_name   # e.g. 9, 2, Counter({"triton::_errors_kernel": 1, ...})
 
 How: ``torch.profiler`` records every op the dispatcher runs, inside epkit's custom ops too (a
 ``TorchDispatchMode`` is switched off there), and every Triton launch is marked by a launch hook
@@ -56,7 +56,7 @@ DELEGATES = frozenset(f"aten::{n}" for n in (
 @dataclass
 class Launches:
     """What one counted region launched. ``by_name``: kernels and collectives by op name
-    (``aten::where``, ``triton::_plan_kernel``, ``c10d::alltoall_base_``)."""
+    (``aten::where``, ``triton::_errors_kernel``, ``c10d::alltoall_base_``)."""
 
     aten: int = 0
     triton: int = 0

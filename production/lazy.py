@@ -33,8 +33,7 @@ class _DispatchWait(torch.autograd.Function):
             int(ops.host_plan(state["plan"])[ops.RECV_ROWS]), state["expert_rows"])
         q = scale = expert_x.new_empty((0,))
         if pl.quantized:  # E4M3 bytes | scales; the differentiable output: the dequantized rows
-            q, scale = pl.from_rows(expert_x, H)
-            expert_x = pl.dequantize(q, scale)
+            q, scale, expert_x = pl.from_rows(expert_x, H)
         ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
         ctx.mark_non_differentiable(row_src, recv_map, q, scale)

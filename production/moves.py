@@ -174,7 +174,7 @@ def _unit_positions(u: torch.Tensor, chunk_of: torch.Tensor, R: int, per: int, c
     """Where the return path puts each token row's rows. ``u [n]``: rows of each token row (row
     space order, chunk-major), ``chunk_of [n]``: its peer; ``chunk``: None (compact) or the
     rows of every chunk (fixed chunks). The torch form (the C++ path's); the device path's is
-    one launch (:func:`_device_places`). Returns ``(pos [n, per] int64``: the way-back row of
+    one launch (:func:`_device_sides`). Returns ``(pos [n, per] int64``: the way-back row of
     its i-th row, -1 past ``u``; ``per_chunk [R]`` rows per peer)."""
     per_chunk = torch.zeros(R, dtype=torch.int64, device=u.device).index_add_(0, chunk_of, u)
     base = torch.cumsum(u, 0) - u                                    # compact: rows before it
@@ -233,14 +233,14 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
         # units' map in one launch a side (triton/places.py)
         bounds = _ragged_bounds(hp, per) if chunk is None else None
         total = R * chunk if chunk is not None else sum(bounds[0])
-        first, umap = _device_places(recv_map, plan, hp, True, per, chunk, hdr,
-                                     umap_units=total, M=expert_y.shape[0])
+        first, umap, at = _device_sides(recv_map, plan, hp, per, chunk, hdr,
+                                        umap_units=total, M=expert_y.shape[0],
+                                        send_map=send_map, idx=kept_idx)
         buf = workspace.empty(workspace.allocator(ws, workspace.SEND),
                               (total, expert_y.shape[1]), expert_y.dtype, expert_y)
         from .triton import combine as kernels
 
         kernels.units(expert_y, umap, recv_map, row_weight, True, weighted, buf)
-        at = _device_token_places(send_map, kept_idx, plan, hp, per, chunk, hdr)
         sizes = [[chunk] * R] * 2 if chunk is not None else bounds
     else:
         # expert side: each received token row's first unit, laid out for the variant
@@ -265,47 +265,35 @@ def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted:
 DENSE = 2  # triton/places.py's DENSE: one unit a data row (a name the C++ path can import)
 
 
-def _device_places(src: torch.Tensor, plan: torch.Tensor, hp, recv: bool, ucap: int, chunk,
-                   hdr: int, values: int = 0, compact: Optional[str] = None,
-                   umap_units: int = -1, M: int = 0, rows: Optional[int] = None,
-                   slot_values: Optional[torch.Tensor] = None):
-    """:func:`_unit_positions` of the device path in one launch (triton/places.py): the first
-    unit of each row of the dispatch's row space (``recv``: the received rows, else the sent
-    ones), ``src`` a map whose entries >= 0 are a row's units (``values`` 1: its unit counts;
-    :data:`DENSE`: one a data row, ``rows`` of them, ``src`` unread), at most ``ucap`` a row. Chunks: ``chunk`` rows each after ``hdr`` header rows; else each
-    peer's bound ``min(slots, ucap * rows)`` from the plan (:func:`_ragged_bounds`), or, with
-    ``compact``, the plan's word section of that name (exact counts, no gaps). Returns
-    ``(first, umap or None)`` (``umap_units >= 0``: dedup's units map too, or with
-    ``slot_values`` the weight gradients' values laid out over that many places)."""
-    from .triton import places
-
-    R = int(hp[RANKS])
-    sl = plan_slices(R, int(hp[EXPERTS]))
-    side = "recv" if recv else "send"
-    mode = (places.FIXED if chunk is not None else places.COMPACT if compact is not None
-            else places.BOUNDED)
-    return places.row_places(src, plan, R, sl[f"{side}_counts"].start, ucap=ucap, mode=mode,
-                             static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
-                             sizes_off=sl[compact or f"{side}_slots"].start, values=values,
-                             umap_units=umap_units,
-                             per=ucap if umap_units >= 0 and slot_values is None else 1, M=M,
-                             rows=rows, slot_values=slot_values)
-
-
-def _device_token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, hp,
-                         ucap: int, chunk, hdr: int, compact: Optional[str] = None):
-    """dedup's source side of :func:`_device_places`: each send row's first unit, its units its
-    token's kept slots (``idx``) on the row's rank, at most ``ucap``; one launch."""
+def _device_sides(recv_map: torch.Tensor, plan: torch.Tensor, hp, ucap: int, chunk, hdr: int,
+                  compact: Optional[tuple] = None, umap_units: int = -1, M: int = 0,
+                  slot_values: Optional[torch.Tensor] = None,
+                  send_map: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None):
+    """:func:`_unit_positions` of the device path for both sides in one launch
+    (triton/places.py): the first unit of each received row (its units ``recv_map``'s entries
+    >= 0) and of each sent row (dedup, ``send_map`` and ``idx`` given: its token's kept slots on
+    the row's rank; pairs: one a data row), at most ``ucap`` a row. Chunks: ``chunk`` units
+    each after ``hdr`` header units; else each peer's bound ``min(slots, ucap * rows)`` from the
+    plan (:func:`_ragged_bounds`), or, with ``compact`` = (the received side's, the sent side's)
+    word sections, the plan's exact counts. Returns ``(first, umap or None, first_src)``
+    (``umap_units >= 0``: dedup's units map too, or with ``slot_values`` the weight gradients'
+    values laid out over that many places)."""
     from .triton import places
 
     R, E = int(hp[RANKS]), int(hp[EXPERTS])
     sl = plan_slices(R, E)
+    recv_sizes, send_sizes = compact or ("recv_slots", "send_slots")
     mode = (places.FIXED if chunk is not None else places.COMPACT if compact is not None
             else places.BOUNDED)
-    return places.token_places(send_map, idx, plan, R, E, int(hp[SEND_ROWS]),
-                               sl["send_counts"].start, ucap=ucap, mode=mode,
-                               static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
-                               sizes_off=sl[compact or "send_slots"].start)
+    return places.sides(recv_map, plan, R, ucap=ucap, mode=mode,
+                        recv_counts_off=sl["recv_counts"].start,
+                        recv_sizes_off=sl[recv_sizes].start,
+                        send_counts_off=sl["send_counts"].start,
+                        send_sizes_off=sl[send_sizes].start, S=int(hp[SEND_ROWS]),
+                        static_cap=int(hp[STATIC_CAP]), chunk=chunk or 0, hdr=hdr,
+                        umap_units=umap_units,
+                        per=ucap if umap_units >= 0 and slot_values is None else 1, M=M,
+                        slot_values=slot_values, send_map=send_map, idx=idx, E=E)
 
 
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
@@ -389,16 +377,13 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     sent = None  # the expert side's values, laid out (the device path, given values)
     if device_path(recv_map):  # one launch a side (triton/places.py); ragged: exact counts
         every = 1 << 40  # a row's kept slots, uncapped
-        first, sent = _device_places(recv_map, plan, hp, True, every, chunk, front,
-                                     compact="recv_slots" if dedup else "recv_counts",
-                                     umap_units=sum(send) if values is not None else -1,
-                                     slot_values=values)
-        if dedup:
-            first_src = _device_token_places(send_map, idx, plan, hp, every, chunk, front,
-                                             compact="send_slots")
-        else:  # pairs: a slot a send row, every data row of a chunk
-            first_src, _ = _device_places(plan, plan, hp, False, every, chunk, front,
-                                          values=DENSE, compact="send_counts", rows=S)
+        # dedup's sent rows carry their token's kept slots; pairs' one slot each (every data
+        # row of a chunk)
+        first, sent, first_src = _device_sides(
+            recv_map, plan, hp, every, chunk, front,
+            compact=("recv_slots", "send_slots") if dedup else ("recv_counts", "send_counts"),
+            umap_units=sum(send) if values is not None else -1, slot_values=values,
+            send_map=send_map if dedup else None, idx=idx if dedup else None)
     else:
         u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
         u = (recv_map >= 0).sum(1)

@@ -80,6 +80,32 @@ def _(words, group_name, rank, num_experts, align, capacity, transport, exchange
     return words.new_empty((plan_size(R, num_experts),))
 
 
+# ---- a Dispatch's counts ----------------------------------------------------------------------
+
+@torch.library.custom_op("epkit::dispatch_counts", mutates_args=())
+def dispatch_counts(plan: torch.Tensor, ranks: int, num_experts: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    """The plan's counts as a Dispatch carries them, each its own tensor (a call's outputs never
+    share storage): ``(tokens_per_expert [L], expert_offsets [L + 1], dropped_per_expert [L],
+    bytes_sent [R], padded_tokens_per_expert [L])`` int64, ``L = num_experts / ranks``. On the
+    device path one launch (triton/counts.py), else copies of the plan's sections."""
+    sl = plan_slices(ranks, num_experts)
+    if device_path(plan):
+        from .triton import counts
+
+        return counts.dispatch_counts(plan, sl)
+    offsets = plan[sl["offsets"]]
+    return (plan[sl["tokens_per_expert"]].clone(), offsets.clone(), plan[sl["dropped"]].clone(),
+            plan[sl["send_bytes"]].clone(), offsets.diff())
+
+
+@dispatch_counts.register_fake
+def _(plan, ranks, num_experts):
+    L = num_experts // ranks
+    return tuple(plan.new_empty((n,)) for n in (L, L + 1, L, ranks, L))
+
+
 # ---- dispatch ---------------------------------------------------------------------------------
 
 @torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
@@ -170,10 +196,10 @@ def _fused_setup(ctx, inputs, output):
     expert_x, _, _, send_map, recv_map, plan = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
     ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
-    _unmaterialized(ctx, expert_x)
+    unmaterialized(ctx, expert_x)
 
 
-def _unmaterialized(ctx, expert_x) -> None:
+def unmaterialized(ctx, expert_x) -> None:
     """The backward gets None, not a zero tensor autograd fills, for the outputs the loss does
     not reach (row_weight, the integer maps): a zero fill is a kernel launch each on a GPU.
     ``expert_x``'s shape is kept for the rare loss that does not reach it."""
@@ -181,7 +207,7 @@ def _unmaterialized(ctx, expert_x) -> None:
     ctx.expert_shape = (expert_x.shape, expert_x.dtype)
 
 
-def _grad_rows(ctx, grad_expert_x):
+def grad_or_zeros(ctx, grad_expert_x):
     """``grad_expert_x``, or zeros of expert_x's shape where the loss does not reach it."""
     if grad_expert_x is None:
         shape, dtype = ctx.expert_shape
@@ -243,14 +269,14 @@ def _dispatch_setup(ctx, inputs, output):
     expert_x, _, _, send_map, recv_map = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
     ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
-    _unmaterialized(ctx, expert_x)
+    unmaterialized(ctx, expert_x)
 
 
 def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
     send_map, recv_map, topk_idx, plan = ctx.saved_tensors
     group_name, transport, exchange, x_dtype, ws = ctx.meta
     grad_x, grad_w = dispatch_tokens_backward(
-        _grad_rows(ctx, grad_expert_x), grad_row_weight, send_map, recv_map, topk_idx, plan,
+        grad_or_zeros(ctx, grad_expert_x), grad_row_weight, send_map, recv_map, topk_idx, plan,
         group_name, transport, exchange, x_dtype, ws)
     return grad_x, None, grad_w, *([None] * 8)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import group_name
-from .plan import plan_slices
+from . import ops
 
 __all__ = ["Dispatch", "Handle", "build", "seal_of"]
 
@@ -107,21 +107,22 @@ def build(config, call_number: int, x, topk_idx, topk_weights, plan, expert_x, r
           bytes_sent=None) -> Dispatch:
     """The Dispatch of one call of ``config`` (a Dispatcher): counts and offsets from the plan,
     rows from the exchange."""
-    sl = plan_slices(dist.get_world_size(config.group), int(config.num_experts))
+    R = dist.get_world_size(config.group)
     handle = Handle(topk_idx, topk_weights.detach(), send_map, recv_map, plan, config, x.dtype,
                     call_number, expert_x.shape[0], expert_x.shape[1], group_name(config.group),
                     hier_state)
+    tpe, offsets, dropped, sent, padded = ops.dispatch_counts(plan, R, int(config.num_experts))
     d = Dispatch(
         expert_x=expert_x,
-        tokens_per_expert=plan[sl["tokens_per_expert"]].clone(),
-        expert_offsets=plan[sl["offsets"]].clone(),
+        tokens_per_expert=tpe,
+        expert_offsets=offsets,
         row_src=row_src,
         row_weight=row_weight,
-        dropped_per_expert=plan[sl["dropped"]].clone(),
-        bytes_sent=plan[sl["send_bytes"]].clone() if bytes_sent is None else bytes_sent,
+        dropped_per_expert=dropped,
+        bytes_sent=sent if bytes_sent is None else bytes_sent,
         expert_scale=expert_scale,
         expert_x_hp=expert_x_hp,
-        padded_tokens_per_expert=plan[sl["offsets"]].diff(),
+        padded_tokens_per_expert=padded,
         handle=handle,
     )
     if not torch.compiler.is_compiling():

@@ -30,6 +30,8 @@ MODES = {
     "pairs/static": dict(transport="pairs", exchange="static"),
     "hier/auto": dict(transport="hier", exchange="auto"),
     "dedup/auto/mxfp8": dict(transport="dedup", exchange="auto", payload="mxfp8"),
+    "pairs/static/fp8_block128": dict(transport="pairs", exchange="static",
+                                      payload="fp8_block128"),
 }
 # The budgets of docs/design.md ("Launch budget"): kernels per phase (a quantized payload adds
 # up to 2 a phase), collectives per step (hier: its two stages), host waits per phase.

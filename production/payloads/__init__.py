@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import ops
+from ..memory import device_path
 from . import fp8_block128, mxfp8
 from epkit.reference.abi import PAYLOAD_CODES, payload_bytes
 from epkit.reference.abi import PayloadCodes as Codes
@@ -45,13 +46,58 @@ class Payload(Codes):
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> the wire rows uint8 [T, P]: quantized at the source, E4M3 bytes then the
         scales' bytes (little-endian, as the host and the device store them)."""
-        q, scale = self.quantize(x)
-        return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+        return quantize_rows(x, self.name)
 
     def from_rows(self, rows: torch.Tensor, hidden: int):
-        """uint8 [M, P] wire rows -> (q [M, H] float8_e4m3fn, scale [M, H / block])."""
-        q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-        return q, rows[:, hidden:].contiguous().view(self.scale_dtype)
+        """uint8 [M, P] wire rows -> (q [M, H] float8_e4m3fn, scale [M, H / block], the
+        dequantized rows [M, H] float32)."""
+        return dequantize_rows(rows, hidden, self.name)
+
+
+# ---- the wire rows as ops: one launch each way on the device path (triton/<payload>.py), the
+# payload's quantize / dequantize and a copy on the host
+
+@torch.library.custom_op("epkit::quantize_rows", mutates_args=())
+def quantize_rows(x: torch.Tensor, payload: str) -> torch.Tensor:
+    """``x [T, H]`` float32/bfloat16 -> the wire rows ``uint8 [T, P]`` of ``payload``: E4M3
+    bytes, then the scales' bytes."""
+    if device_path(x):
+        return _kernels(payload).quantize_rows(x)
+    q, scale = TABLE[payload].quantize(x)
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=1)
+
+
+@quantize_rows.register_fake
+def _(x, payload):
+    return x.new_empty((x.shape[0], payload_bytes(x.shape[1], 1, payload)), dtype=torch.uint8)
+
+
+@torch.library.custom_op("epkit::dequantize_rows", mutates_args=())
+def dequantize_rows(rows: torch.Tensor, hidden: int, payload: str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """wire rows ``uint8 [M, P]`` -> ``(q [M, H] float8_e4m3fn, scale [M, H / block] the
+    payload's scale dtype, [M, H] float32 the payload's dequantize of them)``."""
+    if device_path(rows):
+        return _kernels(payload).dequantize_rows(rows, hidden)
+    pl = TABLE[payload]
+    q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    scale = rows[:, hidden:].contiguous().view(pl.scale_dtype)
+    return q, scale, pl.dequantize(q, scale)
+
+
+@dequantize_rows.register_fake
+def _(rows, hidden, payload):
+    M, pl = rows.shape[0], TABLE[payload]
+    return (rows.new_empty((M, hidden), dtype=torch.float8_e4m3fn),
+            rows.new_empty((M, hidden // pl.block), dtype=pl.scale_dtype),
+            rows.new_empty((M, hidden), dtype=torch.float32))
+
+
+def _kernels(payload: str):
+    """The payload's Triton module (epkit.triton.<payload>: quantize_rows, dequantize_rows)."""
+    import importlib
+
+    return importlib.import_module(f"epkit.triton.{payload}")
 
 
 TABLE = {
@@ -84,11 +130,11 @@ class _QuantizedDispatch(torch.autograd.Function):
         rows, row_src, row_weight, send_map, recv_map = ops.dispatch_tokens(
             payload.to_rows(x), topk_idx, topk_weights.detach(), plan, group_name, transport,
             exchange, S, N, M)
-        expert_x, expert_scale = payload.from_rows(rows, x.shape[1])
-        hp = payload.dequantize(expert_x, expert_scale)
+        expert_x, expert_scale, hp = payload.from_rows(rows, x.shape[1])
         ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
         ctx.meta = (group_name, transport, exchange, x.dtype)
         ctx.mark_non_differentiable(expert_x, expert_scale, row_src, send_map, recv_map)
+        ops.unmaterialized(ctx, hp)  # None, not zeros (a launch each), where the loss misses
         return hp, row_weight, expert_x, expert_scale, row_src, send_map, recv_map
 
     @staticmethod
@@ -96,7 +142,7 @@ class _QuantizedDispatch(torch.autograd.Function):
         send_map, recv_map, topk_idx, plan = ctx.saved_tensors
         group_name, transport, exchange, x_dtype = ctx.meta
         grad_x, grad_w = ops.dispatch_tokens_backward(
-            grad_hp.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
+            ops.grad_or_zeros(ctx, grad_hp), grad_row_weight, send_map, recv_map, topk_idx, plan,
             group_name, transport, exchange, x_dtype)
         return grad_x, grad_w, None, None, None, None, None, None, None
 

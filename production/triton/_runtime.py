@@ -40,7 +40,7 @@ __all__ = ["triton", "tl", "INTERPRETED", "launch", "Specialization", "SPECIALIZ
            "specialization", "cdiv", "LAUNCH_HOOKS", "gpu_tiles", "tiles", "gpu_constants",
            "TILES_ENV", "TILE_CONSTEXPRS", "SIZE_CONSTEXPRS", "kernel_modules", "kernel_name",
            "launch_form", "form_key", "canonical", "record_launches", "check_recorded",
-           "UnrecordedLaunch"]
+           "UnrecordedLaunch", "vb16"]
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
@@ -111,6 +111,13 @@ def specialization(name: str, kernel, signature: dict, constexprs: dict | None =
                                           exact, tuple(aligned)))
 
 
+def vb16(H: int, *bufs: torch.Tensor) -> int:
+    """A row kernel's ``VB`` over rows of H 2- or 4-byte elements: 16 when every row is whole
+    16-byte pieces in every buffer (H a multiple of 8 and each buffer 16-byte aligned), else 1.
+    (Byte rows, whose alignment may be any power of two, take byterows.write_rows' gcd.)"""
+    return 16 if H % 8 == 0 and all(b.data_ptr() % 16 == 0 for b in bufs) else 1
+
+
 # ----- tile sizes: the interpreter's or a GPU launch's -----------------------------------------
 # A kernel module picks its tiles from INTERPRETED at import (``ROWS = 64 if INTERPRETED else
 # 8``: the interpreter pays per operation and takes few, large programs; a GPU many small ones),
@@ -124,8 +131,9 @@ TILE_CONSTEXPRS = ("ROWS", "BLOCK", "BR", "TB", "KEYS", "BLOCKS")  # the launch 
 # top-k, CP for recv_map's columns, RP for the ranks; reduce, slot and places kernels): a
 # launch may take a value the recording never saw, so the record's check takes any value of
 # these (the gate compiles the largest recorded). A new one is added here by name. VB, a row
-# mover's alignment (16 for every real model's rows), follows the data's sizes and pointers.
-SIZE_CONSTEXPRS = ("KP", "CP", "RP", "VB")
+# mover's alignment (16 for every real model's rows), follows the data's sizes and pointers; WP
+# a few plan sections' words (counts.py), padded to a power of two.
+SIZE_CONSTEXPRS = ("KP", "CP", "RP", "VB", "WP")
 _TILE_LINE = re.compile(r"^([A-Z_][A-Z0-9_]*)\s*=\s*(.+?)\s+if\s+INTERPRETED\s+else\s+(.+?)\s*(#.*)?$")
 _TILES = ["gpu" if not INTERPRETED else "interpreter"]
 

@@ -22,8 +22,8 @@ import torch
 
 from . import bits
 from . import rowchecks as ck
-from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
-from .combine import _vb16, kp, slot_tile
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton, vb16
+from .combine import kp, slot_tile
 from .inverse import invert
 from .transports import path_of
 
@@ -72,7 +72,7 @@ def _dest_kernel(recv, src, y, row_weight, grad_y, grad_w, M, H, C,
     """Rows m of grad_y [M, H] (integer view of y's dtype) and grad_w [M] float32: the received
     row n = src[m] // C of recv [N, H] (integer view) times row_weight[m] (weighted), cast to
     y's dtype; grad_w[m] = <g, y[m]> in 16 lanes (weighted, else 0); src[m] < 0: zeros.
-    VB: 16 when H is a multiple of 8 and every buffer starts 16-byte aligned (combine._vb16),
+    VB: 16 when H is a multiple of 8 and every buffer starts 16-byte aligned (_runtime.vb16),
     told to the compiler so a row moves 16 bytes an access; else 1."""
     if VB == 16:
         H = (H // 8) * 8  # H itself, its divisibility seen
@@ -176,7 +176,7 @@ def combine_backward_dest(recv: torch.Tensor, recv_map: torch.Tensor, row_weight
     grad_y = torch.empty((M, H), dtype=y.dtype, device=y.device)
     grad_w = torch.empty((M,), dtype=torch.float32, device=y.device)
     w = row_weight.contiguous() if weighted else grad_w  # (unread when unweighted)
-    vb = _vb16(H, recv, y, grad_y)
+    vb = vb16(H, recv, y, grad_y)
     rows = DEST_ROWS_16 if vb == 16 else ROWS
     launch(_dest_kernel, (cdiv(M, rows),), _iview(recv), src, _iview(y), w, _iview(grad_y),
            grad_w, M, H, max(recv_map.shape[1], 1), G_BF16=recv.dtype == torch.bfloat16,
@@ -311,35 +311,3 @@ def _scatter_errors(op, back, send_map, idx, first, E, R, path) -> None:
                         "(rows of first)")
         ck.fail(op, f"first[{int(r[t, k])}] = {int(f[t, k])} places slot ({t}, {k}) at "
                     f"{int(at[t, k])}, outside [0, {B}) (rows of back)")
-
-
-# ---- what the compile gate compiles ---------------------------------------------------------
-def _ptr(bf16: bool) -> str:
-    return "*i16" if bf16 else "*i32"
-
-
-for _gb in (True, False):
-    for _yb in (True, False):
-        for _w in (True, False):
-            specialization(
-                f"backward.dest[{'bf16' if _gb else 'f32'} grad, {'bf16' if _yb else 'f32'} y"
-                f"{',weighted' if _w else ''}]", _dest_kernel,
-                {"recv": _ptr(_gb), "src": "*i64", "y": _ptr(_yb), "row_weight": "*fp32",
-                 "grad_y": _ptr(_yb), "grad_w": "*fp32", "M": "i32", "H": "i32", "C": "i32",
-                 "G_BF16": "constexpr", "Y_BF16": "constexpr", "WEIGHTED": "constexpr",
-                 "ROWS": "constexpr"},
-                {"G_BF16": _gb, "Y_BF16": _yb, "WEIGHTED": _w, "VB": 1, "ROWS": ROWS,
-                 "num_warps": DEST_WARPS})
-for _c in (1, 8):
-    specialization(f"backward.gather_slots[C<={_c}]", _gather_slots_kernel,
-                   {"values": "*i32", "recv_map": "*i64", "first": "*i64", "out": "*i32",
-                    "N": "i32", "C": "i32", "M": "i32", "B": "i32", "CP": "constexpr",
-                    "ROWS": "constexpr"}, {"CP": max(2, _c), "ROWS": SLOT_ROWS})
-for _tr in (False, True):
-    specialization(f"backward.scatter_slots[{'dedup' if _tr else 'pairs'}]",
-                   _scatter_slots_kernel,
-                   {"back": "*i32", "send_map": "*i64", "idx": "*i64", "first": "*i64",
-                    "out": "*i32", "T": "i32", "K": "i32", "C": "i32", "E": "i32", "R": "i32",
-                    "L": "i32", "S": "i32", "B": "i32", "TOKEN_ROWS": "constexpr",
-                    "KP": "constexpr", "ROWS": "constexpr"},
-                   {"TOKEN_ROWS": _tr, "KP": 8, "ROWS": SLOT_ROWS})

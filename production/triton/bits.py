@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ._runtime import tl, triton
 
-__all__ = ["bf16_to_f32", "f32_to_bf16", "to_f32", "from_f32", "f32_to_e4m3", "pow2"]
+__all__ = ["bf16_to_f32", "f32_to_bf16", "to_f32", "from_f32", "f32_to_e4m3", "e4m3_to_f32", "pow2"]
 
 
 @triton.jit
@@ -98,6 +98,22 @@ def f32_to_e4m3(x):
     mag = tl.where(a >= (1087 << 20), 0x7E, tl.where(a < (121 << 23), sub, normal))
     mag = tl.where(a > 0x7F800000, 0x7F, mag)
     return mag.to(tl.uint8) | sign
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """float8_e4m3fn bits (uint8) -> float32, torch's conversion (c10
+    ``fp8e4m3fn_to_fp32_value``) in integers: a normal code rebiased (exponent + 120, the
+    3 mantissa bits on top), a subnormal one m * 2**-9 (an exact small product), the NaN
+    pattern (0x7F) 0x7FF00000; the sign kept (0x80 -> -0.0)."""
+    u = b.to(tl.uint32)
+    sign = (u & 0x80) << 24
+    e = (u >> 3) & 0xF
+    m = u & 7
+    normal = ((e + 120) << 23) | (m << 20)
+    sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)  # m * 2**-9, exact
+    mag = tl.where(e == 0, sub, tl.where((e == 15) & (m == 7), 0x7FF00000, normal))
+    return (mag | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 
 __all__ = ["write_rows", "int_at", "tile", "GPU_TILES"]
 
@@ -110,24 +110,6 @@ def _with_header(v, head, h, cols, U: tl.constexpr):
     shift = (tl.minimum(cols, HU - 1) * (8 * U)).to(tl.int64)
     part = (h[:, None] >> shift[None, :]) & ((1 << (8 * U)) - 1)
     return tl.where(head[:, None] & (cols < HU)[None, :], part.to(v.dtype), v)
-
-
-def _sig(U: int) -> dict:
-    unit = "*u8" if U == 1 else "*i32"
-    return {"out": unit, "src": unit, "out_off": "*i64", "src_off": "*i64", "hdr": "*i64",
-            "meta": "*i32", "Q": "i64", "P": "i32", "N_OUT": "i64", "N_SRC": "i64",
-            "NW": "constexpr", "HDR": "constexpr", "U": "constexpr", "VB": "constexpr",
-            "ROWS": "constexpr", "BLOCK": "constexpr"}
-
-
-def declare(name: str, NW: int, HDR: bool) -> None:
-    """Declare the compiled forms that ``write_rows(..., NW, HDR)`` launches: byte and int32
-    units, each GPU tile (for the compile gate; the interpreter's tiles are not compiled)."""
-    for U, VB in ((1, 1), (4, 4), (4, 16)):
-        for rows, block in GPU_TILES:
-            specialization(f"{name}.u{U}.vb{VB}.b{block}", _rows_kernel, _sig(U),
-                           {"NW": NW, "HDR": HDR, "U": U, "VB": VB, "ROWS": rows,
-                            "BLOCK": block}, exact=True)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from . import bits
 from . import rowchecks as ck
-from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton, vb16
 from .transports import path_of
 
 __all__ = ["gather_rows", "gather_units", "reduce_tokens"]
@@ -379,7 +379,7 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
             ck.fail(op, path.UNMATCHED_SLOT)
     w = topk_weights.contiguous() if weighted else out_dummy(back)  # (unread unweighted)
     out = torch.empty((T, H), dtype=out_dtype, device=back.device)
-    vb = _vb16(H, back, out)
+    vb = vb16(H, back, out)
     rows, block = REDUCE_TILE_16 if vb == 16 else REDUCE_TILE
     launch(_reduce_kernel, (cdiv(T, rows), cdiv(H, block)), int_view(back).view(U, H),
            send_map, idx, w, first if compact else send_map, int_view(out), T, H, K,
@@ -390,12 +390,6 @@ def reduce_tokens(back: torch.Tensor, send_map: torch.Tensor, topk_idx: torch.Te
     return out
 
 
-def _vb16(H: int, *bufs: torch.Tensor) -> int:
-    """16 when rows of H elements (2 or 4 bytes) are whole 16-byte pieces in every buffer:
-    H a multiple of 8 and each buffer 16-byte aligned; else 1."""
-    return 16 if H % 8 == 0 and all(b.data_ptr() % 16 == 0 for b in bufs) else 1
-
-
 def out_dummy(t: torch.Tensor) -> torch.Tensor:
     """A float32 pointer the kernel never reads (one launch form for unweighted sums)."""
     return torch.empty(1, dtype=torch.float32, device=t.device)
@@ -404,42 +398,3 @@ def out_dummy(t: torch.Tensor) -> torch.Tensor:
 def kp(K: int) -> int:
     """The slot tile of a token: K rounded up to a power of two (at least 2)."""
     return max(2, triton.next_power_of_2(max(K, 1)))
-
-
-# ---- what the compile gate compiles (the forms the ops launch on a GPU) ---------------------
-_INT_PTR = {torch.uint8: "*u8", torch.int16: "*i16", torch.int32: "*i32", torch.int64: "*i64"}
-for _yt, _partial, _bf16 in [(torch.int16, True, True), (torch.int32, True, False),
-                             (torch.uint8, False, False), (torch.int16, False, False),
-                             (torch.int32, False, False), (torch.int64, False, False)]:
-    for _w in ([True, False] if _partial else [False]):
-        specialization(
-            f"combine.units[{_INT_PTR[_yt]},{'partial' if _partial else 'copy'}"
-            f"{',weighted' if _w else ''}]", _units_kernel,
-            {"y": _INT_PTR[_yt], "umap": "*i64", "recv_map": "*i64",
-             "row_weight": "*fp32" if _w else _INT_PTR[_yt], "out": _INT_PTR[_yt], "U": "i32",
-             "H": "i32", "M": "i32", "C": "i32", "US": "i32", "PARTIAL": "constexpr",
-             "PER": "constexpr", "BF16": "constexpr", "WEIGHTED": "constexpr",
-             "ES": "constexpr", "VB": "constexpr", "ROWS": "constexpr", "BLOCK": "constexpr"},
-            {"PARTIAL": _partial, "PER": 2 if _bf16 else 1, "BF16": _bf16, "WEIGHTED": _w,
-             "ES": _yt.itemsize, "VB": _yt.itemsize, "ROWS": ROWS,
-             "BLOCK": UNITS_ROW_BYTES // _yt.itemsize,
-             "num_warps": UNITS_PARTIAL_WARPS if _partial else 4})
-_REDUCE_FORMS = [(tr, bb, ob, wt, False) for tr in ("pairs", "dedup")
-                 for bb, ob in ((True, True), (False, False), (False, True))
-                 for wt in (True, False)] + [("dedup", True, True, True, True),
-                                             ("pairs", False, False, True, True)]
-for _tr, _bb, _ob, _w, _g in _REDUCE_FORMS:
-    _dedup = _tr == "dedup"
-    specialization(
-        f"combine.reduce[{_tr},{'bf16' if _bb else 'f32'}->{'bf16' if _ob else 'f32'}"
-        f"{',weighted' if _w else ''}{',grouped' if _g else ''}]", _reduce_kernel,
-        {"back": "*i16" if _bb else "*i32", "send_map": "*i64", "idx": "*i64",
-         "w": "*fp32", "first": "*i64", "out": "*i16" if _ob else "*i32",
-         "T": "i32", "H": "i32", "K": "i32", "C": "i32", "E": "i32", "R": "i32", "L": "i32",
-         "G": "i32", "S": "i32", "U": "i32", "TOKEN_ROWS": "constexpr", "COMPACT": "constexpr",
-         "PER": "constexpr", "BACK_BF16": "constexpr", "OUT_BF16": "constexpr",
-         "WEIGHTED": "constexpr", "GROUPED": "constexpr", "KP": "constexpr",
-         "ROWS": "constexpr", "BLOCK": "constexpr"},
-        {"TOKEN_ROWS": _dedup, "COMPACT": _dedup, "PER": 2 if _dedup and _bb else 1,
-         "BACK_BF16": _bb, "OUT_BF16": _ob, "WEIGHTED": _w, "GROUPED": _g, "KP": 8,
-         "VB": 1, "ROWS": REDUCE_TILE[0], "BLOCK": REDUCE_TILE[1], "num_warps": REDUCE_WARPS})

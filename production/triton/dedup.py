@@ -19,10 +19,11 @@ from epkit.reference import abi
 
 from . import byterows, ranks
 from . import rowchecks as ck
+from .abi import PLAN_ERR_CODE, SLOT_K_SHIFT, SLOT_ROW_BYTES
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .byterows import int_at
 from .rowspace import any_bit
-from .sections import ERR_CODE, SLOT_ROW, TOKEN_ROW, excl_at, section_rows
+from .sections import SLOT_ROW, TOKEN_ROW, excl_at, section_rows
 from .wirechecks import ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_SHAPE, ST_SLOT_ROW, ST_SLOTS
 
 NAME = "dedup"
@@ -112,7 +113,7 @@ def _open_kernel(idx, rank, plan, keys, nopen, TK, K, E, L, R, o_own, BLOCK: tl.
     (none) otherwise; and nopen[q] = the token's sent slots to d (a token row's n)."""
     q = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inq = q < TK
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # a tile (interpreter)
     kept, d = _sent(idx, rank, plan, q, inq, ok, E, L, o_own)
     t = q // K
     n = tl.zeros([BLOCK], tl.int64)
@@ -249,11 +250,12 @@ def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, s
     sec = excl_at(plan, o_bytes, R, src, inq)  # the source's chunk's first byte (then its
     # token section and the slot rows of the token rows before)
     tok = tl.where(TOKCAP >= 0, TOKCAP, tl.load(plan + o_counts + src, mask=inq, other=0))
-    so = (sec + tok * B + (HDR + tl.load(before + n, mask=inq, other=0)) * _SLOT) + c * _SLOT
-    bits = any_bit(sv & ((so < 0) | (so + _SLOT > NB)), _ST_SHAPE)
-    sv = sv & (so >= 0) & (so + _SLOT <= NB)
+    slot_rows = HDR + tl.load(before + n, mask=inq, other=0) + c
+    so = sec + tok * B + slot_rows * SLOT_ROW_BYTES
+    bits = any_bit(sv & ((so < 0) | (so + SLOT_ROW_BYTES > NB)), _ST_SHAPE)
+    sv = sv & (so >= 0) & (so + SLOT_ROW_BYTES <= NB)
     word = int_at(recv, so, sv, NB, 4)
-    kk = (word & 0xFFFFFFFF) >> _K_SHIFT
+    kk = (word & 0xFFFFFFFF) >> SLOT_K_SHIFT
     jj = word & _J_MASK
     bad = sv & ((jj >= L) | (kk >= K))
     bits |= any_bit(bad, _ST_SLOT_ROW)
@@ -265,7 +267,7 @@ def _slot_rows_kernel(recv, plan, s, data, nn, before, hist, kk_o, jj_o, wb_o, s
     tl.store(key_o + q, tl.where(sv, jj, L), mask=inq)
     if pid == 0:
         v = tl.arange(0, VEC)
-        ok = (tl.zeros([VEC], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # (interpreter)
+        ok = (tl.zeros([VEC], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # (interpreter)
         done = tl.zeros([VEC], tl.int64)  # the bytes of the chunks before
         for d0 in range(0, R, VEC):
             d = d0 + v
@@ -323,8 +325,6 @@ def _slot_places_kernel(plan, jj, kk, sv, rank, hist, m_o, live_o, rk_o, words, 
 
 
 _META_N = tl.constexpr(4 * abi.DEDUP_TOKEN_META.index("n"))
-_SLOT = tl.constexpr(abi.SLOT_ROW_BYTES)
-_K_SHIFT = tl.constexpr(abi.SLOT_K_SHIFT)
 _J_MASK = tl.constexpr((1 << abi.SLOT_K_SHIFT) - 1)
 _ST_SHAPE = tl.constexpr(ST_SHAPE)
 _ST_SLOTS = tl.constexpr(ST_SLOTS)

@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import torch
 
-from . import bits
-from . import rowchecks as ck
-from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from . import bits, quantized
+from ._runtime import INTERPRETED, tl, triton
 
-__all__ = ["quantize_fp8_block128"]
+__all__ = ["quantize_fp8_block128", "quantize_rows", "dequantize_rows"]
 
 BLOCK = 128
+OP = "epkit.quantize_fp8_block128"
 BR = 256 if INTERPRETED else 4
 AMAX_MIN_BITS = tl.constexpr(0x38D1B717)  # float32(1e-4), DeepEP's clamp of the block maximum
 
 
 @triton.jit
-def _fp8_block128_kernel(x, q, scale, NBLOCKS, X_BF16: tl.constexpr, BR: tl.constexpr):
-    """Blocks b of x [NBLOCKS, 128] (integer view) -> q [NBLOCKS, 128] uint8 (E4M3 bits) and
-    scale [NBLOCKS] float32."""
+def _fp8_block128_kernel(x, q, scale, NBLOCKS, NB, QS, SS, X_BF16: tl.constexpr,
+                         BR: tl.constexpr):
+    """Blocks b of x [NBLOCKS, 128] (integer view; NB blocks a row) -> their E4M3 bits at
+    q + t * QS + 128 j (uint8) and their scales at scale + t * SS + j (float32), block b being
+    block j of row t: separate q [T, H] and scale [T, H / 128] (QS = H, SS = H / 128), or a
+    wire row [T, P] (q the row, scale its float32 view from H on, QS = P, SS = P / 4)."""
     b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     bm = b < NBLOCKS
-    offs = b[:, None] * 128 + tl.arange(0, 128)[None, :]
+    t = b // NB
+    j = b - t * NB
+    i = tl.arange(0, 128)
+    offs = b[:, None] * 128 + i[None, :]
     v = bits.to_f32(tl.load(x + offs, mask=bm[:, None], other=0), X_BF16)
     vb = v.to(tl.uint32, bitcast=True)
     a = vb & 0x7FFFFFFF
@@ -44,27 +50,43 @@ def _fp8_block128_kernel(x, q, scale, NBLOCKS, X_BF16: tl.constexpr, BR: tl.cons
     c = tl.where(u < -448.0, -448.0, tl.where(u > 448.0, 448.0, u))
     nan = ((vb >> 24) & 0x80 | 0x7F).to(tl.uint8)
     qb = tl.where(u != u, nan, bits.f32_to_e4m3(c))
+    tl.store(q + t[:, None] * QS + j[:, None] * 128 + i[None, :], qb, mask=bm[:, None])
+    tl.store(scale + t * SS + j, s, mask=bm)
+
+
+@triton.jit
+def _dequantize_kernel(rows, scales, q, scale, hp, NBLOCKS, NB, P, SS, BR: tl.constexpr):
+    """Blocks b (block j of row t) of the wire rows [T, P] uint8 (``scales``: the rows' float32
+    scales from byte H on, SS a row) -> q [NBLOCKS, 128] (the E4M3 bytes), scale [NBLOCKS]
+    float32 and hp [NBLOCKS, 128] float32 = e4m3(q) * scale, one float32 multiply (as
+    payloads.fp8_block128.dequantize_fp8_block128)."""
+    b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    bm = b < NBLOCKS
+    t = b // NB
+    j = b - t * NB
+    i = tl.arange(0, 128)
+    qb = tl.load(rows + t[:, None] * P + j[:, None] * 128 + i[None, :], mask=bm[:, None],
+                 other=0)
+    s = tl.load(scales + t * SS + j, mask=bm, other=0.0)
+    offs = b[:, None] * 128 + i[None, :]
     tl.store(q + offs, qb, mask=bm[:, None])
     tl.store(scale + b, s, mask=bm)
+    tl.store(hp + offs, bits.e4m3_to_f32(qb) * s[:, None], mask=bm[:, None])
 
 
 def quantize_fp8_block128(x: torch.Tensor):
     """x [T, H] float32 or bfloat16, H % 128 == 0 -> (q [T, H] float8_e4m3fn, scale
     [T, H / 128] float32), cpu/fp8_block128.cpp quantize_fp8_block128_cpu."""
-    ck.check_quantize_args("epkit.quantize_fp8_block128", x, BLOCK)
-    x = x.contiguous()
-    T, H = x.shape
-    q = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((T, H // BLOCK), dtype=torch.float32, device=x.device)
-    n = T * (H // BLOCK)
-    xi = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
-    launch(_fp8_block128_kernel, (cdiv(n, BR),), xi, q.view(torch.uint8), scale, n,
-           X_BF16=x.dtype == torch.bfloat16, BR=BR)
-    return q, scale
+    return quantized.quantize(_fp8_block128_kernel, BR, BLOCK, torch.float32, OP, x)
 
 
-for _bf16 in (True, False):
-    specialization(f"fp8_block128.quantize[{'bf16' if _bf16 else 'f32'}]", _fp8_block128_kernel,
-                   {"x": "*i16" if _bf16 else "*i32", "q": "*u8", "scale": "*fp32",
-                    "NBLOCKS": "i32", "X_BF16": "constexpr", "BR": "constexpr"},
-                   {"X_BF16": _bf16, "BR": BR})
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> its wire rows uint8 [T, H + 4 H / 128] (E4M3 bytes, then the float32 scales'
+    bytes), one launch."""
+    return quantized.quantize_rows(_fp8_block128_kernel, BR, BLOCK, torch.float32, OP, x)
+
+
+def dequantize_rows(rows: torch.Tensor, H: int):
+    """wire rows uint8 [M, H + 4 H / 128] -> (q [M, H] float8_e4m3fn, scale [M, H / 128]
+    float32, hp [M, H] float32), one launch."""
+    return quantized.dequantize_rows(_dequantize_kernel, BR, BLOCK, torch.float32, rows, H)

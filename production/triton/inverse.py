@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import INTERPRETED, cdiv, launch, specialization, tl, triton
+from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 
 __all__ = ["invert"]
 
@@ -55,12 +55,3 @@ def invert(index_map: torch.Tensor, Q: int, div: int = 1, scale: int = 1, own: b
         launch(_invert_kernel, (cdiv(m.numel(), BLOCK),), m, inv, m.numel(), Q, max(div, 1),
                scale, BLOCK=BLOCK)
     return (inv, offs) if own else inv
-
-
-for _own in (False, True):
-    specialization(f"inverse.fill[{'own' if _own else 'plain'}]", _fill_kernel,
-                   {"inv": "*i64", "own": "*i64", "Q": "i32", "SCALE": "i64",
-                    "OWN": "constexpr", "BLOCK": "constexpr"}, {"OWN": _own, "BLOCK": BLOCK})
-specialization("inverse.invert", _invert_kernel,
-               {"map": "*i64", "inv": "*i64", "N": "i32", "Q": "i32", "DIV": "i32",
-                "SCALE": "i64", "BLOCK": "constexpr"}, {"BLOCK": BLOCK})

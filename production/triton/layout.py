@@ -23,13 +23,16 @@ from __future__ import annotations
 import torch
 
 from ._runtime import INTERPRETED, launch, tl, triton
+from .abi import (REASON_DUPLICATE_EXPERT, REASON_HIDDEN_NOT_MULT32, REASON_INDEX_OUT_OF_RANGE,
+                  REASON_NONFINITE_PAYLOAD, REASON_NONFINITE_WEIGHT, REASON_STATIC_OVERFLOW,
+                  WORD_ERROR_A, WORD_ERROR_B, WORD_ERROR_CODE, WORD_HEADER, WORD_HIDDEN,
+                  WORD_PAYLOAD, WORD_TOKENS, WORD_TOPK, WORD_X_DTYPE)
 from epkit.reference import abi
 
 __all__ = ["layout", "prepare", "counts"]
 
 MAX_RANKS = 1 << 20          # checks.h kMaxRanks
 MAX_EXPERTS = (1 << 31) - 1  # checks.h kMaxExperts (int32 max)
-WORD_HEADER = abi.WORD_HEADER
 _W = {name: i for i, name in enumerate(abi.WORD_FIELDS)}
 _PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
 _BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
@@ -189,6 +192,7 @@ _F_DUP = tl.constexpr(2)
 _F_DUP_EXPERT = tl.constexpr(3)
 _F_WEIGHT = tl.constexpr(4)
 _F_PAYLOAD = tl.constexpr(5)
+_F_WORDS = tl.constexpr(6)  # a block's verdict words
 _NONE = tl.constexpr(1 << 62)  # above every flat index: "not found" inside a min
 
 
@@ -255,7 +259,7 @@ def _scan_kernel(idx, w, x, found, counts, T, K, E, L, R, H, CHECK_X: tl.constex
             xb = tl.load(x + t[:, None] * H + h[None, :], mask=mx, other=0)
             bad_x = bad_x | (tl.max((mx & _nonfinite(xb, XBITS)).to(tl.int32), 1) > 0)
         f_payload = tl.min(tl.where(bad_x, t, _NONE), 0)
-    out = found + pid.to(tl.int64) * 6
+    out = found + pid.to(tl.int64) * _F_WORDS
     tl.store(out + _F_RANGE, tl.where(f_range == _NONE, -1, f_range))
     tl.store(out + _F_RANGE_VALUE, v_range)
     tl.store(out + _F_DUP, tl.where(f_dup == _NONE, -1, f_dup))
@@ -288,8 +292,8 @@ def _first_found(found_ptr, NBLK, F: tl.constexpr, V: tl.constexpr):
     at = tl.full([], -1, tl.int64)
     value = tl.zeros([], tl.int64)
     for blk in range(NBLK):
-        i = tl.load(found_ptr + blk * 6 + F)
-        v = tl.load(found_ptr + blk * 6 + V)
+        i = tl.load(found_ptr + blk * _F_WORDS + F)
+        v = tl.load(found_ptr + blk * _F_WORDS + V)
         take = (at < 0) & (i >= 0)
         value = tl.where(take, v, value)
         at = tl.where(take, i, at)
@@ -319,41 +323,41 @@ def _words_kernel(found_ptr, counts_ptr, words_ptr, E, R, T, H, K, x_dtype, payl
         i_weight, _w = _first_found(found_ptr, NBLK, _F_WEIGHT, _F_WEIGHT)
         i_payload, _p = _first_found(found_ptr, NBLK, _F_PAYLOAD, _F_PAYLOAD)
         # Latest check first, so the earliest failing check is the one left standing.
-        code = tl.where((max_tokens >= 0) & (T > max_tokens), 20, zero)
+        code = tl.where((max_tokens >= 0) & (T > max_tokens), REASON_STATIC_OVERFLOW, zero)
         a = tl.where(code != 0, T.to(tl.int64), zero)
         b = tl.where(code != 0, max_tokens.to(tl.int64), zero)
-        pc = tl.where(i_payload >= 0, 14, code)
+        pc = tl.where(i_payload >= 0, REASON_NONFINITE_PAYLOAD, code)
         a = tl.where(i_payload >= 0, i_payload, a)
         b = tl.where(i_payload >= 0, payload.to(tl.int64), b)
         code = pc
-        hc = tl.where(hidden_bad != 0, 15, code)
+        hc = tl.where(hidden_bad != 0, REASON_HIDDEN_NOT_MULT32, code)
         a = tl.where(hidden_bad != 0, H.to(tl.int64), a)
         b = tl.where(hidden_bad != 0, payload.to(tl.int64), b)
         code = hc
-        wc = tl.where(i_weight >= 0, 13, code)
+        wc = tl.where(i_weight >= 0, REASON_NONFINITE_WEIGHT, code)
         a = tl.where(i_weight >= 0, i_weight, a)
         b = tl.where(i_weight >= 0, zero, b)
         code = wc
-        dc = tl.where(i_dup >= 0, 2, code)
+        dc = tl.where(i_dup >= 0, REASON_DUPLICATE_EXPERT, code)
         a = tl.where(i_dup >= 0, i_dup, a)
         b = tl.where(i_dup >= 0, dup_expert, b)
         code = dc
-        rc = tl.where(i_range >= 0, 1, code)
+        rc = tl.where(i_range >= 0, REASON_INDEX_OUT_OF_RANGE, code)
         a = tl.where(i_range >= 0, range_value, a)
         b = tl.where(i_range >= 0, E, b)
         code = rc
-        tl.store(words_ptr + 3, T.to(tl.int64))
-        tl.store(words_ptr + 4, H.to(tl.int64))
-        tl.store(words_ptr + 5, K.to(tl.int64))
+        tl.store(words_ptr + WORD_TOKENS, T.to(tl.int64))
+        tl.store(words_ptr + WORD_HIDDEN, H.to(tl.int64))
+        tl.store(words_ptr + WORD_TOPK, K.to(tl.int64))
     else:
-        tl.store(words_ptr + 3, zero)
-        tl.store(words_ptr + 4, zero)
-        tl.store(words_ptr + 5, zero)
-    tl.store(words_ptr + 0, code)
-    tl.store(words_ptr + 1, a)
-    tl.store(words_ptr + 2, b)
-    tl.store(words_ptr + 6, x_dtype.to(tl.int64))
-    tl.store(words_ptr + 7, payload.to(tl.int64))
+        tl.store(words_ptr + WORD_TOKENS, zero)
+        tl.store(words_ptr + WORD_HIDDEN, zero)
+        tl.store(words_ptr + WORD_TOPK, zero)
+    tl.store(words_ptr + WORD_ERROR_CODE, code)
+    tl.store(words_ptr + WORD_ERROR_A, a)
+    tl.store(words_ptr + WORD_ERROR_B, b)
+    tl.store(words_ptr + WORD_X_DTYPE, x_dtype.to(tl.int64))
+    tl.store(words_ptr + WORD_PAYLOAD, payload.to(tl.int64))
     # The counts, or zeros when this rank's words carry an error.
     offs = tl.arange(0, BLOCK).to(tl.int64)
     keep = (offs * 0 + code) == 0  # a tensor mask (the interpreter mistypes splatted scalars)
@@ -365,7 +369,7 @@ def _words_kernel(found_ptr, counts_ptr, words_ptr, E, R, T, H, K, x_dtype, payl
         if CHECK:
             for blk in range(NBLK):
                 v += tl.load(counts_ptr + blk * n + o, mask=inside & keep, other=0)
-        tl.store(words_ptr + 8 + o, v, mask=inside)
+        tl.store(words_ptr + WORD_HEADER + o, v, mask=inside)
 
 
 _BLOCK = 128
@@ -383,7 +387,7 @@ def prepare(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     pre = [int(v) for v in pre_error]
     _check_prepare(x, topk_idx, topk_weights, E, R, pre, payload)
     dev = topk_idx.device
-    words = torch.empty(WORD_HEADER + E + R, dtype=torch.int64, device=dev)
+    words = torch.empty(abi.WORD_HEADER + E + R, dtype=torch.int64, device=dev)
     x_dtype = pre[_PRE["x_dtype"]] if len(pre) > _PRE["x_dtype"] else 0
     max_tokens = pre[_PRE["max_tokens"]] if len(pre) > _PRE["max_tokens"] else -1
     if pre[0] != 0:
@@ -399,7 +403,7 @@ def prepare(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     xbits = x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
     wbits = topk_weights.contiguous().view(torch.int32)
     nblk = max(1, -(-T // SCAN_TB))
-    found = torch.empty((nblk, 6), dtype=torch.int64, device=dev)
+    found = torch.empty((nblk, _F_WORDS.value), dtype=torch.int64, device=dev)
     sums = torch.empty((nblk, E + R), dtype=torch.int64, device=dev)
     launch(_scan_kernel, (nblk,), idx, wbits, xbits, found, sums, T, K, E, E // R, R, H,
            CHECK_X=bool(block) and H % block == 0 and x.numel() > 0, XBITS=8 * x.element_size(),

@@ -49,10 +49,6 @@ from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_
 
 __all__ = ["pack", "pack_into", "scatter_rows", "scatter_rows_into"]
 
-for _nw in (4, 2):
-    for _hdr in (False, True):
-        byterows.declare(f"pack.rows_nw{_nw}{'_hdr' if _hdr else ''}", _nw, _hdr)
-byterows.declare("pack.scatter_rows", 0, False)
 
 SLOT = abi.SLOT_ROW_BYTES
 

@@ -15,8 +15,9 @@ import torch
 from epkit.reference import abi
 
 from . import rowchecks as ck
+from .abi import PLAN_ERR_CODE
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
-from .sections import ERR_CODE, PAIRS_ROW, excl_at, section_rows
+from .sections import PAIRS_ROW, excl_at, section_rows
 
 NAME = "pairs"
 CODE = abi.TRANSPORT_CODES[NAME]
@@ -97,7 +98,7 @@ def _slots_kernel(idx, rank, plan, send_map, src, TK, E, L, R, CAP, TOKCAP, QA, 
     valid = inq & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
     d = e // L
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # a tile (interpreter)
     r = tl.load(rank + q, mask=inq, other=0)
     kept = valid & ok & (r < tl.load(plan + o_own + e, mask=valid, other=0))
     i = excl_at(plan, o_own, E, e, inq) + r - excl_at(plan, o_own, E, d * L, inq)

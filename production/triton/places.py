@@ -7,9 +7,10 @@ float32 per kept slot) along the exchange's chunks, one chunk per peer. A row's 
 at its chunk's start (after the chunk's header rows) plus the units of the chunk's rows before
 it, in row order; a row without units has place -1. As torch ops that is a dozen launches (an
 index_add, two cumsums, gathers; production/moves.py ``_unit_positions`` is the torch form,
-which the C++ path runs); here it is one program per chunk (grid ``(R,)``): the chunk's rows and
-its start come from the plan (the row counts, and the chunk sizes: fixed, or each peer's bounded
-or exact count), and the program scans its rows in blocks (integer ``tl.cumsum``, order-free).
+which the C++ path runs); here it is one program per chunk and side, both sides in one launch
+(grid ``(2 R,)``: the expert side's chunks, then the source side's): the chunk's rows and its
+start come from the plan (the row counts, and the chunk sizes: fixed, or each peer's bounded or
+exact count), and the program scans its rows in blocks (integer ``tl.cumsum``, order-free).
 Programs write disjoint places, and read nothing another writes.
 
 With ``UMAP`` (dedup's expert side of combine) the same launch writes the units kernel's map
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import INTERPRETED, launch, specialization, tl, triton
+from ._runtime import INTERPRETED, launch, tl, triton
 
-__all__ = ["FIXED", "BOUNDED", "COMPACT", "MAP", "VALUES", "DENSE", "row_places",
-           "token_places"]
+__all__ = ["FIXED", "BOUNDED", "COMPACT", "MAP", "VALUES", "DENSE", "sides"]
 
 FIXED, BOUNDED, COMPACT = 0, 1, 2  # how chunk p's start is found (the module docstring)
 MAP, VALUES, DENSE = 0, 1, 2  # what gives a row's units: a map's entries, counts, one a row
+VALUES_C, DENSE_C = tl.constexpr(VALUES), tl.constexpr(DENSE)
 # rows a program scans at a time (on a GPU 64: at 128 and up the units map's variant spilled
 # registers on sm_90 and scalar registers on gfx942, epkit kernels --compile)
 BLOCK = 256 if INTERPRETED else 64
@@ -64,22 +65,21 @@ def _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP, MODE: tl.c
 
 
 @triton.jit
-def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap,
-                   chunk, hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr,
-                   VALUES: tl.constexpr, UMAP: tl.constexpr, SLOTS: tl.constexpr,
-                   PER: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
-    """first [N] int64: row n's first unit (-1: none). Chunk p (this program) holds rows
-    [p (1 + cap), (p + 1)(1 + cap)) (STATIC) or the plan's row counts at rows_off, prefix-summed.
+def _row_units(p, src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap, chunk,
+               hdr, U, MODE: tl.constexpr, STATIC: tl.constexpr, VALUES: tl.constexpr,
+               UMAP: tl.constexpr, SLOTS: tl.constexpr, PER: tl.constexpr, CP: tl.constexpr,
+               RP: tl.constexpr, BLOCK: tl.constexpr):
+    """first [N] int64: row n's first unit (-1: none), for chunk p's rows: [p (1 + cap),
+    (p + 1)(1 + cap)) (STATIC) or the plan's row counts at rows_off, prefix-summed.
     Units of row n: VALUES 1, src[n] (a count); VALUES 2 (DENSE), one for each of the chunk's
     data rows (a static chunk's first row is its header, and its rows past the plan's count
     unused); else the entries >= 0 of src [N, C]; at most UCAP. Chunk p starts at p * chunk +
     hdr (FIXED), at the sum of the earlier chunks' sizes (BOUNDED: min(plan[sizes_off + q],
     UCAP * rows of q); COMPACT: plan[sizes_off + q]). With UMAP or SLOTS, umap [U] (int64, or
-    int32 bits of float32) is written whole: the units kernel's map, or the weight gradients'
-    values vals [M] (gather_slot_values: row n's entries that are not -1, c ascending, at
-    first[n], first[n] + 1, ...; those naming no row of vals 0), the chunk's other units -1 or
-    0."""
-    p = tl.program_id(0).to(tl.int64)
+    int32 bits of float32) is written whole over the chunk: the units kernel's map, or the
+    weight gradients' values vals [M] (gather_slot_values: row n's entries that are not -1, c
+    ascending, at first[n], first[n] + 1, ...; those naming no row of vals 0), the chunk's
+    other units -1 or 0."""
     lo, hi, start, size = _chunk(plan, p, N, R, rows_off, sizes_off, cap, chunk, hdr, UCAP,
                                  MODE, STATIC, RP)
     cs = tl.arange(0, CP)
@@ -88,9 +88,9 @@ def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, siz
     for b in range(lo, hi, BLOCK):
         n = b + tl.arange(0, BLOCK)
         m = n < hi
-        if VALUES == 1:
+        if VALUES == VALUES_C:
             u = tl.load(src + n, mask=m, other=0)
-        elif VALUES == 2:  # DENSE: one unit a data row (past a static chunk's header row)
+        elif VALUES == DENSE_C:  # one unit a data row one unit a data row (past a static chunk's header row)
             if STATIC:
                 used = tl.load(plan + rows_off + p)
                 u = ((n > lo) & (n <= lo + used) & m).to(tl.int64)
@@ -138,14 +138,13 @@ def _places_kernel(src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, siz
 
 
 @triton.jit
-def _token_places_kernel(send_map, idx, first, plan, T, K, E, L, S, UCAP, R, rows_off,
-                         sizes_off, cap, chunk, hdr, MODE: tl.constexpr, STATIC: tl.constexpr,
-                         KP: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr):
-    """dedup's source side: first [S] int64 for the send rows, the token rows send_map [T, R]
-    names, in token order within each chunk (pack's order): a row's units are its token's
-    kept slots on the chunk's rank (idx [T, K], the kept routing), at most UCAP. Rows of a
-    static chunk that no token names (its header row, its unused tail) get -1."""
-    p = tl.program_id(0).to(tl.int64)
+def _token_units(p, send_map, idx, first, plan, T, K, E, L, S, UCAP, R, rows_off, sizes_off, cap,
+                 chunk, hdr, MODE: tl.constexpr, STATIC: tl.constexpr, KP: tl.constexpr,
+                 RP: tl.constexpr, BLOCK: tl.constexpr):
+    """dedup's source side, chunk p: first [S] int64 for the send rows, the token rows
+    send_map [T, R] names, in token order within each chunk (pack's order): a row's units are
+    its token's kept slots on the chunk's rank (idx [T, K], the kept routing), at most UCAP.
+    Rows of a static chunk that no token names (its header row, its unused tail) get -1."""
     lo, hi, start, size = _chunk(plan, p, S, R, rows_off, sizes_off, cap, chunk, hdr, UCAP,
                                  MODE, STATIC, RP)
     ks = tl.arange(0, KP)
@@ -170,87 +169,76 @@ def _token_places_kernel(send_map, idx, first, plan, T, K, E, L, S, UCAP, R, row
             tl.store(first + x, -1, mask=(x < hi) & ((x == lo) | (x > lo + used)))
 
 
-def token_places(send_map: torch.Tensor, idx: torch.Tensor, plan: torch.Tensor, R: int,
-                 E: int, S: int, rows_off: int, *, ucap: int, mode: int, static_cap: int = -1,
-                 chunk: int = 0, hdr: int = 0, sizes_off: int = 0) -> torch.Tensor:
-    """``first [S] int64`` of dedup's send rows (``_token_places_kernel``), one launch; the
-    chunk arguments as :func:`row_places`'."""
-    send_map, idx = send_map.contiguous(), idx.contiguous()
-    T, K = idx.shape
-    first = torch.empty(S, dtype=torch.int64, device=send_map.device)
-    launch(_token_places_kernel, (R,), send_map, idx, first, plan, T, K, E, E // R, S, ucap, R,
-           rows_off, sizes_off, static_cap, chunk, hdr, MODE=mode, STATIC=static_cap >= 0,
-           KP=max(2, triton.next_power_of_2(max(K, 1))),
-           RP=max(2, triton.next_power_of_2(R)), BLOCK=BLOCK)
-    return first
+@triton.jit
+def _sides_kernel(src, first, umap, vals, plan, N, C, M, U, rows_off, sizes_off,
+                  send_map, idx, first_src, S, T, K, E, L, src_rows_off, src_sizes_off,
+                  UCAP, R, cap, chunk, hdr, MODE: tl.constexpr, STATIC: tl.constexpr,
+                  VALUES: tl.constexpr, UMAP: tl.constexpr, SLOTS: tl.constexpr,
+                  PER: tl.constexpr, CP: tl.constexpr, TOKENS: tl.constexpr, KP: tl.constexpr,
+                  RP: tl.constexpr, BLOCK: tl.constexpr):
+    """Both sides of an exchange, grid (2 R,): program p < R is the expert side's chunk p
+    (:func:`_row_units` over src [N, C]: first, and umap with UMAP or SLOTS); program R + p the
+    source side's chunk p, first_src [S]: dedup's token rows (TOKENS: :func:`_token_units` over
+    send_map [T, R] and idx [T, K]), else one unit a data row (pairs: DENSE). The two sides
+    write disjoint outputs and read only their inputs and the plan."""
+    p = tl.program_id(0).to(tl.int64)
+    if p < R:
+        _row_units(p, src, first, umap, vals, plan, N, C, M, UCAP, R, rows_off, sizes_off, cap,
+                   chunk, hdr, U, MODE, STATIC, VALUES, UMAP, SLOTS, PER, CP, RP, BLOCK)
+    else:
+        if TOKENS:
+            _token_units(p - R, send_map, idx, first_src, plan, T, K, E, L, S, UCAP, R,
+                         src_rows_off, src_sizes_off, cap, chunk, hdr, MODE, STATIC, KP, RP,
+                         BLOCK)
+        else:
+            _row_units(p - R, plan, first_src, first_src, first_src, plan, S, 1, 0, UCAP, R,
+                       src_rows_off, src_sizes_off, cap, chunk, hdr, 0, MODE, STATIC, DENSE_C,
+                       False, False, 1, 2, RP, BLOCK)
 
 
-def row_places(src: torch.Tensor, plan: torch.Tensor, R: int, rows_off: int, *, ucap: int,
-               mode: int, static_cap: int = -1, chunk: int = 0, hdr: int = 0,
-               sizes_off: int = 0, values: int = MAP, umap_units: int = -1,
-               per: int = 1, M: int = 0, rows: int | None = None,
-               slot_values: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(first [N] int64, umap [U] int64 or None)`` for the rows of ``src`` (``values``:
-    ``MAP``, ``src [N, C]``, a row's units its entries >= 0; ``VALUES``, ``src [N]`` unit
-    counts; ``DENSE``, one unit a data row, ``src`` only sizes), on src's device, in one
-    launch. ``plan``: the device plan (row counts at ``rows_off``, chunk sizes at
-    ``sizes_off``); ``static_cap >= 0``: static chunks of ``1 + static_cap`` rows.
-    ``umap_units >= 0``: also the units kernel's map over that many units (dedup's expert side,
-    ``per`` units a token row at most; ``src`` is recv_map, naming rows of y's ``M``); with
-    ``slot_values`` [M] float32 instead, the weight gradients' ``[umap_units]`` float32 values
-    laid out along the places (``backward.gather_slot_values``'s result)."""
-    src = src.contiguous()
-    N = src.shape[0] if rows is None else rows  # (DENSE: src unread, rows given)
-    C = 1 if values != MAP else src.shape[1]
-    first = torch.empty(N, dtype=torch.int64, device=src.device)
+def sides(recv_map: torch.Tensor, plan: torch.Tensor, R: int, *, ucap: int, mode: int,
+          recv_counts_off: int, recv_sizes_off: int, send_counts_off: int, send_sizes_off: int,
+          S: int, static_cap: int = -1, chunk: int = 0, hdr: int = 0, umap_units: int = -1,
+          per: int = 1, M: int = 0, slot_values: torch.Tensor | None = None,
+          send_map: torch.Tensor | None = None, idx: torch.Tensor | None = None, E: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(first [N] int64, umap [U] or None, first_src [S] int64)`` in one launch: the first
+    unit of each received row (its units ``recv_map [N, C]``'s entries >= 0, at most ``ucap``)
+    and of each of the S sent rows (dedup, ``send_map [T, R]`` and ``idx [T, K]`` given: its
+    token's kept slots, of the ``E`` experts, on the row's rank; pairs: one a data row). ``plan``: the device plan
+    (row counts at ``*_counts_off``, chunk sizes at ``*_sizes_off``); ``static_cap >= 0``:
+    static chunks of ``1 + static_cap`` rows, ``chunk`` units each after ``hdr`` (``mode``
+    FIXED), else BOUNDED or COMPACT. ``umap_units >= 0``: also the units kernel's map over
+    that many units (dedup's expert side, ``per`` units a token row at most, naming rows of
+    y's ``M``); with ``slot_values [M] float32`` instead, the weight gradients' values laid
+    out along the places (``backward.gather_slot_values``'s result)."""
+    recv_map = recv_map.contiguous()
+    N, C = recv_map.shape
+    dev = recv_map.device
+    first = torch.empty(N, dtype=torch.int64, device=dev)
+    first_src = torch.empty(S, dtype=torch.int64, device=dev)
     U = max(umap_units, 0)
     slots = slot_values is not None
-    umap = (torch.empty(U, dtype=torch.float32 if slots else torch.int64, device=src.device)
+    umap = (torch.empty(U, dtype=torch.float32 if slots else torch.int64, device=dev)
             if umap_units >= 0 else None)
     if slots:
         M = slot_values.numel()
         out, vals = umap.view(torch.int32), slot_values.contiguous().view(torch.int32)
     else:
         out = vals = umap if umap is not None else first
-    launch(_places_kernel, (R,), src, first, out, vals, plan, N, C, M, ucap, R, rows_off,
-           sizes_off, static_cap, chunk, hdr, U, MODE=mode, STATIC=static_cap >= 0,
-           VALUES=int(values), UMAP=umap is not None and not slots, SLOTS=slots,
-           PER=max(per, 1), CP=max(2, triton.next_power_of_2(C)),
+    tokens = send_map is not None
+    if tokens:
+        send_map, idx = send_map.contiguous(), idx.contiguous()
+        T, K = idx.shape
+    else:
+        send_map = idx = plan  # (unread: DENSE)
+        T, K, E = 0, 1, R
+    launch(_sides_kernel, (2 * R,), recv_map, first, out, vals, plan, N, C, M, U,
+           recv_counts_off, recv_sizes_off, send_map, idx, first_src, S, T, K, E, E // R,
+           send_counts_off, send_sizes_off, ucap, R, static_cap, chunk, hdr, MODE=mode,
+           STATIC=static_cap >= 0, VALUES=MAP, UMAP=umap is not None and not slots, SLOTS=slots,
+           PER=max(per, 1),
+           CP=max(2, triton.next_power_of_2(C)), TOKENS=tokens,
+           KP=max(2, triton.next_power_of_2(max(K, 1))),
            RP=max(2, triton.next_power_of_2(R)), BLOCK=BLOCK)
-    return first, umap
-
-
-def _declare():
-    # (mode, static, units from, writes): the forms moves.py launches
-    forms = ((FIXED, True, MAP, "umap"), (BOUNDED, False, MAP, "umap"),
-             (FIXED, True, MAP, "slots"), (COMPACT, False, MAP, "slots"),
-             (COMPACT, False, DENSE, ""), (FIXED, True, DENSE, ""))
-    for mode, static, units, writes in forms:
-        ptr = "*i32" if writes == "slots" else "*i64"
-        sig = {"src": "*i64", "first": "*i64", "umap": ptr, "vals": ptr, "plan": "*i64",
-               "N": "i32", "C": "i32", "M": "i32", "UCAP": "i64", "R": "i32",
-               "rows_off": "i32", "sizes_off": "i32", "cap": "i32", "chunk": "i32",
-               "hdr": "i32", "U": "i32", "MODE": "constexpr", "STATIC": "constexpr",
-               "VALUES": "constexpr", "UMAP": "constexpr", "SLOTS": "constexpr",
-               "PER": "constexpr", "CP": "constexpr", "RP": "constexpr", "BLOCK": "constexpr"}
-        specialization(f"places[mode {mode}{',static' if static else ''},"
-                       f"{('map', 'values', 'dense')[units]}{',' + writes if writes else ''}]",
-                       _places_kernel, sig,
-                       {"MODE": mode, "STATIC": static, "VALUES": units,
-                        "UMAP": writes == "umap", "SLOTS": writes == "slots",
-                        "PER": 2 if writes == "umap" else 1, "CP": 8, "RP": 8, "BLOCK": BLOCK})
-
-
-_declare()
-
-
-for _mode, _static in ((FIXED, True), (BOUNDED, False), (COMPACT, False)):
-    specialization(f"places.tokens[mode {_mode}{',static' if _static else ''}]",
-                   _token_places_kernel,
-                   {"send_map": "*i64", "idx": "*i64", "first": "*i64", "plan": "*i64",
-                    "T": "i32", "K": "i32", "E": "i32", "L": "i32", "S": "i32", "UCAP": "i64",
-                    "R": "i32", "rows_off": "i32", "sizes_off": "i32", "cap": "i32",
-                    "chunk": "i32", "hdr": "i32", "MODE": "constexpr", "STATIC": "constexpr",
-                    "KP": "constexpr", "RP": "constexpr", "BLOCK": "constexpr"},
-                   {"MODE": _mode, "STATIC": _static, "KP": 8, "RP": 8, "BLOCK": BLOCK})
+    return first, umap, first_src

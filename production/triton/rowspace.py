@@ -37,9 +37,9 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
+from .abi import PLAN_ERR_CODE, PLAN_EXPERT_ROWS, PLAN_RECV_BYTES, PLAN_RECV_ROWS
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .byterows import int_at
-from .sections import ERR_CODE
 from .wirechecks import ST_EXPERT_ROW, ST_INBAND, ST_ROWS, ST_SHAPE
 
 __all__ = ["row_space", "BLOCK"]
@@ -47,9 +47,6 @@ __all__ = ["row_space", "BLOCK"]
 BLOCK = 4096 if INTERPRETED else 256  # rows a program
 
 # the plan's header words and the wire's metadata offsets, as the kernel reads them
-_RECV_ROWS = tl.constexpr(W.RECV_ROWS)
-_EXPERT_ROWS = tl.constexpr(W.EXPERT_ROWS)
-_RECV_BYTES = tl.constexpr(W.RECV_BYTES)
 _META_T = tl.constexpr(4 * abi.PAIRS_META.index("t"))
 _META_K = tl.constexpr(4 * abi.PAIRS_META.index("k"))
 _META_W = tl.constexpr(4 * abi.PAIRS_META.index("w"))
@@ -72,9 +69,9 @@ def _plan_bits(recv, plan, N, NB, M, R, L, CAP, o_counts, o_offsets, o_kept, o_r
     """The plan's own status bits (program 0): its shape words, offsets, the static chunks'
     in-band counts, and with ROW_SLOT its kept blocks."""
     v = tl.arange(0, _VEC)
-    bits = ((tl.load(plan + _RECV_BYTES) != NB) | (tl.load(plan + _RECV_ROWS) != N)
-            | (tl.load(plan + _EXPERT_ROWS) != M)).to(tl.int32) * _ST_SHAPE
-    ok = (tl.zeros([_VEC], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
+    bits = ((tl.load(plan + PLAN_RECV_BYTES) != NB) | (tl.load(plan + PLAN_RECV_ROWS) != N)
+            | (tl.load(plan + PLAN_EXPERT_ROWS) != M)).to(tl.int32) * _ST_SHAPE
+    ok = (tl.zeros([_VEC], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # a tile (interpreter)
     # offsets: start at 0 or after, never decrease, end inside expert_rows
     bits |= ((tl.load(plan + o_offsets) < 0) | (tl.load(plan + o_offsets + L) > M)).to(
         tl.int32) * _ST_SHAPE
@@ -128,7 +125,7 @@ def _row_space_kernel(recv, plan, s_o, at_o, data_o, t_o, m_o, live_o, k_o, w_o,
     r = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     tl.store(fill_a + r, tl.full([BLOCK], -1, tl.int64), mask=r < QA)
     tl.store(fill_b + r, tl.full([BLOCK], -1, tl.int64), mask=r < QB)
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # (tiles: as static)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # (tiles: as static)
     row = r < N
     static = (tl.zeros([BLOCK], tl.int64) + CAP) >= 0  # a tile: the interpreter keeps it bool
     # the source: static chunks of 1 + cap rows; ragged, the chunks ending at or before r

@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import torch
 
-from epkit.reference import abi
-
-from .. import plan as W
+from .abi import (DEDUP_TOKEN_META_N, DEDUP_TOKEN_META_T, PAIRS_META_J, PAIRS_META_K,
+                  PAIRS_META_T, PAIRS_META_W, PLAN_ERR_CODE, SLOT_K_SHIFT)
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 
-__all__ = ["excl_at", "section_rows", "PAIRS_ROW", "TOKEN_ROW", "SLOT_ROW", "ERR_CODE"]
+__all__ = ["excl_at", "section_rows", "PAIRS_ROW", "TOKEN_ROW", "SLOT_ROW"]
 
 # the kinds of section row (KIND) and their metadata words
 PAIRS_ROW, TOKEN_ROW, SLOT_ROW = 0, 1, 2
+PAIRS_ROW_C, TOKEN_ROW_C, SLOT_ROW_C = (tl.constexpr(k) for k in (PAIRS_ROW, TOKEN_ROW, SLOT_ROW))
 META_WORDS = {PAIRS_ROW: 4, TOKEN_ROW: 2, SLOT_ROW: 2}
-ERR_CODE = tl.constexpr(W.ERR_CODE)
-K_SHIFT = tl.constexpr(abi.SLOT_K_SHIFT)  # a slot row's k: the top 8 bits of its word
 BLOCK = 4096 if INTERPRETED else 256  # rows a program
 
 
@@ -66,20 +64,20 @@ def _section_rows_kernel(idx, wbits, aux, plan, src, off, src_off, meta, hdr_v, 
     t, k = s // K, s % K
     e = tl.load(idx + s, mask=has, other=0)
     w = tl.load(wbits + s, mask=has, other=0)
-    if KIND == 0:  # PAIRS_ROW: t, k, j, w
-        tl.store(meta + NW * q, tl.where(has, t, 0).to(tl.int32), mask=inq)
-        tl.store(meta + NW * q + 1, tl.where(has, k, 0).to(tl.int32), mask=inq)
-        tl.store(meta + NW * q + 2, tl.where(has, e % L, 0).to(tl.int32), mask=inq)
-        tl.store(meta + NW * q + 3, tl.where(has, w, 0), mask=inq)
-    elif KIND == 1:  # TOKEN_ROW: t, n
+    if KIND == PAIRS_ROW_C:  # t, k, j, w
+        tl.store(meta + NW * q + PAIRS_META_T, tl.where(has, t, 0).to(tl.int32), mask=inq)
+        tl.store(meta + NW * q + PAIRS_META_K, tl.where(has, k, 0).to(tl.int32), mask=inq)
+        tl.store(meta + NW * q + PAIRS_META_J, tl.where(has, e % L, 0).to(tl.int32), mask=inq)
+        tl.store(meta + NW * q + PAIRS_META_W, tl.where(has, w, 0), mask=inq)
+    elif KIND == TOKEN_ROW_C:  # t, n
         n = tl.load(aux + s, mask=has, other=0)
-        tl.store(meta + NW * q, tl.where(has, t, 0).to(tl.int32), mask=inq)
-        tl.store(meta + NW * q + 1, tl.where(has, n, 0).to(tl.int32), mask=inq)
+        tl.store(meta + NW * q + DEDUP_TOKEN_META_T, tl.where(has, t, 0).to(tl.int32), mask=inq)
+        tl.store(meta + NW * q + DEDUP_TOKEN_META_N, tl.where(has, n, 0).to(tl.int32), mask=inq)
     else:  # SLOT_ROW: k << 24 | j (k >= 128 sets the int32's sign bit: the low 32 bits), w
-        code = (k << K_SHIFT) | (e % L)
+        code = (k << SLOT_K_SHIFT) | (e % L)
         tl.store(meta + NW * q, tl.where(has, code, 0).to(tl.int32), mask=inq)
         tl.store(meta + NW * q + 1, tl.where(has, w, 0), mask=inq)
-    if KIND == 2:
+    if KIND == SLOT_ROW_C:
         tl.store(src_off + q, tl.zeros([BLOCK], tl.int64) - 1, mask=inq)
     else:
         tl.store(src_off + q, tl.where(has, t * P, -1), mask=inq)
@@ -94,7 +92,7 @@ def _section_rows_kernel(idx, wbits, aux, plan, src, off, src_off, meta, hdr_v, 
     pos = q - base
     lead = tl.where(LEAD_CAP >= 0, LEAD_CAP, tl.load(plan + o_lead + d, mask=inq, other=0))
     tl.store(off + q, excl_at(plan, o_bytes, R, d, inq) + lead * LEAD_B + pos * B, mask=inq)
-    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + ERR_CODE)) == 0  # a tile (interpreter)
+    ok = (tl.zeros([BLOCK], tl.int64) + tl.load(plan + PLAN_ERR_CODE)) == 0  # a tile (interpreter)
     head = ok & (pos == 0) & ((tl.zeros([BLOCK], tl.int64) + HDR) != 0)
     tl.store(hdr_v + q, tl.where(head, tl.load(plan + o_counts + d, mask=inq, other=0), -1),
              mask=inq)

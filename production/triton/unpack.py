@@ -49,7 +49,7 @@ from .. import plan as W
 from ..plan import host_plan
 from . import byterows, rowspace
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
-from .sections import ERR_CODE
+from .abi import PLAN_ERR_CODE
 from .transports import path_of
 from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
                          ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
@@ -58,9 +58,11 @@ from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # 
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
-byterows.declare("unpack.rows", 0, False)
 
 SLOT = abi.SLOT_ROW_BYTES
+# row_src [M, 3] int64: each expert row's source rank, token and slot (its columns)
+ROW_SRC_COLS = tl.constexpr(3)
+ROW_SRC_S, ROW_SRC_T, ROW_SRC_K = (tl.constexpr(c) for c in range(3))
 
 _STATUS: dict = {}  # torch.device -> [1] int32, the sticky word of that device
 
@@ -194,7 +196,7 @@ def _outputs_kernel(plan, bits, NBITS, words, NWORDS, src_slot, recv_map, s, t, 
         st |= tl.reduce(tl.load(bits + b0 + v, mask=b0 + v < NBITS, other=0), 0, _or)
     for b0 in range(0, NWORDS, 64):
         st |= tl.reduce(tl.load(words + b0 + v, mask=b0 + v < NWORDS, other=0), 0, _or)
-    st = tl.where(tl.load(plan + ERR_CODE) == 0, st, 0)
+    st = tl.where(tl.load(plan + PLAN_ERR_CODE) == 0, st, 0)
     e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     good = (tl.zeros([BLOCK], tl.int32) + st) == 0  # a tile (the interpreter: a bool one)
     em = e < M
@@ -202,11 +204,10 @@ def _outputs_kernel(plan, bits, NBITS, words, NWORDS, src_slot, recv_map, s, t, 
     has = em & good & (ss >= 0)
     qs = tl.maximum(ss, 0)
     q = qs // C
-    tl.store(row_src + 3 * e, tl.where(has, tl.load(s + q, mask=has, other=0), -1), mask=em)
-    tl.store(row_src + 3 * e + 1, tl.where(has, tl.load(t + q, mask=has, other=0), -1),
-             mask=em)
-    tl.store(row_src + 3 * e + 2, tl.where(has, tl.load(k + qs, mask=has, other=0), -1),
-             mask=em)
+    src_row = row_src + ROW_SRC_COLS * e
+    tl.store(src_row + ROW_SRC_S, tl.where(has, tl.load(s + q, mask=has, other=0), -1), mask=em)
+    tl.store(src_row + ROW_SRC_T, tl.where(has, tl.load(t + q, mask=has, other=0), -1), mask=em)
+    tl.store(src_row + ROW_SRC_K, tl.where(has, tl.load(k + qs, mask=has, other=0), -1), mask=em)
     tl.store(row_weight + e, tl.where(has, tl.load(w + qs, mask=has, other=0), 0).to(tl.int32),
              mask=em)
     tl.store(src_off + e, tl.where(has, tl.load(at + q, mask=has, other=0), -1), mask=em)

@@ -1,6 +1,7 @@
-"""epkit.triton.places (the return path's places, one program per chunk) against a NumPy
-statement of the rule, and its written maps against the ops they stand in for: the units map
-against dedup's torch form, the weight gradients' values against the C++ gather_slot_values.
+"""epkit.triton.places (the return path's places, one program per chunk and side, both sides in
+one launch) against a NumPy statement of the rule, and its written maps against the ops they
+stand in for: the units map against dedup's torch form, the weight gradients' values against
+the C++ gather_slot_values.
 
 The rule: chunk p's rows (static: 1 + cap rows each; else the plan's row counts) are walked in
 order; a row's first unit is the chunk's start (FIXED: p * chunk + hdr; BOUNDED: the earlier
@@ -26,6 +27,14 @@ def make_plan(R, E, rows, slots, cap=-1):
         p[sl[f"{side}_slots"]] = torch.tensor(slots)
     p[abi.PLAN_FIELDS.index("static_cap")] = cap
     return p, sl
+
+
+def sides(rm, plan, sl, R, S, **kw):
+    """places.sides over the test plan's words (make_plan: the same counts on both sides)."""
+    return places.sides(rm, plan, R, recv_counts_off=sl["recv_counts"].start,
+                        recv_sizes_off=sl["recv_slots"].start,
+                        send_counts_off=sl["send_counts"].start,
+                        send_sizes_off=sl["send_slots"].start, S=S, **kw)
 
 
 def oracle(u, R, row_lo, row_hi, start):
@@ -71,7 +80,7 @@ def test_row_places_follow_the_rule(mode, seed):
     tot = [int(u[lo[p]:hi[p]].sum()) for p in range(R)]
     slots = [t + int(rng.integers(0, 3)) for t in tot]  # a bound at least the exact units
     plan, sl = make_plan(R, E, rows, slots, cap)
-    kw = dict(ucap=per, static_cap=cap, sizes_off=sl["recv_slots"].start)
+    kw = dict(ucap=per, static_cap=cap)
     if mode.startswith("fixed"):
         chunk, hdr = 2 + max(tot) + 1, 1
         kw.update(mode=places.FIXED, chunk=chunk, hdr=hdr)
@@ -83,8 +92,15 @@ def test_row_places_follow_the_rule(mode, seed):
     else:
         kw.update(mode=places.COMPACT)
         start = list(np.cumsum([0] + slots[:-1]))
-    first, _ = places.row_places(rm, plan, R, sl["recv_counts"].start, **kw)
+    first, _, first_src = sides(rm, plan, sl, R, N, **kw)
     assert first.tolist() == oracle(u, R, lo, hi, start).tolist()
+    # the source side (pairs): one unit a data row, a static chunk's header row and unused
+    # tail none
+    dense = np.zeros(N, np.int64)
+    for p in range(R):
+        data = lo[p] + (1 if static else 0)
+        dense[data:data + rows[p]] = 1
+    assert first_src.tolist() == oracle(dense, R, lo, hi, start).tolist()
 
 
 def test_units_map_is_dedups(cpp):
@@ -97,9 +113,8 @@ def test_units_map_is_dedups(cpp):
     plan, sl = make_plan(R, E, rows, [8, 0, 8])
     chunk, hdr = 9, 1
     U = R * chunk
-    first, umap = places.row_places(rm, plan, R, sl["recv_counts"].start, ucap=per,
-                                    mode=places.FIXED, chunk=chunk, hdr=hdr, umap_units=U,
-                                    per=per, M=M)
+    first, umap, _ = sides(rm, plan, sl, R, sum(rows), ucap=per, mode=places.FIXED,
+                           chunk=chunk, hdr=hdr, umap_units=U, per=per, M=M)
     want, _, _ = dedup._unit_map(rm, M, per, first, U)
     assert umap.tolist() == want.tolist()
     y = torch.randn(M, 16).to(torch.bfloat16)
@@ -123,9 +138,8 @@ def test_slot_values_are_gather_slot_values(cpp):
     plan, sl = make_plan(R, E, rows, slots)
     values = torch.randn(M)
     B = sum(slots)
-    first, got = places.row_places(rm, plan, R, sl["recv_counts"].start, ucap=1 << 40,
-                                   mode=places.COMPACT, sizes_off=sl["recv_slots"].start,
-                                   umap_units=B, slot_values=values)
+    first, got, _ = sides(rm, plan, sl, R, sum(rows), ucap=1 << 40, mode=places.COMPACT,
+                          umap_units=B, slot_values=values)
     want = cpp.gather_slot_values(values, rm, first, B)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
@@ -153,8 +167,9 @@ def test_token_places_follow_the_rule(static):
     ucap = 2
     chunk = 1 + 2 * T
     plan, sl = make_plan(R, E, rows, [0] * R, cap)
-    first = places.token_places(smap, idx, plan, R, E, S, sl["send_counts"].start, ucap=ucap,
-                                mode=places.FIXED, static_cap=cap, chunk=chunk, hdr=1)
+    none = torch.full((S, 1), -1, dtype=torch.int64)  # the expert side: rows without units
+    _, _, first = sides(none, plan, sl, R, S, ucap=ucap, mode=places.FIXED, static_cap=cap,
+                        chunk=chunk, hdr=1, send_map=smap, idx=idx, E=E)
     want = np.full(S, -1, np.int64)
     for p in range(R):
         at = p * chunk + 1

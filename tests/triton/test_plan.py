@@ -1,4 +1,4 @@
-"""epkit.triton.plan (one single-program Triton kernel) against the C++ plan kernel
+"""epkit.triton.plan (three single-program Triton kernels) against the C++ plan kernel
 (cpu/plan.cpp), word for word for every rank: both transports, every exchange request (static
 with max_tokens_per_rank included), align, capacity with drops, words made by ``prepare`` from
 routing and words made directly (dedup's second gather writes kept token rows, any counts),
@@ -15,6 +15,20 @@ from test_layout import raised, routing
 
 from epkit.reference import abi
 from epkit.triton import plan as tp
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every ``torch.empty`` of epkit.triton.plan filled with a sentinel: the plan is not
+    zero-filled first, so a word the kernels forget to write shows up as a difference from the
+    C++ plan instead of hiding behind memory that happens to be zero."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(-0x5EED) if t.dtype == torch.int64 else t
+
+    monkeypatch.setattr(tp.torch, "empty", empty)
+
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

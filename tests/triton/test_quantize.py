@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_combine import DTYPES, same, special
+from test_combine import DTYPES, same, same_sum, special
 
 from epkit.triton.fp8_block128 import quantize_fp8_block128
 from epkit.triton.mxfp8 import quantize_mxfp8
@@ -71,3 +71,37 @@ def test_quantize_refuses_what_cpp_refuses(cpp, name, fn, block):
         for impl in (getattr(cpp, name), fn):
             with pytest.raises(RuntimeError, match=match):
                 impl(x)
+
+
+@pytest.mark.parametrize("name,block", [("mxfp8", 32), ("fp8_block128", 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(0, 256), (1, 128), (7, 384), (40, 256)])
+def test_wire_rows_are_the_host_ops(cpp, name, block, dtype, T, H):
+    """The one-launch wire rows each way (triton/<payload>.py quantize_rows, dequantize_rows)
+    against the host path's (the C++ quantize, then the copies and the payload's torch
+    dequantize: epkit.payloads), bit for bit: every E4M3 code (NaN, subnormals, saturation, -0)
+    through the dequantize, and the scales' bytes in the row."""
+    import importlib
+
+    from epkit import payloads
+
+    kernels = importlib.import_module(f"epkit.triton.{name}")
+    pl = payloads.TABLE[name]
+    rng = np.random.default_rng(T * 10 + H + block)
+    for x in (scaled_blocks(rng, T, H, block, dtype), special(rng, (T, H), dtype, finite=True)):
+        q, scale = getattr(cpp, f"quantize_{name}")(x)
+        want = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+        got = kernels.quantize_rows(x)
+        assert got.dtype == torch.uint8 and torch.equal(got, want)
+    # every E4M3 byte, under every scale a row may carry (codes 0 .. 255; scales of each
+    # magnitude, subnormal ones included)
+    P = H + H // block * pl.scale_dtype.itemsize
+    rows = torch.from_numpy(rng.integers(0, 256, (max(T, 1) * 8, P), dtype=np.uint8))
+    rows[0, :min(H, 256)] = torch.arange(min(H, 256), dtype=torch.uint8)
+    q, scale, hp = kernels.dequantize_rows(rows, H)
+    wq = rows[:, :H].contiguous().view(torch.float8_e4m3fn)
+    ws = rows[:, H:].contiguous().view(pl.scale_dtype)
+    assert same(q, wq) and same(scale, ws)
+    # a NaN times a NaN (a NaN scale is random bytes here, never a quantizer's) is either
+    # operand's NaN (IEEE 754; docs/verify.md): any NaN matches there, every other bit must
+    assert same_sum(hp, pl.dequantize(wq, ws))
