@@ -388,11 +388,12 @@ def _exchange_kernel(g_ptr, p_ptr, bound_ptr, fault_ptr, R, E, L, rank, align, t
         tl.store(p_ptr + PLAN_RECV_ROWS, tl.where(is_static, static_rows, N))
         tl.store(p_ptr + PLAN_RECV_BYTES, RB)
     else:
-        for i in range(0, (NW + BX - 1) // BX):
-            o = i * BX + xs
+        nw = NW.to(tl.int64)
+        for blk in range(0, (nw + BX - 1) // BX):
+            o = blk * BX + xs
             kept = ((o <= PLAN_ERR_RANK) | ((o >= PLAN_RANKS) & (o <= PLAN_ALIGN))
                     | (o == PLAN_STATIC_CAP))
-            tl.store(p_ptr + o, xs * 0, mask=(o < NW) & ~kept)
+            tl.store(p_ptr + o, xs * 0, mask=(o < nw) & ~kept)
 
 
 _BS, _BX = 8, 32
