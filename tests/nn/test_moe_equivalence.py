@@ -41,6 +41,11 @@ def assert_close_ulps(name, got, want, ulps=8):
         f"{name}: max gap {gap:.3g} = {gap / (eps * scale or 1):.2f} eps * max|dense| (allowed {ulps})")
 
 
+# One worker runs this module (--dist loadgroup, pyproject.toml): its module fixture is
+# costly, and under xdist every worker that took one of its tests would build it again.
+pytestmark = pytest.mark.xdist_group("moe_equivalence")
+
+
 @pytest.fixture(scope="module")
 def results(nn_group):
     """Every case run once, on the group and densely: name -> (case, ep results, dense results)."""

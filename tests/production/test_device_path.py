@@ -14,6 +14,11 @@ import device_path_fns as fns
 from group import started_with_kernels
 
 
+# One worker runs this module (--dist loadgroup, pyproject.toml): its module fixture is
+# costly, and under xdist every worker that took one of its tests would build it again.
+pytestmark = pytest.mark.xdist_group("device_path")
+
+
 @pytest.fixture(scope="module")
 def steps():
     out = {}

@@ -43,6 +43,11 @@ def record_launch_sites(path):
         json.dump({"tiles": _runtime.tiles(), "forms": list(rec.forms.values())}, f)
 
 
+# One worker runs this module (--dist loadgroup, pyproject.toml): its module fixture is
+# costly, and under xdist every worker that took one of its tests would build it again.
+pytestmark = pytest.mark.xdist_group("compile_gate")
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """(kernel, target) -> the rules broken, for every specialisation of gate_kernels.py and

@@ -43,6 +43,11 @@ print("ROWS", d.expert_x.shape[0])
 """
 
 
+# One worker runs this module (--dist loadgroup, pyproject.toml): its module fixture is
+# costly, and under xdist every worker that took one of its tests would build it again.
+pytestmark = pytest.mark.xdist_group("wheel")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
