@@ -80,8 +80,10 @@ def dequantize_rows(rows: torch.Tensor, hidden: int, payload: str
     if device_path(rows):
         return _kernels(payload).dequantize_rows(rows, hidden)
     pl = TABLE[payload]
-    q = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-    scale = rows[:, hidden:].contiguous().view(pl.scale_dtype)
+    # copies, always: a slice of a single row is contiguous already, and an op's output may
+    # not alias its input
+    q = rows[:, :hidden].clone().view(torch.float8_e4m3fn)
+    scale = rows[:, hidden:].clone().view(pl.scale_dtype)
     return q, scale, pl.dequantize(q, scale)
 
 

@@ -102,7 +102,7 @@ def raises_input_error(group, rank, x, idx, w, opts):
 
 def opcheck_all(group, rank):
     """torch.library.opcheck on every epkit op, with arguments taken from a real dispatch."""
-    from epkit import agree, ops, workspace
+    from epkit import agree, ops, payloads, workspace  # noqa: F401 (payloads: its ops)
     from epkit.collectives import group_name
 
     C = torch.ops.epkit
@@ -152,6 +152,13 @@ def opcheck_all(group, rank):
             (C.quantize_mxfp8, (torch.randn(2, 32).to(torch.bfloat16),)),
             (C.quantize_fp8_block128, (torch.randn(3, 256),)),
             (C.quantize_fp8_block128, (torch.randn(2, 128).to(torch.bfloat16),)),
+            (C.quantize_rows, (torch.randn(3, 64), "mxfp8")),
+            (C.quantize_rows, (torch.randn(2, 128).to(torch.bfloat16), "fp8_block128")),
+            # a single row too: its slices are contiguous views, which the op must not return
+            (C.dequantize_rows, (C.quantize_rows(torch.randn(1, 64), "mxfp8"), 64, "mxfp8")),
+            (C.dequantize_rows, (C.quantize_rows(torch.randn(3, 128), "fp8_block128"), 128,
+                                 "fp8_block128")),
+            (C.dispatch_counts, (plan, 1, E)),
             (C.scatter_slot_values, (vals, send_map, idx, first, E, 1, transport)),
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
             (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
