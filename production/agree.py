@@ -32,8 +32,8 @@ own ``H``, ``K``, x dtype and payload, reading nothing back (the plan's error st
 until ``check_static``), so ranks that disagree on them would enter the exchange with different
 sizes: gloo aborts the process, NCCL may hang or corrupt. Its header therefore carries ``x
 hidden``, ``x dtype`` and ``top-k`` (0 in every other call), checked as the count exchange checks
-them (lowest rank first, H, then dtype, then K, against rank 0's: the same error the plan would
-give). After an error the call numbers are re-synchronised (every rank takes
+them (lowest rank first, H, then dtype, then K, against rank 0's), then rank 0's K against the
+transport's limit (``TOPK_TOO_LARGE``): the same errors the plan would give. After an error the call numbers are re-synchronised (every rank takes
 the group's largest plus one), so the next valid call works.
 
 Calls on one group are serialised within a process (:func:`serial`): two threads sharing a
@@ -54,6 +54,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import transports
 from .collectives import all_gather, resolve_group, small_device
 from .hostreads import to_host
 from .memory import mark_host
@@ -63,6 +64,7 @@ __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", 
            "raise_pending"]
 
 MAGIC = 0x45504B4954  # "EPKIT"
+INT64_MAX = (1 << 63) - 1
 HEADER = 22
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
  W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS, W_RANKS_PER_NODE,
@@ -135,7 +137,14 @@ _CHECKS = ((("magic", Reason.CALL_MISMATCH), (W_OP, Reason.CALL_MISMATCH),
            + _OPTION_WORDS
            + ((W_REF, Reason.DISPATCH_MISMATCH), (W_DTYPE, Reason.ROWS_DTYPE_MISMATCH),
               (W_WIDTH, Reason.ROW_WIDTH_MISMATCH), (W_FLAGS, Reason.CALL_FLAGS_MISMATCH),
-              ("shape", None)))
+              ("shape", None), ("topk", Reason.TOPK_TOO_LARGE)))
+
+
+def _max_topk(transport_code: int) -> int:
+    """The transport's top-k limit (transports.Transport.max_topk) for a header's transport
+    word; no limit for none (-1: not a dispatch) or an unknown code."""
+    row = transports.TABLE_BY_CODE.get(int(transport_code))
+    return INT64_MAX if row is None or row.max_topk is None else row.max_topk
 
 
 def group_error(h) -> list[int]:
@@ -155,6 +164,8 @@ def group_error(h) -> list[int]:
                 for word, why in _SHAPE_WORDS:
                     if row[word] != h0[word]:
                         return [int(why), r, row[word], h0[word]]
+            if check == "topk" and r == 0 and row[W_TOPK] > _max_topk(row[W_TRANSPORT]):
+                return [int(reason), 0, row[W_TOPK], _max_topk(row[W_TRANSPORT])]
             if isinstance(check, int) and row[check] != h0[check]:
                 return [int(reason), r, row[check], h0[check]]
     return [0, 0, 0, 0]
@@ -180,6 +191,10 @@ def group_error_tensor(h: torch.Tensor) -> torch.Tensor:
                 code = torch.where(differs, torch.full_like(ranks, int(why)), code)
                 a = torch.where(differs, h[:, word], a)
                 b = torch.where(differs, h0[:, word], b)
+        elif check == "topk":  # rank 0's K (agreed by now) over its transport's limit
+            limit = _max_topk_tensor(h0[:, W_TRANSPORT])
+            bad = (h0[:, W_TOPK] > limit) & (ranks == 0)
+            code, a, b = reason, h0[:, W_TOPK], limit
         else:
             bad, code, a, b = h[:, check] != h0[:, check], reason, h[:, check], h0[:, check]
         first = torch.where(bad, ranks, R).min()
@@ -189,6 +204,15 @@ def group_error_tensor(h: torch.Tensor) -> torch.Tensor:
         found = torch.stack([code[at], at, a[at], b[at]])
         out = torch.where(first < R, found, out)
     return out
+
+
+def _max_topk_tensor(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`_max_topk` of each transport word, in tensor ops (fills, no host copy)."""
+    limit = torch.full_like(codes, INT64_MAX)
+    for code, row in transports.TABLE_BY_CODE.items():
+        if row.max_topk is not None:
+            limit = torch.where(codes == code, torch.full_like(codes, row.max_topk), limit)
+    return limit
 
 
 def guarded(check, *args):

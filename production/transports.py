@@ -28,7 +28,7 @@ import torch
 from epkit.reference import abi
 from epkit.reference.errors import Reason
 
-__all__ = ["Transport", "TABLE", "of", "by_code"]
+__all__ = ["Transport", "TABLE", "TABLE_BY_CODE", "of", "by_code"]
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,12 @@ class Transport:
             return Reason.HIER_UNSUPPORTED, {"lazy": 1, "static": 2}.get(exchange, 3), 0
         return Reason.OK, 0, 0
 
-    def topk_error(self, K: int) -> tuple:
-        """A token row's slot ``k`` is 8 bits."""
-        if self.token_rows and K > abi.DEDUP_MAX_TOPK:
-            return Reason.TOPK_TOO_LARGE, K, abi.DEDUP_MAX_TOPK
-        return Reason.OK, 0, 0
+    @property
+    def max_topk(self) -> Optional[int]:
+        """The largest top-k its rows encode (a slot row's ``k`` is 8 bits); None: any. The
+        group's agreed ``K`` is checked against it after the ranks' agreement (the plan, and the
+        header of a static dispatch on the device path), so ``TOPK_TOO_LARGE`` names rank 0."""
+        return abi.DEDUP_MAX_TOPK if self.token_rows else None
 
 
 # The default transport first: the order epkit verify lists its modes in.
@@ -95,7 +96,7 @@ TABLE = {t.name: t for t in (Transport("dedup", "direct", token_rows=True),
                              Transport("hier", "hier", token_rows=True, stages=2,
                                        exchanges=("auto", "ragged", "padded", "equal"),
                                        quantized=False))}
-_BY_CODE = {t.code: t for t in TABLE.values()}
+TABLE_BY_CODE = {t.code: t for t in TABLE.values()}
 assert set(TABLE) == set(abi.TRANSPORT_CODES), "a transport without a row (or a row without a code)"
 
 
@@ -109,4 +110,4 @@ def of(name) -> Optional[Transport]:
 
 def by_code(code: int) -> Transport:
     """The row of a transport code (the ops' integer argument)."""
-    return _BY_CODE[int(code)]
+    return TABLE_BY_CODE[int(code)]

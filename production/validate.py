@@ -89,7 +89,7 @@ def local_error(cfg, x, topk_idx, topk_weights) -> tuple[int, int, int]:
         return Reason.WEIGHTS_NOT_2D, topk_weights.dim(), 0
     if tuple(topk_weights.shape) != tuple(topk_idx.shape):
         return Reason.WEIGHTS_SHAPE, topk_weights.shape[0], topk_weights.shape[1]
-    return transports.TABLE[cfg.transport].topk_error(topk_idx.shape[1])
+    return Reason.OK, 0, 0
 
 
 def combine_words(cfg, expert_y, d, weighted) -> list[int]:

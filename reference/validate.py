@@ -28,6 +28,9 @@ Order of the checks on one rank (the first failing one is reported):
    non-finite value (every row); both report the payload's code as ``b``;
 8. static exchange only: ``T <= max_tokens_per_rank`` (``STATIC_OVERFLOW``, ``a = T``).
 
+After the agreement the transport checks what its wire format encodes (dedup and hier:
+``K <= 255``, ``TOPK_TOO_LARGE`` named for rank 0; transports/dedup.py, hier.py).
+
 Combine and the backward passes check, per rank in ascending order, the arrays they are given
 against the dispatch result: dtype (float32 or bfloat16), then rows, then ``H`` (an array that
 is not 2-D reports ``H = -1``); ``expert_y`` uses the ``EXPERT_Y_*`` reasons, gradients the

@@ -15,7 +15,7 @@ Generated from the ABI's tables, each a ``tl.constexpr``:
 - ``BLOCK_<PAYLOAD>`` and ``SCALE_BYTES_<PAYLOAD>``: a quantized payload's elements per scale
   and bytes per scale;
 - the wire format's numbers: ``SLOT_ROW_BYTES``, ``SLOT_K_SHIFT``, ``PAIRS_META_BYTES``,
-  ``DEDUP_TOKEN_META_BYTES``, and the int32 words of a row's metadata by name
+  ``DEDUP_TOKEN_META_BYTES``, ``DEDUP_MAX_TOPK``, and the int32 words of a row's metadata by name
   (``PAIRS_META_T`` ... ``PAIRS_META_W``, ``DEDUP_TOKEN_META_T``, ``DEDUP_TOKEN_META_N``).
 """
 
@@ -50,7 +50,8 @@ for _n, _c in abi.PAYLOAD_CODES.items():
     if _n is not None:
         _define(f"BLOCK_{_n.upper()}", abi.PAYLOAD_BLOCKS[_n])
         _define(f"SCALE_BYTES_{_n.upper()}", abi.PAYLOAD_SCALE_BYTES[_n])
-for _n in ("SLOT_ROW_BYTES", "SLOT_K_SHIFT", "PAIRS_META_BYTES", "DEDUP_TOKEN_META_BYTES"):
+for _n in ("SLOT_ROW_BYTES", "SLOT_K_SHIFT", "PAIRS_META_BYTES", "DEDUP_TOKEN_META_BYTES",
+           "DEDUP_MAX_TOPK"):
     _define(_n, getattr(abi, _n))
 for _prefix, _words in (("PAIRS_META", abi.PAIRS_META), ("DEDUP_TOKEN_META", abi.DEDUP_TOKEN_META)):
     for _i, _w in enumerate(_words):

@@ -44,7 +44,8 @@ from .abi import (BLOCK_FP8_BLOCK128, BLOCK_MXFP8, DTYPE_BFLOAT16, EXCHANGE_AUTO
                   PLAN_RECV_ROWS,
                   PLAN_SEND_BYTES, PLAN_SEND_ROWS, PLAN_SLOT_CAP, PLAN_STATIC_CAP, PLAN_TOK_CAP,
                   PLAN_TOPK, PLAN_TRANSPORT, PLAN_UNIFORM, PLAN_VARIANT, REASON_DTYPE_MISMATCH,
-                  REASON_HIDDEN_MISMATCH, REASON_TOPK_MISMATCH, SCALE_BYTES_FP8_BLOCK128,
+                  REASON_HIDDEN_MISMATCH, REASON_TOPK_MISMATCH, REASON_TOPK_TOO_LARGE,
+                  SCALE_BYTES_FP8_BLOCK128, DEDUP_MAX_TOPK, TRANSPORT_PAIRS,
                   SCALE_BYTES_MXFP8, SLOT_ROW_BYTES, VARIANT_EQUAL, VARIANT_PADDED, VARIANT_RAGGED,
                   VARIANT_STATIC, WORD_ERROR_A, WORD_ERROR_B, WORD_ERROR_CODE, WORD_HEADER,
                   WORD_HIDDEN, WORD_PAYLOAD, WORD_TOPK, WORD_X_DTYPE)
@@ -147,13 +148,21 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
         first_mis = tl.minimum(first_mis, tl.where(unlike, s, R))
     first_err = tl.min(first_err, 0)
     first_mis = tl.min(first_mis, 0)
-    failed = (first_err < R) | (first_mis < R)
+    # the agreed K within the transport's wire format (a slot row's k: 8 bits under dedup),
+    # named for rank 0 as the reference's transport does
+    too_large = (transport != TRANSPORT_PAIRS) & (K0 > DEDUP_MAX_TOPK)
+    failed = (first_err < R) | (first_mis < R) | too_large
     if failed:
         if first_err < R:
             code = tl.load(g_ptr + first_err * W + WORD_ERROR_CODE)
             a = tl.load(g_ptr + first_err * W + WORD_ERROR_A)
             b = tl.load(g_ptr + first_err * W + WORD_ERROR_B)
             who = first_err
+        elif first_mis >= R:
+            code = (zero + REASON_TOPK_TOO_LARGE).to(tl.int64)
+            a = K0
+            b = zero + DEDUP_MAX_TOPK
+            who = zero
         else:
             h = tl.load(g_ptr + first_mis * W + WORD_HIDDEN)
             k = tl.load(g_ptr + first_mis * W + WORD_TOPK)

@@ -84,3 +84,21 @@ def test_a_static_dispatchs_shape_is_checked_as_the_count_exchange_checks_it():
     h = headers(3, **{**same(3), "r1": {**shape, agree.W_X_HIDDEN: 8},
                       "r2": {**shape, agree.W_CODE: int(Reason.ALIGN)}})
     assert decide(h) == (int(Reason.ALIGN), 2, 0, 0)  # a local error comes first
+
+
+def test_a_static_top_k_over_the_transport_limit_names_rank_0_after_the_shapes():
+    """A static dispatch on the device path carries its K: once every rank's K agrees, a K over
+    the transport's limit (dedup: 255, k in 8 bits) is rank 0's error; a K that differs is the
+    mismatch of the rank that differs, as the reference's transport decides."""
+    K = agree.W_TOPK
+    over = {K: 300}
+    h = headers(3, r0=over, r1=over, r2=over)
+    assert decide(h) == (int(Reason.TOPK_TOO_LARGE), 0, 300, 255)
+    h = headers(2, r0={K: 255}, r1={K: 256})
+    assert decide(h) == (int(Reason.TOPK_MISMATCH), 1, 256, 255)
+    h = headers(2, r0={K: 255}, r1={K: 255})
+    assert decide(h) == (0, 0, 0, 0)
+    pairs = {K: 300, agree.W_TRANSPORT: 0}  # pairs: any K
+    assert decide(headers(2, r0=pairs, r1=pairs)) == (0, 0, 0, 0)
+    h = headers(2, r0=over, r1={K: 300, agree.W_CODE: int(Reason.ALIGN)})
+    assert decide(h)[:2] == (int(Reason.ALIGN), 1)  # a rank's own error first

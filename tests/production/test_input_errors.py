@@ -136,18 +136,28 @@ def test_bad_expert_y_on_middle_rank(group_pool, kind):
         assert shape == xs[r].shape
 
 
-def test_topk_beyond_the_dedup_limit_on_one_rank(group_pool):
-    """K > 255 under dedup on rank 1 only: the collective InputError, not a timeout."""
+@pytest.mark.parametrize("Ks, exchange", [([2, 300], "auto"), ([255, 256], "auto"),
+                                          ([300, 300], "auto"), ([300, 300], "static"),
+                                          ([255, 256], "static")])
+def test_topk_beyond_the_dedup_limit(group_pool, Ks, exchange):
+    """K > 255 under dedup: the collective InputError the reference's dedup gives, not a
+    timeout. On one rank only it is that rank's K differing from rank 0's (the ranks' agreement
+    comes before the transport's limit, as in the canonical spec, so epkit verify's violation
+    that widens one rank's K past 255 gets the message it expects); on every rank it is rank 0's
+    TOPK_TOO_LARGE."""
     Ebig, T = 512, 2
     rng = np.random.default_rng(5)
-    Ks = [2, 300]
     xs = [np.ones((T, 4), np.float32) for _ in Ks]
     idxs = [np.stack([rng.permutation(Ebig)[:K] for _ in range(T)]) for K in Ks]
     ws = [np.ones((T, K), np.float32) for K in Ks]
-    got = group_pool.run(rank_fns.raises_input_error, 2, xs, idxs, ws,
-                         [dict(num_experts=Ebig)] * 2)
+    opts = dict(num_experts=Ebig, exchange=exchange,
+                max_tokens_per_rank=T if exchange == "static" else None)
+    with pytest.raises(ref.InputError) as want:
+        ref.dispatch(xs, idxs, ws, transport="dedup", **opts)
+    assert want.value.code in (Reason.TOPK_MISMATCH, Reason.TOPK_TOO_LARGE)
+    got = group_pool.run(rank_fns.raises_input_error, 2, xs, idxs, ws, [opts] * 2)
     for err, _ in got:
-        assert err is not None and err[0] == 1 and err[1] == int(Reason.TOPK_TOO_LARGE), err
+        assert err == (want.value.rank, int(want.value.code), str(want.value)), err
 
 
 def test_a_rank_outside_the_group_is_told_so(group_pool):

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_layout import raised, routing
 
 from epkit.reference import abi
+from epkit.reference.errors import Reason
 from epkit.triton import plan as tp
 
 @pytest.fixture(autouse=True)
@@ -242,3 +243,21 @@ def test_plan_has_no_host_read(monkeypatch, cpp):
     got = tp.plan(words, 1, 12, 4, 2, 1, abi.EXCHANGE_CODES["auto"], -1)
     monkeypatch.undo()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("K", [255, 256, 300])
+def test_plan_topk_over_the_dedup_limit(cpp, K):
+    """An agreed K over dedup's limit (k in 8 bits) is rank 0's TOPK_TOO_LARGE, decided after
+    every rank's own error and the H / dtype / K agreement; pairs takes any K."""
+    rng = np.random.default_rng(K)
+    R, E = 3, 6
+    words = direct_words(rng, R, E, K, 16, 1, 0, 4)
+    dedup = same_plans(cpp, words, E, 1, -1, 1, 0, -1)
+    assert int(dedup[F["err_code"]]) == (int(Reason.TOPK_TOO_LARGE) if K > 255 else 0)
+    if K > 255:
+        assert [int(dedup[F[n]]) for n in ("err_rank", "err_a", "err_b")] == [0, K, 255]
+    assert int(same_plans(cpp, words, E, 1, -1, 0, 0, -1)[F["err_code"]]) == 0  # pairs
+    differs = words.clone()
+    differs[2, 5] = K + 1  # rank 2's K differs: its mismatch, not the limit
+    plan = same_plans(cpp, differs, E, 1, -1, 1, 0, -1)
+    assert [int(plan[F[n]]) for n in ("err_code", "err_rank")] == [int(Reason.TOPK_MISMATCH), 2]

@@ -51,6 +51,10 @@ Tensor plan_path(const Tensor& words_in, int64_t rank, int64_t E, int64_t align,
     if (r[X] != r0[X]) return fail(s, kDtypeMismatch, r[X], r0[X]);
     if (r[K] != r0[K]) return fail(s, kTopkMismatch, r[K], r0[K]);
   }
+  // The agreed K within the transport's wire format (a slot row's k: 8 bits under dedup),
+  // named for rank 0 as the reference's transport does.
+  if (r0[kWordTopK] > Path::kMaxTopK)
+    return fail(0, reason::kTopkTooLarge, r0[kWordTopK], Path::kMaxTopK);
   // No rank's words carry an error: the options are used from here on.
   check_plan_options(E, R, align, capacity, exchange, max_tokens);
   TORCH_CHECK(r0[kWordHidden] >= 0 && r0[kWordTopK] >= 0 &&
