@@ -185,31 +185,35 @@ def pack_rows(ix):
     their payloads' source offsets [QA], meta [QA, 2] int32, the header values or None); the
     slot section's row map waits on ``ix`` for :func:`pack_slots`. send_map is a view of the
     buffer that holds the two row maps too (one -1 fill for the three)."""
-    T, R, TK, QA, QB = ix.T, ix.R, ix.idx.numel(), ix.QA, ix.QB
-    i64 = dict(dtype=torch.int64, device=ix.idx.device)
+    idx, pv, buf = ix.routing.idx, ix.plan, ix.buffer
+    T, K, R, TK = ix.routing.tokens, max(ix.routing.topk, 1), pv.ranks, idx.numel()
+    QA, QB = buf.first_rows, buf.slot_rows
+    i64 = dict(dtype=torch.int64, device=idx.device)
     maps = torch.empty(T * R + QA + QB, **i64)
     send_map, srcA, srcB = maps[: T * R], maps[T * R: T * R + QA], maps[T * R + QA:]
     keys, nopen = torch.empty(2 * TK, **i64), torch.empty(TK, **i64)
-    sl = ix.sl
     if TK:
-        launch(_open_kernel, (cdiv(TK, PACK_BLOCK),), ix.idx, ix.rank, ix.plan, keys, nopen,
-               TK, max(ix.K, 1), ix.E, ix.L, R, sl["own_kept"].start, BLOCK=PACK_BLOCK)
+        launch(_open_kernel, (cdiv(TK, PACK_BLOCK),), idx, ix.slot_rank, pv.tensor, keys, nopen,
+               TK, K, pv.experts, pv.local_experts, R, pv.start("own_kept"), BLOCK=PACK_BLOCK)
     rank2 = ranks.rank_in_key(keys, 2 * R, fill=maps)
     if TK:
-        launch(_places_kernel, (cdiv(TK, PACK_BLOCK),), keys, rank2, ix.plan, send_map, srcA,
-               srcB, TK, max(ix.K, 1), R, ix.cap, ix.tokcap, ix.slotcap, QA, QB,
-               sl["send_counts"].start, sl["send_slots"].start, BLOCK=PACK_BLOCK)
+        launch(_places_kernel, (cdiv(TK, PACK_BLOCK),), keys, rank2, pv.tensor, send_map, srcA,
+               srcB, TK, K, R, pv.static_cap, pv.token_cap, pv.slot_cap, QA, QB,
+               pv.start("send_counts"), pv.start("send_slots"), BLOCK=PACK_BLOCK)
     ix.slot_src = srcB
-    rows = section_rows(ix, TOKEN_ROW, srcA, QA, ix.B, "send_counts", ix.tokcap, aux=nopen)
+    rows = section_rows(ix, TOKEN_ROW, srcA, QA, buf.row_bytes, "send_counts", pv.token_cap,
+                        aux=nopen)
     return (send_map.view(T, R), *rows)
 
 
 def pack_slots(ix) -> None:
     """The slot rows: chunk d's sent slots in (t, k) order, after its token section (their
     map made by :func:`pack_rows`), their words (sections.py) and the row writer."""
-    offB, src_off, meta, hdrB = section_rows(ix, SLOT_ROW, ix.slot_src, ix.QB, SLOT,
-                                             "send_slots", ix.slotcap)
-    byterows.write_rows(ix.send, offB, SLOT, ix.x, src_off, 0, meta, hdrB, align=ix.align)
+    buf = ix.buffer
+    offB, src_off, meta, hdrB = section_rows(ix, SLOT_ROW, ix.slot_src, buf.slot_rows, SLOT,
+                                             "send_slots", ix.plan.slot_cap)
+    byterows.write_rows(buf.send, offB, SLOT, ix.routing.x, src_off, 0, meta, hdrB,
+                        align=buf.align)
 
 
 # ---- unpack ----------------------------------------------------------------------------------
@@ -343,29 +347,32 @@ def unpack_slots(rs):
     rows, their ranks within local experts (ranks), the expert rows. Returns per slot
     [N * K]: (expert row m, live, its recv_map entry's flat place, k, the weight's bits) and
     the launches' status words (int32)."""
-    recv, R, L, K, N, M, NB = rs.recv, rs.R, rs.L, rs.K, rs.N, rs.M, rs.NB
+    got, pv, rows = rs.received, rs.plan, rs.rows
+    recv, K, N, M, NB = got.recv, got.topk, got.recv_rows, got.expert_rows, got.nbytes
+    R, L = pv.ranks, pv.local_experts
     dev = recv.device
     i64 = dict(dtype=torch.int64, device=dev)
-    sl, NQ = rs.sl, N * K
+    NQ = N * K
     nb_tok, nb_slot = cdiv(max(N, 1), BLOCK), cdiv(max(NQ, 1), BLOCK)
     words = torch.empty(nb_tok + 2 * nb_slot, dtype=torch.int32, device=dev)
-    data = rs.data.view(torch.uint8)
+    data = rows.data.view(torch.uint8)
     nn = torch.empty(N, **i64)
-    launch(_tokens_kernel, (nb_tok,), recv, rs.at, data, nn, words, N, NB, rs.P, K,
-           BLOCK=BLOCK)
-    before, by_source = ranks.rank_in_key(rs.s, R, weight=nn, totals=True)
+    launch(_tokens_kernel, (nb_tok,), recv, rows.offset, data, nn, words, N, NB,
+           got.payload_bytes, K, BLOCK=BLOCK)
+    before, by_source = ranks.rank_in_key(rows.source, R, weight=nn, totals=True)
     kk, jj, wbits, key = (torch.empty(NQ, **i64) for _ in range(4))
     sv = torch.empty(NQ, dtype=torch.bool, device=dev)
-    launch(_slot_rows_kernel, (nb_slot,), recv, rs.plan, rs.s, data, nn, before, by_source,
-           kk, jj, wbits, sv.view(torch.uint8), key, words[nb_tok:], NQ, NB, max(K, 1), L, R,
-           rs.B, rs.tokcap, rs.hdr, by_source.shape[0], sl["recv_counts"].start,
-           sl["recv_bytes"].start, sl["recv_slots"].start, BLOCK=BLOCK, VEC=VEC)
+    launch(_slot_rows_kernel, (nb_slot,), recv, pv.tensor, rows.source, data, nn, before,
+           by_source, kk, jj, wbits, sv.view(torch.uint8), key, words[nb_tok:], NQ, NB,
+           max(K, 1), L, R, got.row_bytes, pv.token_cap, pv.header_rows, by_source.shape[0],
+           pv.start("recv_counts"), pv.start("recv_bytes"), pv.start("recv_slots"),
+           BLOCK=BLOCK, VEC=VEC)
     rank, by_expert = ranks.rank_in_key(key, L, totals=True)
     m, rk = torch.empty(NQ, **i64), torch.empty(NQ, **i64)
     live = torch.empty(NQ, dtype=torch.bool, device=dev)
-    launch(_slot_places_kernel, (nb_slot,), rs.plan, jj, kk, sv.view(torch.uint8), rank,
+    launch(_slot_places_kernel, (nb_slot,), pv.tensor, jj, kk, sv.view(torch.uint8), rank,
            by_expert, m, live.view(torch.uint8), rk, words[nb_tok + nb_slot:], NQ, max(K, 1),
-           L, M, by_expert.shape[0], sl["offsets"].start, sl["tokens_per_expert"].start,
+           L, M, by_expert.shape[0], pv.start("offsets"), pv.start("tokens_per_expert"),
            BLOCK=BLOCK, VEC=VEC)
     return m, live, rk, kk, wbits, words
 

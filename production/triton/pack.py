@@ -32,6 +32,8 @@ the buffer all zeros (as csrc/cuda/pack.cu did).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -41,6 +43,7 @@ from .. import plan as W
 from ..plan import host_plan
 from . import byterows, ranks
 from .inverse import invert
+from .planview import PlanView
 from .transports import path_of
 from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
                          check_plan_chunks, check_plan_header, check_plan_tensor,
@@ -85,52 +88,64 @@ def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
     return p, path
 
 
-class Slots:
-    """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py): the
-    routing, the plan and the sizes of the buffer's two sections, and every slot's rank among
-    this rank's slots to its expert. No tensor is made here: the paths' kernels read the plan
-    and the routing themselves."""
-
-    def __init__(self, send, x, idx, topk_weights, plan, p, B: int, align: int, QA: int,
-                 QB: int, rank, fill):
-        R, E = p[W.RANKS], p[W.EXPERTS]
-        self.send = send              # [send_bytes] uint8, the buffer being written
-        self.x = x                    # [T, H] contiguous, the payload rows
-        self.idx = idx                # [T * K] int64, the routing flattened
-        self.topk_weights = topk_weights  # [T, K] float32
-        self.plan = plan              # [n] int64, the device plan
-        self.sl = W.plan_slices(R, E)  # its sections
-        self.T, self.K = topk_weights.shape
-        self.R, self.E, self.L = R, E, p[W.LOCAL_EXPERTS]
-        self.P = x.shape[1] * x.element_size()  # payload bytes of a row
-        self.B = B                    # a first-section row's bytes
-        self.cap, self.tokcap, self.slotcap = p[W.STATIC_CAP], p[W.TOK_CAP], p[W.SLOT_CAP]
-        self.hdr = 1 if self.cap >= 0 else 0  # each section opens with its header row (static)
-        self.align = align            # of every row's byte offset
-        self.QA, self.QB = QA, QB     # first- and slot-section rows of the buffer
-        self.rank = rank              # [T * K] int64: each slot's rank among this rank's
-                                      # slots to its expert (ids outside [0, E): among "none")
-        self.fill = fill              # [QA] int64, filled with -1 by the ranks' first launch
-        self.slot_src = None          # [QB] int64: the slot section's row map (dedup's pack_rows)
+@dataclass(frozen=True)
+class Routing:
+    """This rank's tokens as pack reads them."""
+    x: torch.Tensor             # [T, H] contiguous, the payload rows
+    idx: torch.Tensor           # [T * K] int64, the routing flattened
+    topk_weights: torch.Tensor  # [T, K] float32
+    payload_bytes: int          # P = H * x's element size: a row's payload
 
     @property
-    def wbits32(self):  # [T * K] int32: each slot's weight's bits (a view: no launch)
+    def tokens(self) -> int:
+        return self.topk_weights.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.topk_weights.shape[1]
+
+    @property
+    def weight_bits(self) -> torch.Tensor:  # [T * K] int32: each slot's weight's bits (a view)
         return self.topk_weights.contiguous().view(torch.int32).reshape(-1)
+
+
+@dataclass(frozen=True)
+class SendBuffer:
+    """The send buffer being written and the shape of its two sections."""
+    send: torch.Tensor  # [send_bytes] uint8
+    row_bytes: int      # a first-section row's bytes (B)
+    align: int          # of every row's byte offset
+    first_rows: int     # first-section rows of all chunks (QA)
+    slot_rows: int      # slot-section rows of all chunks (QB; 0 without a slot section)
+
+
+@dataclass
+class Slots:
+    """What pack's shared index pass knows, for its path's row passes (pairs.py, dedup.py): the
+    routing, the plan, the buffer, and every slot's rank among this rank's slots to its expert.
+    No tensor is made here: the paths' kernels read the plan and the routing themselves."""
+    routing: Routing
+    plan: PlanView
+    buffer: SendBuffer
+    slot_rank: torch.Tensor   # [T * K] int64: each slot's rank among this rank's slots to its
+                              # expert (ids outside [0, E): among "none")
+    first_fill: torch.Tensor  # [first_rows] int64, filled with -1 by the ranks' first launch
+    slot_src: Optional[torch.Tensor] = None  # [slot_rows] int64: the slot section's row map
+                                             # (dedup's pack_rows writes it)
 
 
 def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Tensor:
     x = x.contiguous()
     T, K = topk_idx.shape
     P = x.shape[1] * x.element_size()
-    R, E = p[W.RANKS], p[W.EXPERTS]
-    B = row_bytes(path, P)
-    sl = W.plan_slices(R, E)
-    tokcap, slotcap = p[W.TOK_CAP], p[W.SLOT_CAP]
+    pv = PlanView.of(plan, p)
+    E, B, sl = pv.experts, row_bytes(path, P), pv.sections
 
     # Host sizes of the two sections (routing-independent for the static exchange; the eager
     # exchanges' host words are the whole plan), and whether they cover every byte.
-    tok_h = [tokcap if tokcap >= 0 else c for c in p[sl["send_counts"]]]
-    slot_h = [(slotcap if slotcap >= 0 else c) * path.SLOT_SECTIONS for c in p[sl["send_slots"]]]
+    tok_h = [pv.token_cap if pv.token_cap >= 0 else c for c in p[sl["send_counts"]]]
+    slot_h = [(pv.slot_cap if pv.slot_cap >= 0 else c) * path.SLOT_SECTIONS
+              for c in p[sl["send_slots"]]]
     QA, QB = sum(tok_h), sum(slot_h)
     align = math.gcd(B, SLOT, *p[sl["send_bytes"]])  # of every row's byte offset
     if any(nb != a * B + b * SLOT for nb, a, b in zip(p[sl["send_bytes"]], tok_h, slot_h)):
@@ -147,7 +162,8 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Ten
     # kept mask is rank < own_kept[e]. The same launches fill a first-section map with -1.
     fill = torch.empty(QA, dtype=torch.int64, device=x.device)
     rank = ranks.rank_in_key(idx, E, fill=fill)
-    ix = Slots(send, x, idx, topk_weights, plan, p, B, align, QA, QB, rank, fill)
+    ix = Slots(Routing(x, idx, topk_weights, P), pv, SendBuffer(send, B, align, QA, QB), rank,
+               fill)
     # The first section's rows come from the path (a row per slot, or per token and rank),
     # written here in one pass; then its slot section, if it has one.
     send_map, offA, src_off, meta, hdrA = path.pack_rows(ix)

@@ -122,15 +122,16 @@ def pack_rows(ix):
     in two launches (the slots', then the rows': sections.py): (send_map [T, K] int64, the
     rows' byte offsets [QA], their payloads' source offsets [QA] (-1: zeros), meta [QA, 4]
     int32, the header values [QA] int64 or None)."""
-    TK, QA = ix.idx.numel(), ix.QA
-    send_map = torch.empty(TK, dtype=torch.int64, device=ix.idx.device)
-    sl = ix.sl
+    idx, pv, QA = ix.routing.idx, ix.plan, ix.buffer.first_rows
+    TK = idx.numel()
+    send_map = torch.empty(TK, dtype=torch.int64, device=idx.device)
     if TK:
-        launch(_slots_kernel, (cdiv(TK, BLOCK),), ix.idx, ix.rank, ix.plan, send_map, ix.fill,
-               TK, ix.E, ix.L, ix.R, ix.cap, ix.tokcap, QA, sl["own_kept"].start,
-               sl["send_counts"].start, BLOCK=BLOCK)
-    rows = section_rows(ix, PAIRS_ROW, ix.fill, QA, ix.B, "send_counts", ix.tokcap)
-    return (send_map.view(ix.T, ix.K), *rows)
+        launch(_slots_kernel, (cdiv(TK, BLOCK),), idx, ix.slot_rank, pv.tensor, send_map,
+               ix.first_fill, TK, pv.experts, pv.local_experts, pv.ranks, pv.static_cap,
+               pv.token_cap, QA, pv.start("own_kept"), pv.start("send_counts"), BLOCK=BLOCK)
+    rows = section_rows(ix, PAIRS_ROW, ix.first_fill, QA, ix.buffer.row_bytes, "send_counts",
+                        pv.token_cap)
+    return (send_map.view(ix.routing.tokens, ix.routing.topk), *rows)
 
 
 def pack_slots(ix) -> None:
@@ -143,7 +144,8 @@ def unpack_slots(rs):
     unpack.RowSpace; rowspace.py, ROW_SLOT) and set its status bits. Returns per slot [N]:
     (expert row m, live, None: its recv_map entry is its row, k, the weight's bits) and no
     status words of its own (an empty int32 tensor)."""
-    return rs.m, rs.live, None, rs.k, rs.wbits, rs.k.new_empty(0, dtype=torch.int32)
+    r = rs.rows
+    return r.slot_row, r.live, None, r.slot_k, r.weight_bits, r.slot_k.new_empty(0, dtype=torch.int32)
 
 
 # ---- combine and the backward passes ---------------------------------------------------------

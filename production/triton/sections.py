@@ -105,16 +105,17 @@ def section_rows(ix, kind: int, src: torch.Tensor, Q: int, B: int, counts: str, 
     none); ``counts``: the plan section of its per-chunk row counts, ``cap`` its fixed rows a
     chunk (-1: ragged). Returns (byte offsets [Q], payload source offsets [Q], meta [Q, NW]
     int32, header values [Q] int64 or None)."""
-    i64 = dict(dtype=torch.int64, device=ix.idx.device)
+    idx, pv = ix.routing.idx, ix.plan
+    i64 = dict(dtype=torch.int64, device=idx.device)
     NW = META_WORDS[kind]
     off, src_off, hdr = (torch.empty(Q, **i64) for _ in range(3))
-    meta = torch.empty((Q, NW), dtype=torch.int32, device=ix.idx.device)
-    sl = ix.sl
+    meta = torch.empty((Q, NW), dtype=torch.int32, device=idx.device)
     slot_rows = kind == SLOT_ROW  # after the chunk's first section
     if Q:
-        launch(_section_rows_kernel, (cdiv(Q, BLOCK),), ix.idx, ix.wbits32, ix.idx if aux is None
-               else aux, ix.plan, src, off, src_off, meta, hdr, Q, max(ix.K, 1), ix.L, ix.R, B,
-               ix.P, cap, ix.tokcap if slot_rows else -1, ix.B if slot_rows else 0, ix.hdr,
-               sl[counts].start, sl["send_counts"].start, sl["send_bytes"].start, KIND=kind,
-               NW=NW, BLOCK=BLOCK)
-    return off, src_off, meta, hdr if ix.hdr else None
+        launch(_section_rows_kernel, (cdiv(Q, BLOCK),), idx, ix.routing.weight_bits,
+               idx if aux is None else aux, pv.tensor, src, off, src_off, meta, hdr, Q,
+               max(ix.routing.topk, 1), pv.local_experts, pv.ranks, B,
+               ix.routing.payload_bytes, cap, pv.token_cap if slot_rows else -1,
+               ix.buffer.row_bytes if slot_rows else 0, pv.header_rows, pv.start(counts),
+               pv.start("send_counts"), pv.start("send_bytes"), KIND=kind, NW=NW, BLOCK=BLOCK)
+    return off, src_off, meta, hdr if pv.header_rows else None

@@ -48,6 +48,7 @@ from epkit.reference import abi
 from .. import plan as W
 from ..plan import host_plan
 from . import byterows, rowspace
+from .planview import PlanView
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .abi import PLAN_ERR_CODE
 from .transports import path_of
@@ -123,35 +124,36 @@ def _check(recv, plan, transport, H, dtype, K, N, M):
     return p, path
 
 
-class RowSpace(NamedTuple):
-    """What unpack's row space launch (rowspace.py) found of the received rows, for its path's
-    slots (``unpack_slots`` of pairs.py, dedup.py): the row space [N] (combine's and the
-    backward passes' rows) and the plan's receive words (on the device)."""
-    recv: torch.Tensor     # [NB] uint8, the received chunks
-    NB: int
-    P: int                 # payload bytes of a row
-    B: int                 # a first-section row's bytes
-    R: int
-    L: int
-    K: int
-    N: int                 # recv_rows
-    M: int                 # expert_rows
-    hdr: int               # 1: each section opens with its header row (static)
-    tokcap: int            # first-section rows of a fixed chunk (-1: ragged)
-    plan: torch.Tensor     # [n] int64, the device plan
-    sl: dict               # its sections (plan_slices)
-    s: torch.Tensor        # [N] int64: each row's source
-    at: torch.Tensor       # [N] int64: its byte offset in recv
-    data: torch.Tensor     # [N] bool: it is a data row, inside the buffer, of a plan that
-                           # carries no error
-    m: torch.Tensor        # the row's one slot (a path with ROW_SLOT, else empty): [N] int64
-    live: torch.Tensor     # its expert row, [N] bool whether it has one, [N] int64 its k
-    k: torch.Tensor        # and its weight's bits
-    wbits: torch.Tensor
+class Received(NamedTuple):
+    """The received chunks and the sizes unpack checked against the plan."""
+    recv: torch.Tensor  # [nbytes] uint8
+    nbytes: int
+    payload_bytes: int  # P: a row's payload (hidden * dtype size)
+    row_bytes: int      # B: a first-section row's bytes
+    topk: int           # K
+    recv_rows: int      # N: the row space's rows
+    expert_rows: int    # M
 
-    def section(self, name: str) -> torch.Tensor:
-        """A section of the device plan (a view: no launch)."""
-        return self.plan[self.sl[name]]
+
+class Rows(NamedTuple):
+    """What the row space launch (rowspace.py) found of each received row [N]."""
+    source: torch.Tensor  # [N] int64: the rank it came from
+    offset: torch.Tensor  # [N] int64: its byte offset in recv
+    data: torch.Tensor    # [N] bool: a data row, inside the buffer, of a plan without error
+    # A path with ROW_SLOT (its row is its one slot); empty tensors otherwise:
+    slot_row: torch.Tensor  # [N] int64: the slot's expert row
+    live: torch.Tensor      # [N] bool: whether it has one
+    slot_k: torch.Tensor    # [N] int64: its k
+    weight_bits: torch.Tensor  # [N]: its weight's bits
+
+
+class RowSpace(NamedTuple):
+    """What unpack's row space launch found of the received rows, for its path's slots
+    (``unpack_slots`` of pairs.py, dedup.py): the received chunks, the plan (its receive words
+    on the device) and the rows [N] (combine's and the backward passes' row space)."""
+    received: Received
+    plan: PlanView
+    rows: Rows
 
 
 MAPS_BLOCK = 4096 if INTERPRETED else 256  # slots a program of the maps and outputs launches
@@ -221,16 +223,16 @@ def _unpack(recv, plan, path, P, K, N, M, p):
     """The index pass (module docstring): (status, row_src, row_weight, recv_map, src_off,
     out_off), in three launches and the path's own slot work."""
     dev = recv.device
-    R, E, L = p[W.RANKS], p[W.EXPERTS], p[W.LOCAL_EXPERTS]
+    pv = PlanView.of(plan, p)
     B = row_bytes(path, P)
-    cap, tokcap = p[W.STATIC_CAP], p[W.TOK_CAP]
     C = path.recv_map_cols(K)
     i64 = dict(dtype=torch.int64, device=dev)
     src_slot, recv_map = torch.empty(M, **i64), torch.empty(N * C, **i64)
     s, at, data, t, m, live, k, wbits, bits = rowspace.row_space(
-        recv, plan, path.ROW_SLOT, P, B, R, E, N, M, cap, (src_slot, recv_map))
-    rs = RowSpace(recv, recv.numel(), P, B, R, L, K, N, M, 1 if cap >= 0 else 0, tokcap, plan,
-                  W.plan_slices(R, E), s, at, data, m, live, k, wbits)
+        recv, plan, path.ROW_SLOT, P, B, pv.ranks, pv.experts, N, M, pv.static_cap,
+        (src_slot, recv_map))
+    rs = RowSpace(Received(recv, recv.numel(), P, B, K, N, M), pv,
+                  Rows(s, at, data, m, live, k, wbits))
     m, live, entry, k, wbits, words = path.unpack_slots(rs)
     NQ = m.numel()
     launch(_maps_kernel, (cdiv(NQ, MAPS_BLOCK),), m, live.view(torch.uint8),
