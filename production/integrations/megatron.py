@@ -142,10 +142,3 @@ def install(moe_layer, **options) -> TokenDispatcher:
     moe_layer.token_dispatcher = new
     return new
 
-
-def __getattr__(name):
-    # The verify adapter of Megatron's own dispatcher (megatron_verify.py), on first use.
-    if name == "verify_adapter":
-        from .megatron_verify import verify_adapter
-        return verify_adapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

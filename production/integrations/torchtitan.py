@@ -105,10 +105,3 @@ def swap_token_dispatcher(routed_experts_config, **options) -> None:
     routed_experts_config.token_dispatcher = TokenDispatcher.Config(
         num_experts=old.num_experts, top_k=old.top_k, **options)
 
-
-def __getattr__(name):
-    # The verify adapter of torchtitan's own dispatcher (torchtitan_verify.py), on first use.
-    if name == "verify_adapter":
-        from .torchtitan_verify import verify_adapter
-        return verify_adapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -127,6 +127,18 @@ def test_layering(package, forbidden):
     assert not bad, f"{package} must not import {forbidden}: {bad}"
 
 
+def test_the_library_imports_no_harness_program_or_baseline():
+    """epkit itself (production/: ops, integrations, nn, triton) never imports epkit.verify,
+    epkit.tools or epkit.baselines, not even inside a function: the harness checks the library,
+    the library does not lean on it (the frameworks' verify adapters live in verify/)."""
+    g = graph()
+    above = ("epkit.verify", "epkit.tools", "epkit.baselines")
+    library = [m for m in g if m.startswith("epkit") and not m.startswith(above)
+               and not m.startswith("epkit.reference")]
+    bad = sorted((m, t) for m in library for t in g[m] if t.startswith(above))
+    assert not bad, f"the library imports the harness, the programs or the baselines: {bad}"
+
+
 def test_reference_imports_no_production_module():
     g = graph()
     ref = {m for m in g if m.startswith("epkit.reference")}

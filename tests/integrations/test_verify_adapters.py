@@ -1,6 +1,6 @@
 """The frameworks' own dispatchers (the installed classes) through ``epkit verify``'s harness
 with the shipped adapters, under the bounded contract: what
-``epkit verify --impl epkit.integrations.<framework>:verify_adapter --contract bounded`` runs,
+``epkit verify --impl epkit.verify.<framework>:verify_adapter --contract bounded`` runs,
 on a few drawn cases (the CLI draws corner cases and more examples)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_framework_dispatcher_meets_bounded(verify_pool, framework, module):
     pytest.importorskip(framework, reason="a test dependency (epkit[frameworks])")
     from epkit.verify.runner import Suite
 
-    impl = f"epkit.integrations.{module}:verify_adapter"
+    impl = f"epkit.verify.{module}:verify_adapter"
     res = Suite(verify_pool, impl=impl, examples=4, seed=11, shrink_seconds=1,
                 contract="bounded", corners=False).run()
     assert res.failed == 0, "\n".join(v.report() for v in res.failures)

@@ -1,7 +1,7 @@
 """``epkit verify`` adapter for Megatron-Core's own ``MoEAlltoAllTokenDispatcher`` (the installed
 class):
 
-    epkit verify --impl epkit.integrations.megatron:verify_adapter --contract bounded
+    epkit verify --impl epkit.verify.megatron:verify_adapter --contract bounded
 
 The harness's ``topk_idx`` / ``topk_weights`` go in as Megatron's ``routing_map`` / ``probs``
 (``epkit.routing_map_from_topk``), through the dispatcher's six steps; ``row_src`` travels by
@@ -20,21 +20,21 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from . import require
+from epkit.integrations import require
 
 # megatron-core warns, on import and per config, of what a CPU machine lacks (Transformer
 # Engine, Apex) and of defaults it applies; none of it concerns the dispatcher.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 _td = require("megatron.core.transformer.moe.token_dispatcher", "megatron-core",
-              "epkit.integrations.megatron")
+              "epkit.verify.megatron")
 _moe_utils = require("megatron.core.transformer.moe.moe_utils", "megatron-core",
-                     "epkit.integrations.megatron")
+                     "epkit.verify.megatron")
 _config = require("megatron.core.transformer.transformer_config", "megatron-core",
-                  "epkit.integrations.megatron")
+                  "epkit.verify.megatron")
 
 from epkit.routing import routing_map_from_topk  # noqa: E402
-from epkit.verify.adapt import exchange_row_src, offsets_of  # noqa: E402
+from .adapt import exchange_row_src, offsets_of  # noqa: E402
 
 __all__ = ["verify_adapter"]
 

@@ -1,6 +1,6 @@
 """``epkit verify`` adapter for torchtitan's own ``AllToAllTokenDispatcher`` (the installed class):
 
-    epkit verify --impl epkit.integrations.torchtitan:verify_adapter --contract bounded
+    epkit verify --impl epkit.verify.torchtitan:verify_adapter --contract bounded
 
 The harness's routing goes in as torchtitan's ``topk_scores`` / ``topk_expert_ids``; the
 dispatcher's rows, counts and combine come out unchanged. ``row_src`` travels by one extra
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from . import require
+from epkit.integrations import require
 
 _td = require("torchtitan.models.common.token_dispatcher", "torchtitan",
-              "epkit.integrations.torchtitan")
-_titan_dist = require("torchtitan.distributed.utils", "torchtitan", "epkit.integrations.torchtitan")
+              "epkit.verify.torchtitan")
+_titan_dist = require("torchtitan.distributed.utils", "torchtitan", "epkit.verify.torchtitan")
 
-from epkit.verify.adapt import FullTopK, exchange_row_src, offsets_of  # noqa: E402
+from .adapt import FullTopK, exchange_row_src, offsets_of  # noqa: E402
 
 __all__ = ["verify_adapter"]
 
