@@ -64,10 +64,10 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
                                    build, pl)
     if pl.quantized:
         hp, row_weight, q, scale, row_src, send_map, recv_map = payloads.dispatch_quantized(
-            pl, x, topk_idx, topk_weights, plan, gname, transport.code, ex.code, (SB, N, M))
+            pl, x, topk_idx, topk_weights, plan, gname, transport.code, (SB, N, M))
         return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
     return build(*ops.dispatch_tokens(x, topk_idx, topk_weights, plan, gname, transport.code,
-                                      ex.code, SB, N, M, cfg._ws))
+                                      SB, N, M, cfg._ws))
 
 
 def _static_sizes(transport, pl, R: int, E: int, align: int, max_tokens: int, x, topk_idx):
@@ -100,4 +100,4 @@ def combine(cfg, expert_y, d, weighted: bool, check) -> torch.Tensor:
     h = d.handle
     return ops.combine_tokens(
         expert_y, d.row_weight, h.topk_idx, h.topk_weights, h.send_map, h.recv_map, h.plan, gname,
-        transport, EXCHANGES[dcfg.exchange].code, weighted, h.x_dtype, check, dcfg._ws)
+        transport, weighted, h.x_dtype, check, dcfg._ws)

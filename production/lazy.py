@@ -15,7 +15,6 @@ import torch
 
 from . import ops
 from .streams import Side
-from epkit.reference.abi import EXCHANGE_CODES
 
 C = ops.C
 
@@ -45,7 +44,7 @@ class _DispatchWait(torch.autograd.Function):
         group_name, transport, x_dtype = ctx.meta
         grad_x, grad_w = ops.dispatch_tokens_backward(
             grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
-            group_name, transport, EXCHANGE_CODES["lazy"], x_dtype)
+            group_name, transport, x_dtype)
         return grad_x, grad_w, None
 
 
@@ -117,8 +116,7 @@ class _CombineWait(torch.autograd.Function):
         expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
         group_name, weighted = ctx.meta
         grad_y, grad_w = ops.combine_tokens_backward(grad_out, expert_y, row_weight, send_map,
-                                                     recv_map, plan, group_name,
-                                                     EXCHANGE_CODES["lazy"], weighted)
+                                                     recv_map, plan, group_name, weighted)
         return grad_y, (grad_w if weighted else None), None
 
 

@@ -110,7 +110,7 @@ def _(plan, ranks, num_experts):
 
 @torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
 def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    plan: torch.Tensor, group_name: str, transport: int, exchange: int,
+                    plan: torch.Tensor, group_name: str, transport: int,
                     send_bytes: int, recv_rows: int, expert_rows: int, workspace: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
@@ -127,7 +127,7 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
 
 
 @dispatch_tokens.register_fake
-def _(x, topk_idx, topk_weights, plan, group_name, transport, exchange, send_bytes, recv_rows,
+def _(x, topk_idx, topk_weights, plan, group_name, transport, send_bytes, recv_rows,
       expert_rows, workspace=-1):
     import torch.distributed as dist
 
@@ -167,8 +167,8 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = (int(hp[f]) for f in (SEND_BYTES, RECV_ROWS, EXPERT_ROWS))  # views of the mirror
-    return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, exchange,
-                             SB, N, M, workspace), plan)
+    return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, SB, N, M,
+                             workspace), plan)
 
 
 def _world(group_name: str) -> int:
@@ -192,10 +192,10 @@ def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity,
 
 
 def _fused_setup(ctx, inputs, output):
-    x, topk_idx, _, group_name, _, _, _, _, transport, exchange, *_ = inputs
+    x, topk_idx, _, group_name, _, _, _, _, transport, *_ = inputs
     expert_x, _, _, send_map, recv_map, plan = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
-    ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
+    ctx.meta = (group_name, transport, x.dtype, inputs[-1])
     unmaterialized(ctx, expert_x)
 
 
@@ -233,7 +233,7 @@ def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> 
 def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
                              send_map: torch.Tensor, recv_map: torch.Tensor,
                              topk_idx: torch.Tensor, plan: torch.Tensor, group_name: str,
-                             transport: int, exchange: int, x_dtype: torch.dtype,
+                             transport: int, x_dtype: torch.dtype,
                              workspace: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
 
@@ -258,27 +258,27 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
 
 @dispatch_tokens_backward.register_fake
 def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, group_name, transport,
-      exchange, x_dtype, workspace=-1):
+      x_dtype, workspace=-1):
     T, K = topk_idx.shape
     return (grad_expert_x.new_empty((T, grad_expert_x.shape[1]), dtype=x_dtype),
             grad_expert_x.new_empty((T, K), dtype=torch.float32))
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, topk_weights, plan, group_name, transport, exchange, *_ = inputs
+    x, topk_idx, topk_weights, plan, group_name, transport, *_ = inputs
     expert_x, _, _, send_map, recv_map = output
     ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
-    ctx.meta = (group_name, transport, exchange, x.dtype, inputs[-1])
+    ctx.meta = (group_name, transport, x.dtype, inputs[-1])
     unmaterialized(ctx, expert_x)
 
 
 def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
     send_map, recv_map, topk_idx, plan = ctx.saved_tensors
-    group_name, transport, exchange, x_dtype, ws = ctx.meta
+    group_name, transport, x_dtype, ws = ctx.meta
     grad_x, grad_w = dispatch_tokens_backward(
         grad_or_zeros(ctx, grad_expert_x), grad_row_weight, send_map, recv_map, topk_idx, plan,
-        group_name, transport, exchange, x_dtype, ws)
-    return grad_x, None, grad_w, *([None] * 8)
+        group_name, transport, x_dtype, ws)
+    return grad_x, None, grad_w, *([None] * 7)
 
 
 dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -290,7 +290,7 @@ prepare_dispatch.register_autograd(_fused_backward, setup_context=_fused_setup)
 @torch.library.custom_op("epkit::combine_tokens", mutates_args=())
 def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
                    topk_weights: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
-                   plan: torch.Tensor, group_name: str, transport: int, exchange: int,
+                   plan: torch.Tensor, group_name: str, transport: int,
                    weighted: bool, out_dtype: torch.dtype, check: list[int],
                    workspace: int = -1) -> torch.Tensor:
     """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
@@ -314,7 +314,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
 
 @combine_tokens.register_fake
 def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, group_name,
-      transport, exchange, weighted, out_dtype, check, workspace=-1):
+      transport, weighted, out_dtype, check, workspace=-1):
     return expert_y.new_empty((topk_idx.shape[0], expert_y.shape[1]), dtype=out_dtype)
 
 
@@ -322,7 +322,7 @@ def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, gr
 def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
                             row_weight: torch.Tensor, send_map: torch.Tensor,
                             recv_map: torch.Tensor, plan: torch.Tensor, group_name: str,
-                            exchange: int, weighted: bool, workspace: int = -1
+                            weighted: bool, workspace: int = -1
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``.
 
@@ -342,23 +342,23 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
 
 
 @combine_tokens_backward.register_fake
-def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, exchange, weighted,
+def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, weighted,
       workspace=-1):
     return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
-    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, exchange, weighted, *_ = inputs
+    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, weighted, *_ = inputs
     ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan)
-    ctx.meta = (group_name, exchange, weighted, inputs[-1])
+    ctx.meta = (group_name, weighted, inputs[-1])
 
 
 def _combine_backward(ctx, grad_out):
     expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
-    group_name, exchange, weighted, ws = ctx.meta
+    group_name, weighted, ws = ctx.meta
     grad_y, grad_w = combine_tokens_backward(grad_out, expert_y, row_weight, send_map, recv_map,
-                                             plan, group_name, exchange, weighted, ws)
-    return grad_y, (grad_w if weighted else None), *([None] * 12)
+                                             plan, group_name, weighted, ws)
+    return grad_y, (grad_w if weighted else None), *([None] * 11)
 
 
 combine_tokens.register_autograd(_combine_backward, setup_context=_combine_setup)

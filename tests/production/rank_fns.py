@@ -164,15 +164,15 @@ def opcheck_all(group, rank):
             (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
                                   gname, 0, E, 2, -1, transport, 0, [0, 0, 0, 1], 0)),
             (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
-                                 transport, 0, SB, N, M)),
+                                 transport, SB, N, M)),
             (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),
-                                send_map, recv_map, plan, gname, transport, 0, True, x.dtype,
+                                send_map, recv_map, plan, gname, transport, True, x.dtype,
                                 agree.header(agree.COMBINE, [E, 2, -1, transport, 0, 0, -1],
                                              (0, 0, 0), 1, 0))),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
-                                          gname, transport, 0, x.dtype)),
+                                          gname, transport, x.dtype)),
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
-                                         plan, gname, 0, True)),
+                                         plan, gname, True)),
         ]
         if transport == ops.DEDUP:  # the units read in place
             C.gather_units(y, recv_map, rw, transport, True, ufirst, units)
@@ -182,11 +182,11 @@ def opcheck_all(group, rank):
                                             first_of_rows(send_map, idx, S_rows, un))))
         calls += [  # the collective ops with a workspace
             (C.dispatch_tokens, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
-                                 plan, gname, transport, 0, SB, N, M, ws.key)),
+                                 plan, gname, transport, SB, N, M, ws.key)),
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
-                                         plan, gname, 0, True, ws.key)),
+                                         plan, gname, True, ws.key)),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
-                                          gname, transport, 0, x.dtype, ws.key)),
+                                          gname, transport, x.dtype, ws.key)),
         ]
         for op, args in calls:
             torch.library.opcheck(op, args)
