@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import lazy, ops, payloads, result
+from . import plan as W
 from .collectives import EXCHANGES, dtype_code, group_name
 from .memory import device_path
 from .transports import TABLE as TRANSPORTS
@@ -54,8 +55,8 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
              if ex.static and device_path(x) else None)
     plan = ops.count_exchange(words, gname, rank, E, align, capacity, transport.code, ex.code,
                               max_tokens, shape, factor, topk_idx if code == Reason.OK else None, G)
-    if ex.uniform and not int(ops.host_plan(plan)[ops.UNIFORM]):
-        raise error(int(ops.host_plan(plan)[ops.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
+    if ex.uniform and not int(W.host_plan(plan)[W.UNIFORM]):
+        raise error(int(W.host_plan(plan)[W.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = (_static_sizes(transport, pl, R, E, align, max_tokens, x, topk_idx) if ex.static
                 else _planned_sizes(plan))
     build = functools.partial(result.build, cfg, seq, x, topk_idx, topk_weights, plan)
@@ -86,8 +87,8 @@ def _static_sizes(transport, pl, R: int, E: int, align: int, max_tokens: int, x,
 
 def _planned_sizes(plan):
     """The one host read of a dispatch (on CPU the plan is host memory already)."""
-    hp = ops.host_plan(plan)  # (single words: views of the mirror, host memory)
-    return tuple(int(hp[f]) for f in (ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS))
+    hp = W.host_plan(plan)  # (single words: views of the mirror, host memory)
+    return tuple(int(hp[f]) for f in (W.SEND_BYTES, W.RECV_ROWS, W.EXPERT_ROWS))
 
 
 def combine(cfg, expert_y, d, weighted: bool, check) -> torch.Tensor:

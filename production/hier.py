@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import ops, result
+from . import moves, ops, result
+from . import plan as W
 from .hostreads import to_host
 from .memory import device_path, mark_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
@@ -52,7 +53,7 @@ from epkit.reference.transports import hier as spec
 from epkit.reference.errors import Reason
 
 C = ops.C
-DEDUP = ops.DEDUP
+DEDUP = W.DEDUP
 K_SHIFT = abi.SLOT_K_SHIFT
 J_MASK = abi.DEDUP_MAX_LOCAL - 1
 
@@ -477,7 +478,7 @@ def _receive(tok2, slot2, R: int, P: int, hp):
     slots = slot2[at + torch.arange(slot2.shape[0], device=dev)]
     tok = torch.cat([tok2[perm, :P], tok2[perm, P + 4:P + 12]], 1)   # payload | t | n
     if device_path(s):  # the dedup plan's receive layout, read from its host mirror
-        sl = ops.plan_slices(R, int(hp[ops.EXPERTS]))
+        sl = W.plan_slices(R, int(hp[W.EXPERTS]))
         rows_of, slots_of = hp[sl["recv_counts"]].tolist(), hp[sl["recv_slots"]].tolist()
     else:
         rows_of = torch.bincount(s, minlength=R).tolist()
@@ -517,9 +518,9 @@ def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
         setattr(st, name, v)
     tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
     slot2 = move(slot2, st.section("s2_slot"), me, "stage 2 slot rows")
-    hp = ops.host_plan(st.dedup_plan)
+    hp = W.host_plan(st.dedup_plan)
     buf, st.stage2_of_dedup, st.dedup_of_stage2, st.stage2_slots = _receive(tok2, slot2, t.R, P, hp)
-    N, M = int(hp[ops.RECV_ROWS]), int(hp[ops.EXPERT_ROWS])
+    N, M = int(hp[W.RECV_ROWS]), int(hp[W.EXPERT_ROWS])
     out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M)
     st.recv_map = out[3]
     return out
@@ -561,7 +562,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     plan = ops.count_exchange(words, gname, rank, E, align, capacity, DEDUP,
                               abi.EXCHANGE_CODES["ragged"], -1, None, factor,
                               topk_idx if ok else None, G)
-    kept = ops.kept_routing(topk_idx, plan)
+    kept = moves.kept_routing(topk_idx, plan)
     topo = topology(group, G)
     hplan = gather_plan(kept, group, R, E, G, cfg.exchange)
     st = HierState(topo, hplan, plan, E, kept, topk_weights.detach(), gname)

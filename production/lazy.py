@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import moves, ops
+from . import plan as W
 from .streams import Side
 
 C = ops.C
@@ -29,7 +30,7 @@ class _DispatchWait(torch.autograd.Function):
         expert_x, row_src, row_weight, recv_map = C.unpack(
             recv, state["plan"], state["transport"], pl.row_bytes(H, 1) if pl.quantized else H,
             torch.uint8 if pl.quantized else x.dtype, state["topk_idx"].shape[1],
-            int(ops.host_plan(state["plan"])[ops.RECV_ROWS]), state["expert_rows"])
+            int(W.host_plan(state["plan"])[W.RECV_ROWS]), state["expert_rows"])
         q = scale = expert_x.new_empty((0,))
         if pl.quantized:  # E4M3 bytes | scales; the differentiable output: the dequantized rows
             q, scale, expert_x = pl.from_rows(expert_x, H)
@@ -87,13 +88,13 @@ class PendingDispatch:
 def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build,
                    payload):
     """Issue the token exchange; ``payload``: the call's ``epkit.payloads`` entry."""
-    hp = ops.host_plan(plan)
+    hp = W.host_plan(plan)
     with Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
         # quantized payloads: at the source, rows of E4M3 bytes then the scales' bytes
         rows = payload.to_rows(x) if payload.quantized else x
         send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
-                                int(hp[ops.RANKS]), int(hp[ops.SEND_BYTES]))
-        finish = ops.move_dispatch(send, plan, group_name, async_op=True)
+                                int(hp[W.RANKS]), int(hp[W.SEND_BYTES]))
+        finish = moves.move_dispatch(send, plan, group_name, async_op=True)
     state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
                  topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
                  group_name=group_name, payload=payload)
@@ -105,7 +106,7 @@ class _CombineWait(torch.autograd.Function):
     def forward(ctx, expert_y, row_weight, state):
         back, state["finish"] = state["finish"](), None  # the work is done: let it go
         h = state["dispatch"].handle
-        out = ops.reduce_back(back, h.send_map, h.topk_weights, h.plan, state["transport"],
+        out = moves.reduce_back(back, h.send_map, h.topk_weights, h.plan, state["transport"],
                               state["weighted"], h.x_dtype)
         ctx.save_for_backward(expert_y, row_weight, h.send_map, h.recv_map, h.plan)
         ctx.meta = (state["group_name"], state["weighted"])
@@ -142,7 +143,7 @@ class PendingCombine:
 def issue_combine(expert_y, d, group_name, transport, weighted):
     h = d.handle
     with Side(expert_y, h.recv_map, d.row_weight) as side:  # CUDA: a side stream
-        finish = ops.move_back(expert_y.contiguous(), d.row_weight.detach(), h.topk_idx,
+        finish = moves.move_back(expert_y.contiguous(), d.row_weight.detach(), h.topk_idx,
                                h.send_map, h.recv_map, h.plan, group_name, transport, weighted,
                                async_op=True, what="epkit.combine (lazy)")
     state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,

@@ -14,8 +14,9 @@ import torch
 from . import _build, workspace
 from .collectives import all_gather, all_to_all, group_from_name, variant_of
 from .memory import device_path
-from .plan import *  # noqa: F401,F403  (the plan's word positions)
-from .plan import _F
+from .plan import (_F, DEDUP, DROPPED_ANY, EXPERTS, LOCAL_EXPERTS, MAX_CHUNK, RANKS, SEND_ROWS,
+                   SLOT_CAP, STATIC_CAP, TEMPLATE, TOK_CAP, WORD_HEADER, host_plan, plan_slices,
+                   ranks_per_node)
 from .transports import by_code
 from epkit.reference.capacity import kept_slots
 

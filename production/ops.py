@@ -24,7 +24,7 @@ from . import _build
 from .count_exchange import count_exchange as plan_of_group
 from .memory import device_path
 from .agree import (COMBINE_BACKWARD, DISPATCH_BACKWARD, NO_OPTIONS, agree, header, serial)
-from .collectives import all_gather, dtype_code, group_from_name
+from .collectives import dtype_code, group_from_name
 from .workspace import RECV, SEND, allocator
 from .workspace import empty as ws_empty
 from epkit.reference import abi
@@ -34,11 +34,10 @@ _build.load()
 C = torch.ops.epkit
 
 from . import fakes  # noqa: F401  (registers the fake kernels)
-from .plan import *  # noqa: F401,F403  (ops.RANKS, ops.PAIRS, ... as before)
-from .plan import host_plan
+from .plan import (EXPERT_ROWS, NONUNIFORM_RANK, RANKS, RECV_ROWS, SEND_BYTES, SEND_ROWS, UNIFORM,
+                   host_plan, plan_size, plan_slices, stamp_ranks_per_node)
 from .transports import by_code
-from .moves import (kept_routing, move_back, move_dispatch, move_rows,  # noqa: F401
-                    move_slot_values, reduce_back, token_rows_gather)
+from .moves import move_back, move_dispatch, move_rows, move_slot_values, reduce_back
 
 # ---- count exchange: the plan and the collective error --------------------------------------
 

@@ -85,11 +85,12 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
     import torch
 
     from epkit import ops
+    from epkit import plan as W
     from epkit.collectives import CODES
 
     C = ops.C
     dev = torch.device(device)
-    tr = ops.TRANSPORTS[transport]
+    tr = W.TRANSPORTS[transport]
     dtype = torch.bfloat16
     xs, idxs, ws, words, _ = _group(T, H, K, E, R, dev, seed)
     bad = []
@@ -103,10 +104,10 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
     hps = [C.plan(words.cpu(), r, E, 1, -1, tr, CODES["ragged"], -1) for r in range(R)]
     for r in range(R):
         same(f"plan[{r}]", plans[r], hps[r])
-    sl = ops.plan_slices(R, E)
+    sl = W.plan_slices(R, E)
     chunks = []
     for r in range(R):
-        SB = int(hps[r][ops.SEND_BYTES])
+        SB = int(hps[r][W.SEND_BYTES])
         g = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, SB)
         c = C.pack(xs[r].cpu(), idxs[r].cpu(), ws[r].cpu(), hps[r], tr, R, SB)
         same(f"pack[{r}].send", g[0], c[0])
@@ -114,7 +115,7 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
         chunks.append(c[0][: int(hps[r][sl["send_bytes"]][0])])
     recv = torch.cat(chunks)
     hp = hps[0]
-    N, M, S = (int(hp[k]) for k in (ops.RECV_ROWS, ops.EXPERT_ROWS, ops.SEND_ROWS))
+    N, M, S = (int(hp[k]) for k in (W.RECV_ROWS, W.EXPERT_ROWS, W.SEND_ROWS))
     ug = C.unpack(recv.to(dev), plans[0], tr, H, dtype, K, N, M)
     uc = C.unpack(recv, hp, tr, H, dtype, K, N, M)
     for name, a, b in zip(("expert_x", "row_src", "row_weight", "recv_map"), ug, uc):
@@ -125,7 +126,7 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
     rows_dtype = torch.float32 if transport == "dedup" else dtype
     back = torch.randn(S, H, generator=torch.Generator().manual_seed(seed)).to(rows_dtype)
     send_map = C.pack(xs[0].cpu(), idxs[0].cpu(), ws[0].cpu(), hp, tr, R,
-                      int(hp[ops.SEND_BYTES]))[1]
+                      int(hp[W.SEND_BYTES]))[1]
     same("reduce_tokens",
          C.reduce_tokens(back.to(dev), send_map.to(dev), idxs[0], ws[0], E, R, tr, True, dtype),
          C.reduce_tokens(back, send_map, idxs[0].cpu(), ws[0].cpu(), E, R, tr, True, dtype))
@@ -140,31 +141,32 @@ def measure(T, H, K, E, R, transport, reps, seed=0):
     import torch
 
     from epkit import ops
+    from epkit import plan as W
     from epkit.collectives import CODES
 
     C = ops.C
     dev = torch.device("cuda")
-    tr = ops.TRANSPORTS[transport]
+    tr = W.TRANSPORTS[transport]
     dtype = torch.bfloat16
     xs, idxs, ws, words, gen = _group(T, H, K, E, R, dev, seed)
     plans = [C.plan(words, r, E, 1, -1, tr, CODES["ragged"], -1) for r in range(R)]
     hps = [p.cpu() for p in plans]
-    sl = ops.plan_slices(R, E)
+    sl = W.plan_slices(R, E)
     # rank 0's receive buffer: what every rank's pack addresses to rank 0
     chunks = []
     for r in range(R):
-        send, _ = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][ops.SEND_BYTES]))
+        send, _ = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][W.SEND_BYTES]))
         chunks.append(send[: int(hps[r][sl["send_bytes"]][0])].clone())
         del send
     recv = torch.cat(chunks)
     del chunks
     x, idx, w, plan, hp = xs[0], idxs[0], ws[0], plans[0], hps[0]
     del xs[1:], idxs[1:], ws[1:]
-    SB, N, M = (int(hp[k]) for k in (ops.SEND_BYTES, ops.RECV_ROWS, ops.EXPERT_ROWS))
+    SB, N, M = (int(hp[k]) for k in (W.SEND_BYTES, W.RECV_ROWS, W.EXPERT_ROWS))
     send, send_map = C.pack(x, idx, w, plan, tr, R, SB)
     expert_x, row_src, row_weight, recv_map = C.unpack(recv, plan, tr, H, dtype, K, N, M)
     rows = C.gather_rows(expert_x, recv_map, row_weight, tr, True)
-    S = int(hp[ops.SEND_ROWS])
+    S = int(hp[W.SEND_ROWS])
     back = torch.randn(S, H, generator=gen, device=dev).to(rows.dtype)  # the rows coming home
     isz = x.element_size()
     route = idx.numel() * (idx.element_size() + 4)

@@ -38,8 +38,8 @@ from .compare import compare_bitwise
 from .half import reference_for
 from .layout import _exact_dispatch, _not_exact_layout, _reordered_dispatch, _slot_keys
 from .rankmajor import _rank_major_checks
-from .verdict import (_RANK, CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED,  # noqa: F401
-                      SKIPPED, UNSUPPORTED, Mismatch, Verdict, weaker)
+from .verdict import (_RANK, CONTRACTS, FAILED, NA, PASSED, PROPERTIES, REFUSED,
+                      SKIPPED, Mismatch, Verdict, weaker)
 
 __all__ = ["CONTRACTS", "PROPERTIES", "Mismatch", "Verdict", "check_case", "compare_bitwise",
            "sum_bound", "ulps", "unit_roundoff", "weight_grad_tolerance"]

@@ -18,7 +18,6 @@ __all__ = ["CONTRACTS", "PROPERTIES", "Mismatch", "Verdict", "weaker"]
 PROPERTIES = ("dispatch", "dispatch_backward", "combine", "combine_backward", "weight_grad")
 PASSED, FAILED, REFUSED, SKIPPED, NA = "passed", "failed", "refused", "skipped", "n/a"
 ACCEPTED = "accepted"  # a tally's status: an invalid input the implementation did not reject
-UNSUPPORTED = REFUSED  # the former name of a refusal
 CONTRACTS = ("exact", "reordered", "bounded")  # strictest first
 SEQUENCE_TEXT = {"repeat": "the twin run after the case",
                  "overlap": "both dispatched before either is combined, then combined and "

@@ -52,10 +52,9 @@ from .planview import PlanView
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .abi import PLAN_ERR_CODE
 from .transports import path_of
-from .wirechecks import (ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_INBAND, ST_ROWS,  # noqa: F401
-                         ST_SHAPE, ST_SLOT_ROW, ST_SLOTS, STATUS_BITS, check_dim, check_dtype,
-                         check_nonneg, check_plan_chunks, check_plan_header, check_plan_tensor,
-                         check_plan_transport, fail, row_bytes)
+from .wirechecks import (STATUS_BITS, check_dim, check_dtype, check_nonneg, check_plan_chunks,
+                         check_plan_header, check_plan_tensor, check_plan_transport, fail,
+                         row_bytes)
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 

@@ -102,7 +102,8 @@ def raises_input_error(group, rank, x, idx, w, opts):
 
 def opcheck_all(group, rank):
     """torch.library.opcheck on every epkit op, with arguments taken from a real dispatch."""
-    from epkit import agree, ops, payloads, workspace  # noqa: F401 (payloads: its ops)
+    from epkit import agree, moves, ops, payloads, workspace  # noqa: F401 (payloads: its ops)
+    from epkit import plan as planw
     from epkit.collectives import group_name
 
     C = torch.ops.epkit
@@ -113,23 +114,23 @@ def opcheck_all(group, rank):
     idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1], [-1, -1]])
     w = torch.rand(T, K)
     checked = []
-    for transport in (ops.PAIRS, ops.DEDUP):
+    for transport in (planw.PAIRS, planw.DEDUP):
         words = C.prepare(x, idx, w, E, 1, [0, 0, 0, 1], 0)
         plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport, 0, -1)
-        SB, S, N, M = plan[[ops.SEND_BYTES, ops.SEND_ROWS, ops.RECV_ROWS, ops.EXPERT_ROWS]].tolist()
+        SB, S, N, M = plan[[planw.SEND_BYTES, planw.SEND_ROWS, planw.RECV_ROWS, planw.EXPERT_ROWS]].tolist()
         send, send_map = C.pack(x, idx, w, plan, transport, 1, SB)
         ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, N, M)
         y = torch.randn(M, H)
         back = C.gather_rows(y, recv_map, rw, transport, True)
         u = (recv_map >= 0).sum(1)  # the weight gradients' places (R = 1, ragged)
-        first = (torch.arange(N) if transport == ops.PAIRS else
+        first = (torch.arange(N) if transport == planw.PAIRS else
                  torch.where(u > 0, torch.cumsum(u, 0) - u, -1))
-        slots = N if transport == ops.PAIRS else int(u.sum())
+        slots = N if transport == planw.PAIRS else int(u.sum())
         vals = C.gather_slot_values(rw, recv_map, first, slots)
         # the return path's units (dedup: min(n, per) per token row, compact; pairs: a row each)
         un = u.clamp(max=4 // y.element_size())
-        ufirst = None if transport == ops.PAIRS else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
-        units = torch.empty((N if transport == ops.PAIRS else int(un.sum()), H))
+        ufirst = None if transport == planw.PAIRS else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
+        units = torch.empty((N if transport == planw.PAIRS else int(un.sum()), H))
         ws = workspace.Workspace()  # the ops' workspace key: buffers reused from call to call
         calls = [
             (C.layout, (idx, E, 1)),
@@ -174,10 +175,10 @@ def opcheck_all(group, rank):
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
                                          plan, gname, True)),
         ]
-        if transport == ops.DEDUP:  # the units read in place
+        if transport == planw.DEDUP:  # the units read in place
             C.gather_units(y, recv_map, rw, transport, True, ufirst, units)
             S_rows = int(send_map.max()) + 1
-            calls.append((C.reduce_tokens, (units, send_map, ops.kept_routing(idx, plan), w, E, 1,
+            calls.append((C.reduce_tokens, (units, send_map, moves.kept_routing(idx, plan), w, E, 1,
                                             transport, True, x.dtype, 1,
                                             first_of_rows(send_map, idx, S_rows, un))))
         calls += [  # the collective ops with a workspace

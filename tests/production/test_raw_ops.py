@@ -75,7 +75,7 @@ class Ctx:
         ex, src, rw, recv_map = C.unpack(send, plan, tr, self.H, x.dtype, self.K, N, M)
         y = torch.randn(M, self.H)
         rows = C.gather_rows(y, recv_map, rw, tr, True)  # R = 1: the rows come straight back
-        # the weight gradients' places (epkit.ops.move_slot_values), R = 1 ragged: one per kept
+        # the weight gradients' places (epkit.moves.move_slot_values), R = 1 ragged: one per kept
         # slot, compact; the received rows are the sent ones, so both sides' firsts are the same
         u = (recv_map >= 0).sum(1)
         first = torch.arange(N) if tr == 0 else torch.where(u > 0, torch.cumsum(u, 0) - u, -1)

@@ -57,12 +57,12 @@ def test_no_kernel_source_types_a_wire_offset_or_the_mxfp8_block():
 
 
 def test_python_takes_the_plan_layout_from_abi():
-    from epkit import ops
+    from epkit import plan as W
 
-    assert ops.PLAN_HEADER == abi.PLAN_HEADER and ops.WORD_HEADER == abi.WORD_HEADER
-    assert ops.plan_size(4, 16) == abi.plan_size(4, 16)
-    assert ops.TRANSPORTS == abi.TRANSPORT_CODES
-    assert [ops.ERR_CODE, ops.RANKS, ops.NONUNIFORM_RANK] == [
+    assert W.PLAN_HEADER == abi.PLAN_HEADER and W.WORD_HEADER == abi.WORD_HEADER
+    assert W.plan_size(4, 16) == abi.plan_size(4, 16)
+    assert W.TRANSPORTS == abi.TRANSPORT_CODES
+    assert [W.ERR_CODE, W.RANKS, W.NONUNIFORM_RANK] == [
         abi.PLAN_FIELDS.index(n) for n in ("err_code", "ranks", "nonuniform_rank")]
 
 

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from epkit import moves, ops, payloads
+from epkit import plan as W
 from epkit.collectives import dtype_code
 from epkit.collectives import CODES
 
-SL = ops.plan_slices
+SL = W.plan_slices
 # The real-GPU tests' mark (here, not in conftest.py: `import conftest` may find another
 # directory's conftest when pytest runs several test folders).
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -79,7 +80,7 @@ def _chunks(buf, sizes):
 def _row_blocks(hp, R, E, counts):
     """(start, length) per peer of a row-space buffer: static chunks of 1 + cap rows (whole,
     header included: the static exchange moves whole chunks), else compact runs."""
-    cap = int(hp[ops.STATIC_CAP])
+    cap = int(hp[W.STATIC_CAP])
     if cap >= 0:
         return [(p * (1 + cap), 1 + cap) for p in range(R)]
     c = hp[SL(R, E)[counts]].tolist()
@@ -110,7 +111,7 @@ def _dispatch(C, case, align, capacity, transport, exchange, max_tokens, device,
     xs = [x.to(dev) for x in xs]
     idxs = [i.to(dev) for i in idxs]
     ws = [w.to(dev) for w in ws]
-    tr = ops.TRANSPORTS[transport]
+    tr = W.TRANSPORTS[transport]
     cap = -1 if capacity is None else capacity
     H, K = xs[0].shape[1], idxs[0].shape[1]
     if exchange == "static" and max_tokens < 0:
@@ -128,23 +129,23 @@ def _dispatch(C, case, align, capacity, transport, exchange, max_tokens, device,
     words = torch.stack([C.prepare(x, i, w, E, R, [0, 0, 0, dtype_code(x.dtype), max_tokens],
                                    pl.code) for x, i, w in zip(xs, idxs, ws)])
     plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens) for r in range(R)]
-    if tr == ops.DEDUP and int(plans[0].cpu()[ops.DROPPED_ANY]):
+    if tr == W.DEDUP and int(plans[0].cpu()[W.DROPPED_ANY]):
         # count_exchange's second all-gather: every rank's kept token rows, and the plans again
         words = words.clone()
-        words[:, ops.WORD_HEADER + E:] = torch.stack(
+        words[:, W.WORD_HEADER + E:] = torch.stack(
             [moves.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
         plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
                  for r in range(R)]
     hps = [p.cpu() for p in plans]
     out["words"], out["plans"] = words, plans
-    packed = [C.pack(rows[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][ops.SEND_BYTES]))
+    packed = [C.pack(rows[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][W.SEND_BYTES]))
               for r in range(R)]
     out["send"] = [p[0] for p in packed]
     out["send_map"] = [p[1] for p in packed]
     recvs = [torch.cat([_chunks(out["send"][s], hps[s][SL(R, E)["send_bytes"]].tolist())[d]
                         for s in range(R)]) for d in range(R)]
-    ups = [C.unpack(recvs[d], plans[d], tr, width, dtype, K, int(hps[d][ops.RECV_ROWS]),
-                    int(hps[d][ops.EXPERT_ROWS])) for d in range(R)]
+    ups = [C.unpack(recvs[d], plans[d], tr, width, dtype, K, int(hps[d][W.RECV_ROWS]),
+                    int(hps[d][W.EXPERT_ROWS])) for d in range(R)]
     for n, name in enumerate(("expert_x", "row_src", "row_weight", "recv_map")):
         out[name] = [u[n] for u in ups]
     return out, (xs, idxs, ws), hps
@@ -162,7 +163,7 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     as CPU tensors."""
     E = case[0]
     R = len(case[1])
-    tr = ops.TRANSPORTS[transport]
+    tr = W.TRANSPORTS[transport]
     out, (xs, idxs, ws), hps = _dispatch(C, case, align, capacity, transport, exchange,
                                          max_tokens, device)
     dev = xs[0].device
@@ -182,12 +183,12 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     gws = [torch.randn(u[0].shape[0], generator=g).to(dev) for u in ups]
 
     # combine. dedup: every token row's 4H bytes travel whole here (the op moves only the
-    # rows it uses, epkit.ops.move_back); reduce_tokens reads them in y's dtype with the kept
+    # rows it uses, epkit.moves.move_back); reduce_tokens reads them in y's dtype with the kept
     # routing.
     def back_of(b, dtype):
-        return b if tr == ops.PAIRS else b.view(dtype)
+        return b if tr == W.PAIRS else b.view(dtype)
 
-    kidx = [idxs[s] if tr == ops.PAIRS else ops.kept_routing(idxs[s], out["plans"][s])
+    kidx = [idxs[s] if tr == W.PAIRS else moves.kept_routing(idxs[s], out["plans"][s])
             for s in range(R)]
     rows = [C.gather_rows(ys[d], ups[d][3], ups[d][2], tr, weighted) for d in range(R)]
     backs = _move_rows(rows, hps, R, E, True)
@@ -200,7 +201,7 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     gbacks = _move_rows(grows, hps, R, E, True)
     out["grad_x"] = [C.reduce_tokens(back_of(gbacks[s], gexs[s].dtype), smaps[s], kidx[s],
                                      empty, E, R, tr, False, xs[s].dtype) for s in range(R)]
-    # (one float32 per kept slot, placed by ops.slot_places: both sides from their own maps)
+    # (one float32 per kept slot, placed by moves.slot_places: both sides from their own maps)
     at = [moves.slot_places(hps[r], ups[r][3], smaps[r], kidx[r], tr) for r in range(R)]
     vals = [C.gather_slot_values(gws[d], ups[d][3], at[d].first, at[d].rows) for d in range(R)]
     out["slot_values"] = vals
@@ -208,7 +209,7 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     out["grad_w_dispatch"] = [C.scatter_slot_values(vbacks[s], smaps[s], kidx[s], at[s].first_src,
                                                     E, R, tr) for s in range(R)]
     # combine backward
-    srows = [C.scatter_rows(gouts[s], smaps[s], int(hps[s][ops.SEND_ROWS])) for s in range(R)]
+    srows = [C.scatter_rows(gouts[s], smaps[s], int(hps[s][W.SEND_ROWS])) for s in range(R)]
     out["scatter_rows"] = srows
     frows = _move_rows(srows, hps, R, E, False)
     cb = [C.combine_backward_dest(frows[d], ups[d][3], ups[d][2], ys[d], weighted)

@@ -15,6 +15,7 @@ import torch
 
 import sim
 from epkit import ops
+from epkit import plan as W
 
 C = ops.C  # the C++ kernels
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,8 +139,8 @@ def _dispatch_one(transport, exchange, K=3):
 
 def _slot_section(hp, B):
     """R = 1: byte offset of the dedup slot rows in the (single) chunk."""
-    cap, tokcap = int(hp[ops.STATIC_CAP]), int(hp[ops.TOK_CAP])
-    rows = tokcap if tokcap >= 0 else int(hp[ops.plan_slices(1, 4)["recv_counts"]][0])
+    cap, tokcap = int(hp[W.STATIC_CAP]), int(hp[W.TOK_CAP])
+    rows = tokcap if tokcap >= 0 else int(hp[W.plan_slices(1, 4)["recv_counts"]][0])
     return rows * B + (8 if cap >= 0 else 0)
 
 
@@ -153,7 +154,7 @@ def _corruptions():
         return recv, None
 
     def row_n(recv, hp):  # a token row announces one slot fewer: slot count differs
-        at = ((P + 8) if int(hp[ops.STATIC_CAP]) >= 0 else 0) + P + 4  # static: header row
+        at = ((P + 8) if int(hp[W.STATIC_CAP]) >= 0 else 0) + P + 4  # static: header row
         recv[at: at + 4].view(torch.int32)[0] -= 1  # row 0 has K slots
         return recv, None
 
@@ -165,7 +166,7 @@ def _corruptions():
         return torch.cat([recv, torch.zeros(16, dtype=torch.uint8, device=recv.device)]), None
 
     def rows(recv, hp):  # expert_rows unlike the plan's
-        return recv, int(hp[ops.EXPERT_ROWS]) + 4
+        return recv, int(hp[W.EXPERT_ROWS]) + 4
 
     return [("dedup", "ragged", slot_j), ("dedup", "ragged", row_n), ("dedup", "static", slot_j),
             ("dedup", "static", inband), ("pairs", "static", inband), ("pairs", "ragged", longer),
@@ -179,15 +180,15 @@ def test_unpack_mismatch_raises_as_the_cpp_kernel(TR, transport, exchange, corru
     C++ unpack raises; a consistent unpack afterwards is untouched."""
     out, hp, plan = _dispatch_one(transport, exchange)
     recv, M = corrupt(out["send"][0].clone(), hp)
-    M = int(hp[ops.EXPERT_ROWS]) if M is None else M
-    N, K = int(hp[ops.RECV_ROWS]), 3
-    tr = ops.TRANSPORTS[transport]
+    M = int(hp[W.EXPERT_ROWS]) if M is None else M
+    N, K = int(hp[W.RECV_ROWS]), 3
+    tr = W.TRANSPORTS[transport]
     with pytest.raises(RuntimeError) as cpp:
         C.unpack(recv, plan, tr, 16, torch.float32, K, N, M)
     with pytest.raises(RuntimeError) as tri:
         TR.unpack(recv, plan, tr, 16, torch.float32, K, N, M)
     assert "epkit.unpack" in str(tri.value), (str(cpp.value), str(tri.value))
-    got = TR.unpack(out["send"][0], plan, tr, 16, torch.float32, K, N, int(hp[ops.EXPERT_ROWS]))
+    got = TR.unpack(out["send"][0], plan, tr, 16, torch.float32, K, N, int(hp[W.EXPERT_ROWS]))
     for a, b in zip(got, (out["expert_x"][0], out["row_src"][0], out["row_weight"][0],
                           out["recv_map"][0])):
         assert torch.equal(sim.bits(a), sim.bits(b))

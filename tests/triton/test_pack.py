@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from epkit import ops
+from epkit import plan as W
 from epkit.triton import byterows
 from epkit.triton import pack as tp
 from wire_cases import check_launches, make_group
@@ -163,7 +163,7 @@ def test_pack_erroneous_device_plan_sends_nothing(cpp, monkeypatch):
         g = make_group(cpp, 2, 2, 2, [4, 3], 8, tr, "static", seed=1)
         plan = g.plans[0].clone()
         mirror = g.plans[0].clone()
-        plan[ops.ERR_CODE] = 20
+        plan[W.ERR_CODE] = 20
         monkeypatch.setattr(tp, "host_plan", lambda p: mirror)
         SB = g.word(0, "SEND_BYTES")
         send, smap = tp.pack(g.rows[0], g.idxs[0], g.ws[0], plan, g.transport, 2, SB)
@@ -211,10 +211,10 @@ def test_offsets_past_2_31(cpp):
     idx = torch.full((T, 1), -1, dtype=torch.int64)
     idx[tail, 0] = torch.tensor([1, 0, 1])
     w = torch.ones(T, 1)
-    for tr in (ops.PAIRS, ops.DEDUP):
+    for tr in (W.PAIRS, W.DEDUP):
         words = cpp.prepare(x, idx, w, 2, 1, [0, 0, 0, 2, -1], 0).view(1, -1)
         plan = cpp.plan(words, 0, 2, 1, -1, tr, 0, -1)
-        SB = int(plan[ops.SEND_BYTES])
+        SB = int(plan[W.SEND_BYTES])
         send, smap = cpp.pack(x, idx, w, plan, tr, 1, SB)
         got, gmap = tp.pack(x, idx, w, plan, tr, 1, SB)
         assert torch.equal(got, send) and torch.equal(gmap, smap)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from epkit import ops
+from epkit import plan as W
 from epkit.reference import abi
 from epkit.triton import pack as tp
 from epkit.triton import unpack as tu
+from epkit.triton import wirechecks as wc
 from wire_cases import check_launches, make_group
 
 
@@ -151,13 +152,13 @@ def _i32(recv, at):
 def slot_j(recv, g, d, P):  # a slot names another local expert: the experts' totals differ
     w = _i32(recv, _slot_section(g, d, P + 8))
     w[0] = (w[0] & ~0xFFFFFF) | ((w[0] & 0xFFFFFF) + 1) % 2
-    return tu.ST_EXPERT_TOTAL
+    return wc.ST_EXPERT_TOTAL
 
 
 def slot_k_range(recv, g, d, P):  # a slot names k = topk
     w = _i32(recv, _slot_section(g, d, P + 8))
     w[0] = (w[0] & 0xFFFFFF) | (g.K << abi.SLOT_K_SHIFT)
-    return tu.ST_SLOT_ROW
+    return wc.ST_SLOT_ROW
 
 
 def repeat_k(recv, g, d, P):  # the second slot of a two-slot token row repeats the first's k
@@ -168,7 +169,7 @@ def repeat_k(recv, g, d, P):  # the second slot of a two-slot token row repeats 
         if n >= 2:
             a, b = _i32(recv, sec + 8 * first), _i32(recv, sec + 8 * first + 8)
             b[0] = (a[0] & ~0xFFFFFF) | (b[0] & 0xFFFFFF)
-            return tu.ST_EXPERT_ROW
+            return wc.ST_EXPERT_ROW
         first += n
     raise AssertionError("no token row with two slots")
 
@@ -176,18 +177,18 @@ def repeat_k(recv, g, d, P):  # the second slot of a two-slot token row repeats 
 def row_n(recv, g, d, P):  # the first token row announces one slot fewer
     hdr = 1 if g.word(d, "STATIC_CAP") >= 0 else 0
     _i32(recv, hdr * (P + 8) + P + 4)[0] -= 1
-    return tu.ST_SLOTS
+    return wc.ST_SLOTS
 
 
 def inband(recv, g, d, P):  # the static chunk's in-band count
     recv[0:8].view(torch.int64)[0] += 1
-    return tu.ST_INBAND
+    return wc.ST_INBAND
 
 
 def inband_slots(recv, g, d, P):  # the static slot section's in-band count
     at = _slot_section(g, d, P + 8) - 8
     recv[at: at + 8].view(torch.int64)[0] += 1
-    return tu.ST_SLOTS
+    return wc.ST_SLOTS
 
 
 CORRUPTIONS = [("dedup", "ragged", slot_j), ("dedup", "static", slot_j),
@@ -238,7 +239,7 @@ def test_unpack_mismatch_pairs_plan(cpp):
     """pairs: the plan's kept blocks (recv_kept) do not cover the rows received."""
     g, recvs = _group(cpp, "pairs", "ragged")
     plan = g.plans[0].clone()
-    plan[ops.plan_slices(2, 4)["recv_kept"].start] += 1
+    plan[W.plan_slices(2, 4)["recv_kept"].start] += 1
     args = (recvs[0], plan, 0, 8, torch.float32, 3, g.word(0, "RECV_ROWS"),
             g.word(0, "EXPERT_ROWS"))
     with pytest.raises(RuntimeError, match="epkit.unpack"):
@@ -246,7 +247,7 @@ def test_unpack_mismatch_pairs_plan(cpp):
     with pytest.raises(RuntimeError, match="disagree"):
         tu.unpack(*args)
     out, status = tu.unpack_with_status(*args)
-    assert int(status) & tu.ST_ROWS
+    assert int(status) & wc.ST_ROWS
     _assert_nothing_received(out)
 
 
@@ -256,7 +257,7 @@ def test_unpack_erroneous_device_plan(cpp, monkeypatch, transport):
     received and no status bit is set (check_static raises the plan's error)."""
     g, recvs = _group(cpp, transport, "static")
     mirror, plan = g.plans[0].clone(), g.plans[0].clone()
-    plan[ops.ERR_CODE] = 20
+    plan[W.ERR_CODE] = 20
     monkeypatch.setattr(tu, "host_plan", lambda p: mirror)
     out, status = tu.unpack_with_status(recvs[0], plan, g.transport, 8, torch.float32, 3,
                                         g.word(0, "RECV_ROWS"), g.word(0, "EXPERT_ROWS"))
@@ -275,7 +276,7 @@ def test_status_bits_are_ored_not_added():
     from epkit.triton.wirechecks import status_bit, status_of
 
     yes, no = torch.tensor([True]), torch.tensor([False])
-    bits = [status_bit(yes, tu.ST_SHAPE), status_bit(yes, tu.ST_SHAPE), status_bit(no, tu.ST_ROWS),
-            status_bit(yes, tu.ST_INBAND)]
-    assert int(status_of(bits)) == tu.ST_SHAPE | tu.ST_INBAND
-    assert int(status_of(bits)) & tu.ST_EXPERT_TOTAL == 0
+    bits = [status_bit(yes, wc.ST_SHAPE), status_bit(yes, wc.ST_SHAPE), status_bit(no, wc.ST_ROWS),
+            status_bit(yes, wc.ST_INBAND)]
+    assert int(status_of(bits)) == wc.ST_SHAPE | wc.ST_INBAND
+    assert int(status_of(bits)) & wc.ST_EXPERT_TOTAL == 0

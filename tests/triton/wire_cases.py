@@ -11,10 +11,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from epkit import moves, ops, payloads
+from epkit import moves, payloads
+from epkit import plan as W
 from epkit.collectives import CODES, dtype_code
 
-SL = ops.plan_slices
+SL = W.plan_slices
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class Group:
     hps: list       # host words (lists)
 
     def word(self, r, name):
-        return self.hps[r][getattr(ops, name)]
+        return self.hps[r][getattr(W, name)]
 
     def section(self, r, name):
         return self.hps[r][SL(self.R, self.E)[name]]
@@ -76,7 +77,7 @@ def make_group(C, R, L, K, Ts, H, transport="pairs", exchange="ragged", capacity
     idxs = [i.to(idx_dtype) for i in idxs]
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(T, H, generator=g).to(dtype) for T in Ts]
-    tr = ops.TRANSPORTS[transport]
+    tr = W.TRANSPORTS[transport]
     cap = -1 if capacity is None else capacity
     max_tokens = max(Ts) if exchange == "static" else -1
     pl = payloads.TABLE[payload]
@@ -89,14 +90,14 @@ def make_group(C, R, L, K, Ts, H, transport="pairs", exchange="ragged", capacity
     words = torch.stack([C.prepare(x.to(xdt), i, w, E, R, [0, 0, 0, dtype_code(xdt), max_tokens],
                                    pl.code) for x, i, w in zip(xs, idxs, ws)])
     plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens) for r in range(R)]
-    if tr == ops.DEDUP and int(plans[0][ops.DROPPED_ANY]):
+    if tr == W.DEDUP and int(plans[0][W.DROPPED_ANY]):
         words = words.clone()  # the count exchange's second all-gather, then the plans again
-        words[:, ops.WORD_HEADER + E:] = torch.stack(
+        words[:, W.WORD_HEADER + E:] = torch.stack(
             [moves.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
         plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
                  for r in range(R)]
     for p in plans:
-        assert int(p[ops.ERR_CODE]) == 0, p[:4]
+        assert int(p[W.ERR_CODE]) == 0, p[:4]
     return Group(R, E, K, tr, rows, idxs, ws, plans, [p.tolist() for p in plans])
 
 
