@@ -4,9 +4,6 @@
 ``epkit.reference`` (pure NumPy, the spec) never pulls torch in.
 """
 
-import sys
-import types
-
 from ._version import __version__
 from epkit.reference.errors import InputError
 
@@ -24,7 +21,7 @@ _LAZY = {
     "dequantize_fp8_block128": "epkit.payloads.fp8_block128",
     "PendingDispatch": "epkit.lazy",
     "PendingCombine": "epkit.lazy",
-    "exchange": "epkit.exchange",
+    "exchange": "epkit.row_exchange",
     "PeerError": "epkit.collectives",
     "topk_from_routing_map": "epkit.routing",
     "routing_map_from_topk": "epkit.routing",
@@ -33,22 +30,6 @@ _LAZY = {
 }
 
 __all__ = ["__version__", "InputError", *_LAZY]
-
-
-class _Package(types.ModuleType):
-    """The package's module type, as epkit.reference's: a function and the submodule that
-    defines it may share a name (``epkit.exchange`` in exchange.py, beside
-    ``epkit.reference.exchange``); importing the submodule makes Python set the package's
-    attribute to it, so the function is kept there instead."""
-
-    def __setattr__(self, name, value):
-        if (isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__
-                and hasattr(value, name)):  # (nn, payloads: the module is the name)
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name):

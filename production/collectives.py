@@ -12,7 +12,7 @@ Each is one entry of :data:`VARIANTS` (how it stages rows and reads them back). 
 schedule is ``all_to_all(..., async_op=True)``: any variant, issued now, finished later.
 
 :func:`all_to_all` moves a buffer whose counts every rank already knows (the plan gives them);
-the public ``epkit.exchange`` (exchange.py) builds on it.
+the public ``epkit.exchange`` (row_exchange.py) builds on it.
 """
 
 from __future__ import annotations
