@@ -330,13 +330,14 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
     """
     with serial(group_from_name(group_name)):  # the call lock (production/workspace.py)
         _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
-        recv_rows = ws_empty(allocator(workspace, SEND),
+        # the gradient rows in the order they leave (send rows, as the dispatch sent its own)
+        send_rows = ws_empty(allocator(workspace, SEND),
                              (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
                              grad_out)
-        C.scatter_rows_into(grad_out.contiguous(), send_map, recv_rows)
-        recv = move_rows(recv_rows, plan, group_name, reverse=False,
+        C.scatter_rows_into(grad_out.contiguous(), send_map, send_rows)
+        recv = move_rows(send_rows, plan, group_name, reverse=False,
                          what="epkit.combine backward", alloc=allocator(workspace, RECV))
-        del recv_rows  # exchanged: freed before combine_backward_dest allocates grad_y
+        del send_rows  # exchanged: freed before combine_backward_dest allocates grad_y
         return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 

@@ -17,7 +17,7 @@ __all__ = ['TRANSPORTS', 'PAIRS', 'DEDUP', 'ERR_CODE', 'ERR_A', 'ERR_B', 'ERR_RA
            'RECV_ROWS', 'EXPERT_ROWS', 'UNIFORM', 'MAX_CHUNK', 'RANKS', 'LOCAL_EXPERTS', 'EXPERTS',
            'STATIC_CAP', 'VARIANT', 'PAYLOAD_BYTES', 'TOK_CAP', 'SLOT_CAP', 'SEND_BYTES',
            'RECV_BYTES', 'NONUNIFORM_RANK', 'DROPPED_ANY', 'RANKS_PER_NODE', 'PLAN_HEADER',
-           'VARIANT_NAMES', 'WORD_HEADER', 'plan_size', 'plan_slices', 'ranks_per_node',
+           'WORD_HEADER', 'plan_size', 'plan_slices', 'ranks_per_node',
            'stamp_ranks_per_node', 'HOST', 'TEMPLATE', 'host_plan',
            'raise_error']
 
@@ -36,7 +36,6 @@ RANKS, LOCAL_EXPERTS, EXPERTS = _F["ranks"], _F["local_experts"], _F["experts"]
     _F[n] for n in ("static_cap", "variant", "payload_bytes", "tok_cap", "slot_cap", "send_bytes",
                     "recv_bytes", "nonuniform_rank", "dropped_any", "ranks_per_node"))
 PLAN_HEADER = abi.PLAN_HEADER
-VARIANT_NAMES = {v: k for k, v in abi.VARIANT_CODES.items()}
 WORD_HEADER = abi.WORD_HEADER
 plan_size = abi.plan_size
 plan_slices = abi.plan_slices

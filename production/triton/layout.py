@@ -33,7 +33,6 @@ __all__ = ["layout", "prepare", "counts"]
 
 MAX_RANKS = 1 << 20          # checks.h kMaxRanks
 MAX_EXPERTS = (1 << 31) - 1  # checks.h kMaxExperts (int32 max)
-_W = {name: i for i, name in enumerate(abi.WORD_FIELDS)}
 _PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
 _BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
 
