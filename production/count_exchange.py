@@ -59,7 +59,7 @@ def count_exchange(words, group_name, rank, num_experts, align, capacity, transp
     args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
     plan = C.plan(gathered.view(R, -1), *args)
     raise_error(plan)
-    if by_code(transport).token_rows and int(plan[DROPPED_ANY]):  # the token rows that travel
+    if by_code(transport).replans_after_drops and int(plan[DROPPED_ANY]):  # the token rows that travel
         plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
     return plan
 
@@ -120,7 +120,7 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
             raise ValueError("epkit: the static exchange on CUDA needs the dispatch's static_shape "
                              "[H, K, dtype code, payload] to size its chunks without a host wait")
         mirror = _template(R, words.shape[0], args, static_shape)
-        if by_code(transport).token_rows and capacity >= 0:
+        if by_code(transport).replans_after_drops and capacity >= 0:
             setattr(plan, HOST, mirror)  # may_drop: a capacity is set
             words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
@@ -129,7 +129,7 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
             host_words = _pinned_copy(gathered).view(R, -1)  # the one host wait
         mirror = pinned(C.plan(host_words, *args))
         plan = (mirror.to(words.device, non_blocking=True) if words.is_cuda else mirror.clone())
-    elif by_code(transport).token_rows and capacity >= 0:
+    elif by_code(transport).replans_after_drops and capacity >= 0:
         first = C.plan(gathered.view(R, -1), *args)
         setattr(first, HOST, _template(R, words.shape[0], args))  # may_drop: a capacity is set
         plan = C.plan(token_rows_gather(gathered, first, topk_idx, group, R, num_experts),
@@ -146,7 +146,7 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
     setattr(plan, HOST, mirror)
     if not static:
         raise_error(mirror)
-        if by_code(transport).token_rows and not planned_rows and int(mirror[DROPPED_ANY]):
+        if by_code(transport).replans_after_drops and not planned_rows and int(mirror[DROPPED_ANY]):
             words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
             setattr(plan, HOST, _pinned_copy(plan))  # a second host wait, only with drops

@@ -78,9 +78,7 @@ def _static_sizes(transport, pl, R: int, E: int, align: int, max_tokens: int, x,
     L, K, H = E // R, topk_idx.shape[1], x.shape[1]
     P = pl.row_bytes(H, x.element_size())
     per = min(K, L)
-    # data rows per chunk: one per kept slot, or one per token (a token row needs a kept slot:
-    # none when K = 0)
-    rows = min(max_tokens, max_tokens * per) if transport.token_rows else max_tokens * per
+    rows = transport.static_rows(max_tokens, per)  # data rows per chunk
     chunk = transport.chunk_bytes(P, 1 + rows, 1 + max_tokens * per)
     return R * chunk, R * (1 + rows), R * max_tokens * per + L * (align - 1)
 

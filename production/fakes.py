@@ -65,7 +65,7 @@ def _(expert_y, recv_map, row_weight, transport, weighted, first, out):
 def _(back, send_map, topk_idx, topk_weights, num_experts, num_ranks, transport, weighted, out_dtype,
       ranks_per_node=1, first=None):
     # dedup without first: back [S, 4 H / itemsize] in y's dtype (one float32 row per token row)
-    compact = not by_code(transport).token_rows or first is not None
+    compact = first is not None or by_code(transport).back_dtype(back.dtype) == back.dtype
     H = back.shape[1] if compact else back.shape[1] * back.element_size() // 4
     return back.new_empty((send_map.shape[0], H), dtype=out_dtype)
 

@@ -83,6 +83,18 @@ class Transport:
         return Reason.OK, 0, 0
 
     @property
+    def replans_after_drops(self) -> bool:
+        """Whether a capacity drop changes which rows travel beyond what the count words say: a
+        token whose slots to a rank were all dropped sends no token row there (dedup, hier), so
+        the count exchange gathers the kept token rows and plans again."""
+        return self.token_rows
+
+    def static_rows(self, max_tokens: int, per: int) -> int:
+        """A static chunk's data rows in its first section, ``per = min(K, L)`` slots a token at
+        most: a row per token (a token row needs a kept slot, so none when K = 0) or per slot."""
+        return min(max_tokens, max_tokens * per) if self.token_rows else max_tokens * per
+
+    @property
     def max_topk(self) -> Optional[int]:
         """The largest top-k its rows encode (a slot row's ``k`` is 8 bits); None: any. The
         group's agreed ``K`` is checked against it after the ranks' agreement (the plan, and the
