@@ -13,6 +13,7 @@ _LAZY = {
     "combine": "epkit.api",
     "Dispatcher": "epkit.api",
     "Dispatch": "epkit.api",
+    "DispatchOptions": "epkit.options",
     "layout": "epkit.api",
     "group_of_one": "epkit.api",
     "quantize_mxfp8": "epkit.payloads.mxfp8",

@@ -28,6 +28,7 @@ from .payloads.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from .agree import COMBINE, DISPATCH, agree, call_number, guarded, header, serial
 from .collectives import destroyed, dtype_code, exchange_of, group_ref, is_group, resolve_group
 from .memory import device_path
+from .options import DispatchOptions
 from .result import Dispatch
 from .validate import combine_words, local_error, option_words
 from .workspace import Workspace
@@ -36,7 +37,7 @@ from epkit.reference.errors import Reason, error
 # The modules that carry out the transports (the transport table's ``module``), by name.
 _MODULES = {"direct": direct}
 
-__all__ = ["Dispatch", "Dispatcher", "dispatch", "combine", "layout", "group_of_one",
+__all__ = ["Dispatch", "Dispatcher", "DispatchOptions", "dispatch", "combine", "layout", "group_of_one",
            "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
            "dequantize_fp8_block128"]
 
@@ -108,16 +109,28 @@ class Dispatcher:
         self._bad_group = not is_group(group)
         self._group = group_ref(resolve_group(group))  # weak: see the group property
         self.num_experts = num_experts
-        self.align = align
-        self.capacity = capacity
-        self.capacity_factor = capacity_factor
-        # None: the default, as in the reference (records.resolve_options)
-        self.transport = "dedup" if transport is None else transport
-        self.exchange = "auto" if exchange is None else exchange
-        self.payload = payload
-        self.max_tokens_per_rank = max_tokens_per_rank
-        self.ranks_per_node = ranks_per_node
+        # Resolved once (None: the defaults, as in the reference) and carried as one record.
+        self.options = DispatchOptions(
+            transport=transport, exchange=exchange, payload=payload, align=align,
+            capacity=capacity, capacity_factor=capacity_factor,
+            max_tokens_per_rank=max_tokens_per_rank, ranks_per_node=ranks_per_node)
         self._workspace = Workspace() if workspace else None
+
+    @classmethod
+    def from_options(cls, group, num_experts: int, options: DispatchOptions, *,
+                     workspace: bool = True) -> "Dispatcher":
+        """A Dispatcher with ``options`` (an :class:`epkit.DispatchOptions`)."""
+        return cls(group, num_experts, **options.as_dict(), workspace=workspace)
+
+    # The options, read-only (Dispatcher.options is the record).
+    transport = property(lambda self: self.options.transport)
+    exchange = property(lambda self: self.options.exchange)
+    payload = property(lambda self: self.options.payload)
+    align = property(lambda self: self.options.align)
+    capacity = property(lambda self: self.options.capacity)
+    capacity_factor = property(lambda self: self.options.capacity_factor)
+    max_tokens_per_rank = property(lambda self: self.options.max_tokens_per_rank)
+    ranks_per_node = property(lambda self: self.options.ranks_per_node)
 
     @property
     def group(self):
@@ -283,11 +296,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         ``epkit.reference.dispatch``. Raises :class:`epkit.InputError` on every rank if any
         rank's input is bad, before any token moves.
     """
-    return Dispatcher(group, num_experts, align=align, capacity=capacity, transport=transport,
-                      exchange=exchange, payload=payload,
-                      max_tokens_per_rank=max_tokens_per_rank,
-                      capacity_factor=capacity_factor, ranks_per_node=ranks_per_node,
-                      workspace=False).dispatch(x, topk_idx, topk_weights)
+    options = DispatchOptions(transport=transport, exchange=exchange, payload=payload, align=align,
+                              capacity=capacity, capacity_factor=capacity_factor,
+                              max_tokens_per_rank=max_tokens_per_rank,
+                              ranks_per_node=ranks_per_node)
+    return Dispatcher.from_options(group, num_experts, options, workspace=False).dispatch(
+        x, topk_idx, topk_weights)
 
 
 def combine(expert_y: torch.Tensor, dispatch: Dispatch, weighted: bool = True) -> torch.Tensor:

@@ -368,6 +368,7 @@ class ExpertParallelMoE(_MoEBase):
                  expert_bias: bool = False, route_scale: float = 1.0,
                  aux_loss_coef: Optional[float] = None, capacity_factor: Optional[float] = None,
                  ranks_per_node: Optional[int] = None):
+        import epkit
         from ..collectives import resolve_group
 
         group = resolve_group(group)
@@ -381,14 +382,12 @@ class ExpertParallelMoE(_MoEBase):
         self.group, self.rank, self.world_size = group, rank, R  # group: held weakly (below)
         self.local_experts = num_experts // R
         self.first_expert = rank * self.local_experts
-        self.dispatch_options = dict(align=align, capacity=capacity, transport=transport,
-                                     exchange=exchange, max_tokens_per_rank=max_tokens_per_rank,
-                                     payload=payload, capacity_factor=capacity_factor,
-                                     ranks_per_node=ranks_per_node)
+        self.dispatch_options = epkit.DispatchOptions(
+            transport=transport, exchange=exchange, payload=payload, align=align,
+            capacity=capacity, capacity_factor=capacity_factor,
+            max_tokens_per_rank=max_tokens_per_rank, ranks_per_node=ranks_per_node)
         self.overlap = overlap
-        import epkit
-
-        self.dispatcher = epkit.Dispatcher(group, num_experts, **self.dispatch_options)
+        self.dispatcher = epkit.Dispatcher.from_options(group, num_experts, self.dispatch_options)
         self.lazy_dispatcher = None  # the issue / wait path: asked for, or the shared overlap
         from epkit import collectives, transports
 
@@ -400,8 +399,8 @@ class ExpertParallelMoE(_MoEBase):
         lazy = None if ex is None else ex.name if ex.deferred else ex.lazy_twin
         if lazy and (ex.deferred or (overlap and shared_expert and tr is not None
                                      and tr.runs(lazy))):
-            self.lazy_dispatcher = epkit.Dispatcher(
-                group, num_experts, **{**self.dispatch_options, "exchange": lazy})
+            self.lazy_dispatcher = epkit.Dispatcher.from_options(
+                group, num_experts, self.dispatch_options.replace(exchange=lazy))
 
     @property
     def group(self):

@@ -321,3 +321,28 @@ def non_member_error(group, rank):
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def options_round_trip(group, rank):
+    """Dispatcher(**keywords) and Dispatcher.from_options(record) hold the same record and give
+    the same dispatch bit for bit; their option attributes are read-only views of the record."""
+    E = 4 * torch.distributed.get_world_size(group)
+    torch.manual_seed(rank)
+    x, idx = torch.randn(6, 8), torch.stack([torch.randperm(E)[:2] for _ in range(6)])
+    w = torch.rand(6, 2)
+    kw = dict(align=4, capacity=3, transport="pairs", exchange="padded")
+    a = epkit.Dispatcher(group, E, **kw)
+    b = epkit.Dispatcher.from_options(group, E, epkit.DispatchOptions(**kw))
+    if a.options != b.options or a.align != 4 or b.transport != "pairs":
+        return f"records differ: {a.options} {b.options}"
+    try:
+        a.align = 8
+        return "an option attribute could be set"
+    except AttributeError:
+        pass
+    da, db = a.dispatch(x, idx, w), b.dispatch(x, idx, w)
+    dc = epkit.dispatch(x, idx, w, num_experts=E, group=group, **kw)
+    for d in (db, dc):
+        if not (torch.equal(da.expert_x, d.expert_x) and torch.equal(da.row_src, d.row_src)):
+            return "dispatches differ"
+    return "ok"
