@@ -417,8 +417,10 @@ def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: in
     stage-2 token rows, from the plan."""
     dev = tok1.device
     A = tok1.shape[0]
-    src = torch.repeat_interleave(torch.tensor(inter_ranks, device=dev),
-                                  torch.tensor(src_counts, device=dev), output_size=A)
+    # each received row's source rank, made on the host from the plan and copied once (one
+    # host-to-device copy, counted; the counts are host words of the hier plan)
+    src = torch.tensor(np.repeat(np.asarray(inter_ranks, np.int64),
+                                 np.asarray(src_counts, np.int64)), device=dev)
     meta = _meta(tok1, P, 2)
     arr_t, arr_n = meta[:, 0], meta[:, 1]
     if not device_path(arr_n) and int(arr_n.sum()) != slot1.shape[0]:  # (a wait on the device)
