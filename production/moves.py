@@ -365,28 +365,26 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
     None), nothing read back and nothing copied over."""
     plan = hp if plan is None else plan
     R, E, L, S = (int(hp[f]) for f in (RANKS, EXPERTS, LOCAL_EXPERTS, SEND_ROWS))
-    dedup = by_code(transport).token_rows
+    tr = by_code(transport)
+    many = tr.rows_hold_many_slots
     v = variant_of(hp)
-    chunk = int(hp[SLOT_CAP if dedup else TOK_CAP]) if v.fixed_chunks else None
+    chunk = int(hp[_F[tr.slot_cap_field]]) if v.fixed_chunks else None
     front = v.header_rows
     sl = plan_slices(R, E)
     if chunk is None:
-        send, recv = (hp[sl[n]].tolist() for n in (("recv_slots", "send_slots") if dedup else
-                                                   ("recv_counts", "send_counts")))
+        send, recv = (hp[sl[n]].tolist() for n in tr.slot_sections)
     else:
         send = recv = [chunk] * R
     sent = None  # the expert side's values, laid out (the device path, given values)
     if device_path(recv_map):  # one launch a side (triton/places.py); ragged: exact counts
         every = 1 << 40  # a row's kept slots, uncapped
-        # dedup's sent rows carry their token's kept slots; pairs' one slot each (every data
-        # row of a chunk)
+        # a token row carries its token's kept slots; a slot row one (every data row of a chunk)
         first, sent, first_src = _device_sides(
-            recv_map, plan, hp, every, chunk, front,
-            compact=("recv_slots", "send_slots") if dedup else ("recv_counts", "send_counts"),
+            recv_map, plan, hp, every, chunk, front, compact=tr.slot_sections,
             umap_units=sum(send) if values is not None else -1, slot_values=values,
-            send_map=send_map if dedup else None, idx=idx if dedup else None)
+            send_map=send_map if many else None, idx=idx if many else None)
     else:
-        u_src = _send_row_slots(idx, send_map, L, S, pairs=not dedup)
+        u_src = _send_row_slots(idx, send_map, L, S, pairs=not many)
         u = (recv_map >= 0).sum(1)
         first, _ = _unit_positions(u, _row_chunks(hp, plan, recv_map.shape[0], True), R, 1,
                                    chunk, front)

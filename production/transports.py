@@ -95,6 +95,24 @@ class Transport:
         return min(max_tokens, max_tokens * per) if self.token_rows else max_tokens * per
 
     @property
+    def slot_sections(self) -> tuple:
+        """The plan sections ``(received, sent)`` counting the rows of the section that carries
+        the slots (the weight gradients' return path runs along it): dedup's slot section,
+        pairs' first section (each of its rows is a slot)."""
+        return ("recv_slots", "send_slots") if self.token_rows else ("recv_counts", "send_counts")
+
+    @property
+    def slot_cap_field(self) -> str:
+        """The plan field of that section's rows in a fixed chunk (abi.PLAN_FIELDS)."""
+        return "slot_cap" if self.token_rows else "tok_cap"
+
+    @property
+    def rows_hold_many_slots(self) -> bool:
+        """Whether a sent row carries several slots (a token row: its token's kept slots on that
+        rank) rather than one."""
+        return self.token_rows
+
+    @property
     def max_topk(self) -> Optional[int]:
         """The largest top-k its rows encode (a slot row's ``k`` is 8 bits); None: any. The
         group's agreed ``K`` is checked against it after the ranks' agreement (the plan, and the
