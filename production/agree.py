@@ -33,8 +33,9 @@ until ``check_static``), so ranks that disagree on them would enter the exchange
 sizes: gloo aborts the process, NCCL may hang or corrupt. Its header therefore carries ``x
 hidden``, ``x dtype`` and ``top-k`` (0 in every other call), checked as the count exchange checks
 them (lowest rank first, H, then dtype, then K, against rank 0's), then rank 0's K against the
-transport's limit (``TOPK_TOO_LARGE``): the same errors the plan would give. After an error the call numbers are re-synchronised (every rank takes
-the group's largest plus one), so the next valid call works.
+transport's limit (``TOPK_TOO_LARGE``): the same errors the plan would give. After an error the
+call numbers are re-synchronised (every rank takes the group's largest plus one), so the next
+valid call works.
 
 Calls on one group are serialised within a process (:func:`serial`): two threads sharing a
 Dispatcher (or a group) take turns instead of interleaving their collectives.

@@ -37,8 +37,8 @@ from epkit.reference.errors import Reason, error
 # The modules that carry out the transports (the transport table's ``module``), by name.
 _MODULES = {"direct": direct}
 
-__all__ = ["Dispatch", "Dispatcher", "DispatchOptions", "dispatch", "combine", "layout", "group_of_one",
-           "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
+__all__ = ["Dispatch", "Dispatcher", "DispatchOptions", "dispatch", "combine", "layout",
+           "group_of_one", "quantize_mxfp8", "dequantize_mxfp8", "quantize_fp8_block128",
            "dequantize_fp8_block128"]
 
 

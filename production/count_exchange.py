@@ -59,7 +59,8 @@ def count_exchange(words, group_name, rank, num_experts, align, capacity, transp
     args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
     plan = C.plan(gathered.view(R, -1), *args)
     raise_error(plan)
-    if by_code(transport).replans_after_drops and int(plan[DROPPED_ANY]):  # the token rows that travel
+    # the token rows that travel, after a capacity drop
+    if by_code(transport).replans_after_drops and int(plan[DROPPED_ANY]):
         plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
     return plan
 

@@ -44,7 +44,7 @@ class DispatchOptions:
         return dataclasses.replace(self, **changes)
 
     def as_dict(self) -> dict:
-        """The options as keyword arguments (``epkit.Dispatcher(group, E, **options.as_dict())``)."""
+        """The options as keyword arguments: ``Dispatcher(group, E, **options.as_dict())``."""
         return {f: getattr(self, f) for f in OPTION_NAMES}
 
 

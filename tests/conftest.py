@@ -25,7 +25,8 @@ def pytest_configure(config):
     pytest-xdist up to 3.8 tags a grouped test by rewriting ``item._nodeid``, which pytest 9 no
     longer reads: the groups are then silently spread over the workers and each rebuilds the
     fixture (minutes of CI). Refuse that pairing rather than run slowly."""
-    if (getattr(config.option, "dist", "no") != "loadgroup" or not getattr(config.option, "numprocesses", None)
+    option = config.option
+    if (getattr(option, "dist", "no") != "loadgroup" or not getattr(option, "numprocesses", None)
             or not config.pluginmanager.has_plugin("xdist")):
         return
     import xdist

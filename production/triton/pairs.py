@@ -145,7 +145,8 @@ def unpack_slots(rs):
     (expert row m, live, None: its recv_map entry is its row, k, the weight's bits) and no
     status words of its own (an empty int32 tensor)."""
     r = rs.rows
-    return r.slot_row, r.live, None, r.slot_k, r.weight_bits, r.slot_k.new_empty(0, dtype=torch.int32)
+    return (r.slot_row, r.live, None, r.slot_k, r.weight_bits,
+            r.slot_k.new_empty(0, dtype=torch.int32))
 
 
 # ---- combine and the backward passes ---------------------------------------------------------

@@ -117,7 +117,8 @@ def opcheck_all(group, rank):
     for transport in (planw.PAIRS, planw.DEDUP):
         words = C.prepare(x, idx, w, E, 1, [0, 0, 0, 1], 0)
         plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport, 0, -1)
-        SB, S, N, M = plan[[planw.SEND_BYTES, planw.SEND_ROWS, planw.RECV_ROWS, planw.EXPERT_ROWS]].tolist()
+        SB, S, N, M = plan[[planw.SEND_BYTES, planw.SEND_ROWS, planw.RECV_ROWS,
+                            planw.EXPERT_ROWS]].tolist()
         send, send_map = C.pack(x, idx, w, plan, transport, 1, SB)
         ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, N, M)
         y = torch.randn(M, H)
@@ -129,7 +130,8 @@ def opcheck_all(group, rank):
         vals = C.gather_slot_values(rw, recv_map, first, slots)
         # the return path's units (dedup: min(n, per) per token row, compact; pairs: a row each)
         un = u.clamp(max=4 // y.element_size())
-        ufirst = None if transport == planw.PAIRS else torch.where(un > 0, torch.cumsum(un, 0) - un, -1)
+        ufirst = (None if transport == planw.PAIRS
+                  else torch.where(un > 0, torch.cumsum(un, 0) - un, -1))
         units = torch.empty((N if transport == planw.PAIRS else int(un.sum()), H))
         ws = workspace.Workspace()  # the ops' workspace key: buffers reused from call to call
         calls = [
