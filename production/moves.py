@@ -308,7 +308,7 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
     buffers may be in flight together)."""
     if async_op:
         ws = -1
-    if not by_code(transport).token_rows:
+    if not by_code(transport).returns_units:  # each slot's row, as it is
         rows = workspace.empty(workspace.allocator(ws, workspace.SEND),
                                (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype, expert_y)
         C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)

@@ -113,6 +113,13 @@ class Transport:
         return self.token_rows
 
     @property
+    def returns_units(self) -> bool:
+        """Whether the return path sends a token row's units (its ``n`` kept rows or one
+        float32 partial, whichever is smaller, cut into units of an ``expert_y`` row: dedup)
+        rather than each slot's row as it is (pairs)."""
+        return self.token_rows
+
+    @property
     def max_topk(self) -> Optional[int]:
         """The largest top-k its rows encode (a slot row's ``k`` is 8 bits); None: any. The
         group's agreed ``K`` is checked against it after the ranks' agreement (the plan, and the
