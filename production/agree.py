@@ -60,12 +60,12 @@ from .collectives import all_gather, resolve_group, small_device
 from .hostreads import to_host
 from .memory import mark_host
 from epkit.reference.errors import Reason, error
+from epkit.reference.validate import INT64_MAX
 
 __all__ = ["DISPATCH", "COMBINE", "EXCHANGE", "header", "agree", "group_error", "serial",
            "raise_pending"]
 
 MAGIC = 0x45504B4954  # "EPKIT"
-INT64_MAX = (1 << 63) - 1
 HEADER = 22
 (W_MAGIC, W_OP, W_SEQ, W_REF, W_E, W_ALIGN, W_CAP, W_TRANSPORT, W_EXCHANGE, W_PAYLOAD,
  W_MAX_TOKENS, W_CODE, W_A, W_B, W_DTYPE, W_WIDTH, W_CAP_FACTOR, W_FLAGS, W_RANKS_PER_NODE,
@@ -165,8 +165,10 @@ def group_error(h) -> list[int]:
                 for word, why in _SHAPE_WORDS:
                     if row[word] != h0[word]:
                         return [int(why), r, row[word], h0[word]]
-            if check == "topk" and r == 0 and row[W_TOPK] > _max_topk(row[W_TRANSPORT]):
-                return [int(reason), 0, row[W_TOPK], _max_topk(row[W_TRANSPORT])]
+            if check == "topk" and r == 0:
+                limit = _max_topk(row[W_TRANSPORT])
+                if row[W_TOPK] > limit:
+                    return [int(reason), 0, row[W_TOPK], limit]
             if isinstance(check, int) and row[check] != h0[check]:
                 return [int(reason), r, row[check], h0[check]]
     return [0, 0, 0, 0]

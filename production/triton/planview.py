@@ -40,7 +40,3 @@ class PlanView:
     def start(self, section: str) -> int:
         """Where ``section`` begins in the plan (a kernel argument)."""
         return self.sections[section].start
-
-    def section(self, name: str) -> torch.Tensor:
-        """A section of the device plan (a view: no launch)."""
-        return self.tensor[self.sections[name]]

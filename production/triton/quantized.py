@@ -50,7 +50,7 @@ def quantize_rows(kernel, BR: int, block: int, scale_dtype: torch.dtype, op: str
     ck.check_quantize_args(op, x, block)
     x = x.contiguous()
     T, H = x.shape
-    size = torch.empty((), dtype=scale_dtype).element_size()
+    size = scale_dtype.itemsize
     P = H + (H // block) * size
     rows = torch.empty((T, P), dtype=torch.uint8, device=x.device)
     _quantize_into(kernel, BR, block, x, rows, rows[:, H:].view(scale_dtype), P, P // size)
@@ -63,7 +63,7 @@ def dequantize_rows(kernel, BR: int, block: int, scale_dtype: torch.dtype, rows:
     hp [M, H] float32 dequantized) in one launch (epkit.payloads' ``from_rows``)."""
     rows = rows.contiguous()
     M, P = rows.shape
-    size = torch.empty((), dtype=scale_dtype).element_size()
+    size = scale_dtype.itemsize
     dev = rows.device
     q = torch.empty((M, H), dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty((M, H // block), dtype=scale_dtype, device=dev)
