@@ -14,7 +14,7 @@ so a rank that skips ``backward()`` is an error on every rank, not a mismatched 
 
 ``op`` is the operation (``errors.OPERATIONS``), ``seq`` this rank's call number on the group,
 ``ref`` the call number of the dispatch a combine consumes, the options as codes
-(``errors.OPTION_NAMES``; ``-1`` for ``None`` or an unknown name; the capacity factor as its
+(``errors.option_names``; ``-1`` for ``None`` or an unknown name; the capacity factor as its
 float64 bits; ``ranks_per_node`` as resolved on the rank, so that a ``LOCAL_WORLD_SIZE`` that
 differs between ranks is an error, not two summation orders), ``(code, a, b)`` the rank's
 local error (every check that needs no collective: types, devices, options, shapes), and the

@@ -7,7 +7,7 @@ sizes from the plan (on CPU the plan already lives in host memory), and the toke
 further count exchange, no host read of counts.
 
 The Dispatcher holds the configuration and chooses the path: the transport's module from the
-transport table (production/transports.py: ``direct.py`` for pairs and dedup, ``hier.py``), which
+transport table (production/transports/: ``direct.py`` for pairs and dedup, ``hier.py``), which
 asks the exchange's and the payload's rows in turn. The checks are in validate.py, the result
 and its handle in result.py.
 """

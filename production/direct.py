@@ -1,6 +1,6 @@
 """The one-stage transports (pairs, dedup): every rank exchanges its rows with every other rank
 directly, in one all-to-all per direction (DeepEP's intranode path; the node-aware transport is
-hier.py). The Dispatcher reaches this module through the transport table (production/transports.py):
+hier.py). The Dispatcher reaches this module through the transport table (production/transports/):
 
     dispatch(cfg, seq, x, topk_idx, topk_weights, local, G) -> Dispatch
     combine(cfg, expert_y, d, weighted, check) -> [T, H] x's dtype
@@ -45,7 +45,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
             and not torch.compiler.is_compiling()):
         # The eager path: one fused op, no host read here at all.
         *outs, plan = ops.prepare_dispatch(
-            x, topk_idx, topk_weights, gname, rank, E, align, capacity, transport.code, ex.code,
+            x, topk_idx, topk_weights, gname, rank, E, align, capacity, transport.path, ex.code,
             pre_error, 0, factor, G, cfg._ws)
         return result.build(cfg, seq, x, topk_idx, topk_weights, plan, *outs)
     max_tokens = int(cfg.max_tokens_per_rank) if ex.static else -1
@@ -53,7 +53,7 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     # Static on the device path: the shape that sizes the plan's host mirror without a host wait.
     shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
              if ex.static and device_path(x) else None)
-    plan = ops.count_exchange(words, gname, rank, E, align, capacity, transport.code, ex.code,
+    plan = ops.count_exchange(words, gname, rank, E, align, capacity, transport.path, ex.code,
                               max_tokens, shape, factor, topk_idx if code == Reason.OK else None, G)
     if ex.uniform and not int(W.host_plan(plan)[W.UNIFORM]):
         raise error(int(W.host_plan(plan)[W.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
@@ -61,13 +61,13 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
                 else _planned_sizes(plan))
     build = functools.partial(result.build, cfg, seq, x, topk_idx, topk_weights, plan)
     if ex.deferred:
-        return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, gname, transport.code, M,
+        return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, gname, transport.path, M,
                                    build, pl)
     if pl.quantized:
         hp, row_weight, q, scale, row_src, send_map, recv_map = payloads.dispatch_quantized(
-            pl, x, topk_idx, topk_weights, plan, gname, transport.code, (SB, N, M))
+            pl, x, topk_idx, topk_weights, plan, gname, transport.path, (SB, N, M))
         return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
-    return build(*ops.dispatch_tokens(x, topk_idx, topk_weights, plan, gname, transport.code,
+    return build(*ops.dispatch_tokens(x, topk_idx, topk_weights, plan, gname, transport.path,
                                       SB, N, M, cfg._ws))
 
 
@@ -92,7 +92,7 @@ def _planned_sizes(plan):
 def combine(cfg, expert_y, d, weighted: bool, check) -> torch.Tensor:
     """Combine ``d`` (the call header agreed already, or ``check`` holds it for the op)."""
     dcfg = d.handle.config  # the dispatch's transport and exchange, whichever Dispatcher combines
-    transport = TRANSPORTS[dcfg.transport].code
+    transport = TRANSPORTS[dcfg.transport].path
     gname = group_name(cfg.group)
     if EXCHANGES[dcfg.exchange].deferred:
         return lazy.issue_combine(expert_y, d, gname, transport, weighted)

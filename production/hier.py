@@ -47,13 +47,14 @@ from . import plan as W
 from .hostreads import to_host
 from .memory import device_path, mark_host
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
+from .transports.hier import HIER
 from .collectives import VARIANTS, all_gather, all_to_all, dtype_code, group_name, small_device
 from epkit.reference import abi
 from epkit.reference.transports import hier as spec
 from epkit.reference.errors import Reason
 
 C = ops.C
-DEDUP = W.DEDUP
+DEDUP = HIER.path  # the kernel path of both stages
 K_SHIFT = abi.SLOT_K_SHIFT
 J_MASK = abi.DEDUP_MAX_LOCAL - 1
 

@@ -24,7 +24,7 @@ class Handle:
         topk_idx: ``[T, K]`` this rank's routing as dispatched.
         topk_weights: ``[T, K]`` float32, the routing weights (detached).
         send_map: ``[T, cols]`` int64, where each of this rank's token (or slot) rows went
-            (``cols`` from the transport's row, production/transports.py).
+            (``cols`` from the transport's row, production/transports/).
         recv_map: ``[N, cols]`` int64, the expert-major row of each received row's slots.
         plan: int64, the plan (production/plan.py) with its host mirror on the device path.
         config: the :class:`epkit.Dispatcher` that dispatched (its transport and exchange).

@@ -33,7 +33,7 @@ class Reason(enum.IntEnum):
     ALIGN = 11                 # a: align
     CAPACITY = 12              # a: capacity
     NONFINITE_WEIGHT = 13      # a: row
-    NONFINITE_PAYLOAD = 14     # a: row, b: payload code (errors.OPTION_NAMES)
+    NONFINITE_PAYLOAD = 14     # a: row, b: payload code (errors.option_names)
     HIDDEN_NOT_MULT32 = 15     # a: H, b: payload code (the name is historical: H % block)
     EXPERT_Y_ROWS = 16         # a: expert_y rows, b: dispatch rows
     EXPERT_Y_HIDDEN = 17       # a: expert_y H, b: dispatch H
@@ -61,7 +61,7 @@ class Reason(enum.IntEnum):
     NUM_EXPERTS_MISMATCH = 37  # a: this rank's value, b: rank 0's
     ALIGN_MISMATCH = 38        # a, b: as above
     CAPACITY_MISMATCH = 39     # a, b: as above (-1: None)
-    TRANSPORT_MISMATCH = 40    # a, b: option codes (errors.OPTION_NAMES)
+    TRANSPORT_MISMATCH = 40    # a, b: option codes (errors.option_names)
     EXCHANGE_MISMATCH = 41     # a, b: option codes
     PAYLOAD_MISMATCH = 42      # a, b: option codes
     MAX_TOKENS_MISMATCH = 43   # a, b: values (-1: None)

@@ -59,11 +59,16 @@ DEVICES = {0: "cpu", 1: "cuda", 2: "meta", 3: "another"}
 OPERATIONS = {0: "a collective that is not an epkit call", 1: "epkit.dispatch",
               2: "epkit.combine", 3: "epkit.exchange", 4: "the backward of epkit.dispatch",
               5: "the backward of epkit.combine"}
-# Option codes as they travel in the call header (production/agree.py), code -> name, derived
-# from abi.py's tables; -1: not a valid name.
-OPTION_NAMES = {kind: {code: str(name) for name, code in codes.items()} for kind, codes in
-                (("transport", TRANSPORT_CODES), ("exchange", EXCHANGE_CODES),
-                 ("payload", PAYLOAD_CODES))}
+# Option codes as they travel in the call header (production/agree.py): abi.py's tables, read
+# at each use (a transport added to TRANSPORT_CODES is named at once); -1: not a valid name.
+_OPTION_CODES = {"transport": TRANSPORT_CODES, "exchange": EXCHANGE_CODES,
+                 "payload": PAYLOAD_CODES}
+
+
+def option_names(kind: str) -> dict:
+    """code -> name of the option ``kind`` ("transport", "exchange", "payload"; {} for another)."""
+    return {code: str(name) for name, code in _OPTION_CODES.get(kind, {}).items()}
+
 # What production's hier transport refuses (HIER_UNSUPPORTED's a).
 HIER_UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
                          4: "torch.compile"}
@@ -98,7 +103,7 @@ def _flags(bits: int, other: int) -> str:
 
 def _payload(code: int) -> tuple:
     """A payload code's name and block (0: unknown) for the payload checks' texts."""
-    name = OPTION_NAMES["payload"].get(int(code), "")
+    name = option_names("payload").get(int(code), "")
     block = PAYLOAD_BLOCKS.get(name, 0)
     return (name, block) if block else ("", 0)
 
@@ -111,7 +116,7 @@ def _hidden_text(hidden: int, code: int) -> str:
 
 
 def _opt(kind: str, code: int) -> str:
-    return repr(OPTION_NAMES[kind].get(int(code), "an unknown name"))
+    return repr(option_names(kind).get(int(code), "an unknown name"))
 
 
 def format_reason(code: int, a: int = 0, b: int = 0) -> str:
@@ -146,7 +151,7 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.NUM_EXPERTS: f"num_experts must be in [1, {MAX_EXPERTS}], got {a}",
         Reason.EXPERT_Y_DTYPE: f"expert_y must be float32 or bfloat16, got {dtype_name(a)}",
         Reason.OPTION: f"unknown {_OPTIONS.get(a, 'option')}: choose from "
-                       + ", ".join(map(repr, OPTION_NAMES.get(_OPTIONS.get(a), {}).values())),
+                       + ", ".join(map(repr, option_names(_OPTIONS.get(a)).values())),
         Reason.IDX_NOT_2D: f"topk_idx must be 2-D [T, K], got {a} dimensions",
         Reason.WEIGHTS_NOT_2D: f"topk_weights must be 2-D [T, K], got {a} dimensions",
         Reason.GRAD_ROWS: f"gradient has {a} rows but the operation produced {b}",

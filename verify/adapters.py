@@ -38,7 +38,7 @@ __all__ = ["EpkitAdapter", "ImplNotFound", "epkit_factory", "epkit_modes", "plai
 
 def epkit_modes() -> list[ModeSpec]:
     """Every transport x exchange x payload of epkit that its tables say runs, named
-    ``transport/exchange[/payload]`` (the transport table, production/transports.py, says what each
+    ``transport/exchange[/payload]`` (the transport table, production/transports/, says what each
     transport runs: hier its exchanges without a payload; the exchange table,
     epkit.collectives.EXCHANGES, which option is uniform or static; the payload table
     reference/payloads.py). Every mode draws ``ranks_per_node`` (``nodes``), which fixes the

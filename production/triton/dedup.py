@@ -17,6 +17,7 @@ import torch
 
 from epkit.reference import abi
 
+from ..transports.dedup import DEDUP as ROW
 from . import byterows, ranks
 from . import rowchecks as ck
 from .abi import PLAN_ERR_CODE, SLOT_K_SHIFT, SLOT_ROW_BYTES
@@ -26,31 +27,18 @@ from .rowspace import any_bit
 from .sections import SLOT_ROW, TOKEN_ROW, excl_at, section_rows
 from .wirechecks import ST_EXPERT_ROW, ST_EXPERT_TOTAL, ST_SHAPE, ST_SLOT_ROW, ST_SLOTS
 
-NAME = "dedup"
-CODE = abi.TRANSPORT_CODES[NAME]
-META_BYTES = abi.DEDUP_TOKEN_META_BYTES
-TOKEN_ROWS = True    # a row per (token, destination rank), its slots in slot rows
+# The transport's facts are its row's (production/transports/dedup.py), not retyped here.
+NAME, CODE, META_BYTES = ROW.name, ROW.code, ROW.meta_bytes
+TOKEN_ROWS = ROW.rows_hold_many_slots  # True: a row per (token, rank), its slots in slot rows
+send_map_cols, recv_map_cols, back_dtype = ROW.send_map_cols, ROW.recv_map_cols, ROW.back_dtype
 SLOT_SECTIONS = 1    # each chunk ends in its slot section
 ROW_SLOT = False     # a row's slots travel in slot rows (unpack_slots finds their expert rows)
-MAX_TOPK = abi.DEDUP_MAX_TOPK    # a slot row's k: 8 bits
-MAX_LOCAL = abi.DEDUP_MAX_LOCAL  # a slot row's j: 24 bits
+MAX_TOPK = ROW.max_topk    # a slot row's k: 8 bits
+MAX_LOCAL = ROW.max_local  # a slot row's j: 24 bits
 SLOT = abi.SLOT_ROW_BYTES
 SEND_MAP = "dedup: one column per rank"
 # what cpu/combine.cpp raises for a slot whose row does not match its routing
 UNMATCHED_SLOT = "a kept slot whose token row send_map does not name"
-
-
-def send_map_cols(K: int, R: int) -> int:
-    return R
-
-
-def recv_map_cols(K: int) -> int:
-    return K
-
-
-def back_dtype(y_dtype: torch.dtype) -> torch.dtype:
-    """The return path's rows are 4H bytes: a token row's float32 partial or its raw rows."""
-    return torch.float32
 
 
 def units_per_row(itemsize: int) -> int:

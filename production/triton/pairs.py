@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from epkit.reference import abi
-
 from . import rowchecks as ck
+from ..transports.pairs import PAIRS as ROW
 from .abi import PLAN_ERR_CODE
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .sections import PAIRS_ROW, excl_at, section_rows
 
-NAME = "pairs"
-CODE = abi.TRANSPORT_CODES[NAME]
-META_BYTES = abi.PAIRS_META_BYTES
-TOKEN_ROWS = False   # a row per kept slot, not per (token, destination rank)
+# The transport's facts are its row's (production/transports/pairs.py), not retyped here.
+NAME, CODE, META_BYTES = ROW.name, ROW.code, ROW.meta_bytes
+TOKEN_ROWS = ROW.rows_hold_many_slots  # False: a row per kept slot
+send_map_cols, recv_map_cols, back_dtype = ROW.send_map_cols, ROW.recv_map_cols, ROW.back_dtype
 SLOT_SECTIONS = 0    # the slot itself travels in the row: a chunk has no slot section
 ROW_SLOT = True      # the row's metadata is its one slot: unpack's row space finds its expert row
 MAX_TOPK = (1 << 31) - 1   # k travels as an int32
@@ -30,19 +29,6 @@ MAX_LOCAL = (1 << 31) - 1  # and j
 SEND_MAP = "pairs: one column per slot"
 # what cpu/combine.cpp raises for a slot whose row does not match its routing
 UNMATCHED_SLOT = "send_map sends a slot whose topk_idx is -1"
-
-
-def send_map_cols(K: int, R: int) -> int:
-    return K
-
-
-def recv_map_cols(K: int) -> int:
-    return 1
-
-
-def back_dtype(y_dtype: torch.dtype) -> torch.dtype:
-    """The return path carries a slot's row of expert_y as it is."""
-    return y_dtype
 
 
 def units_per_row(itemsize: int) -> int:

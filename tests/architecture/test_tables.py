@@ -24,7 +24,7 @@ def test_transports_have_a_row_in_every_tier():
     from epkit import transports
 
     assert not _missing(abi.TRANSPORT_CODES, reference_transports.TABLE), "reference/transports"
-    assert not _missing(abi.TRANSPORT_CODES, transports.TABLE), "production/transports.py"
+    assert not _missing(abi.TRANSPORT_CODES, transports.TABLE), "production/transports/"
     for row in transports.TABLE.values():
         assert row.code == abi.TRANSPORT_CODES[row.name]
         importlib.import_module(f"epkit.{row.module}")  # the module that carries it out
@@ -55,7 +55,7 @@ def test_kernel_paths_answer_one_interface_in_both_kernel_tiers():
     import epkit.triton.transports as triton_transports
     from epkit import transports
 
-    one_stage = {row.code for row in transports.TABLE.values() if row.module == "direct"}
+    one_stage = {row.path for row in transports.TABLE.values() if row.module == "direct"}
     assert set(triton_transports.PATHS) == one_stage, "epkit.triton.transports.PATHS"
     interface = set(triton_transports.INTERFACE)
     for m in triton_transports.PATHS.values():  # the interface's names, and no other function
@@ -66,7 +66,7 @@ def test_kernel_paths_answer_one_interface_in_both_kernel_tiers():
         assert not missing, f"{m.__name__} lacks {missing}"
     assert {m.CODE for m in triton_transports.PATHS.values()} == one_stage
 
-    csrc = os.path.join(os.path.dirname(transports.__file__), "csrc")
+    csrc = os.path.join(os.path.dirname(os.path.dirname(transports.__file__)), "csrc")
     pairs, dedup = (_cpp_members(os.path.join(csrc, f"{n}.h")) for n in ("pairs", "dedup"))
     assert len(pairs) > 20 and pairs == dedup, f"csrc paths differ: {sorted(pairs ^ dedup)}"
     passes = [_cpp_passes(os.path.join(csrc, "cpu", f"{n.lower()}.cpp"), n)

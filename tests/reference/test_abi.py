@@ -67,12 +67,12 @@ def test_python_takes_the_plan_layout_from_abi():
 
 
 def test_error_texts_name_options_by_the_abi_codes():
-    """errors.OPTION_NAMES (the texts' code -> name tables) are derived from abi.py's codes,
+    """errors.option_names (the texts' code -> name tables) reads from abi.py's codes,
     and the payload table has a row for every payload code."""
     from epkit.reference import payloads
-    from epkit.reference.errors import OPTION_NAMES
+    from epkit.reference.errors import option_names
 
     for kind, codes in (("transport", abi.TRANSPORT_CODES), ("exchange", abi.EXCHANGE_CODES),
                         ("payload", abi.PAYLOAD_CODES)):
-        assert OPTION_NAMES[kind] == {v: str(k) for k, v in codes.items()}, kind
+        assert option_names(kind) == {v: str(k) for k, v in codes.items()}, kind
     assert set(abi.PAYLOAD_CODES) == set(payloads.TABLE) == set(abi.PAYLOAD_BLOCKS)
