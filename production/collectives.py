@@ -17,7 +17,6 @@ the public ``epkit.exchange`` (row_exchange.py) builds on it.
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as _dist_nn_functional
 
 from epkit.reference import abi
-from epkit.reference.errors import DTYPE_CODES, Reason, error
+from epkit.reference.errors import DTYPE_CODES
 
 from . import workspace
 

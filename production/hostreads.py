@@ -264,7 +264,7 @@ def _copy_into_host(args, kwargs):
 
 def _bool_index(args, kwargs):
     """``t[mask]`` / ``t[mask] = v``: a boolean tensor index has a data-dependent size."""
-    t, idx = args[0], args[1]
+    idx = args[1]
     parts = idx if isinstance(idx, tuple) else (idx,)
     hit = [p for p in parts if isinstance(p, torch.Tensor) and p.dtype == torch.bool]
     return hit[0] if hit else None

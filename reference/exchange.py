@@ -50,8 +50,6 @@ import numpy as np
 from .abi import EXCHANGE_CODES, VARIANT_CODES
 from .errors import Reason, error
 
-SCHEDULES = ("eager", "lazy")
-
 
 def is_uniform(counts: np.ndarray) -> bool:
     """Every entry of the [R, R] count matrix is the same."""

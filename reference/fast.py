@@ -194,7 +194,7 @@ def _ordered_sums(ys: Sequence[np.ndarray], res: Sequence[DispatchResult], weigh
     sums ``P_d`` of all tokens on d built in passes over the p-th slot of each token (p = 0
     starts from +0.0); then ``total[tokens] += P_d``. The order of every add is arith.py's.
     """
-    R, K, H = len(res), res[0].group.topk, res[0].group.hidden
+    R, H = len(res), res[0].group.hidden
     base = np.concatenate([[0], np.cumsum([r.source.num_tokens for r in res])]).astype(np.int64)
     total = np.zeros((int(base[-1]), H), F32)
     for d, r in enumerate(res):

@@ -56,7 +56,6 @@ from .errors import (MAX_ALIGN, MAX_CAPACITY, MAX_EXPERTS, MAX_TOKENS, InputErro
 
 Triple = Tuple[int, int, int]
 OK: Triple = (Reason.OK, 0, 0)
-HEADER_WORDS = 8
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # What topk_weights may be: bfloat16 and float16 values are all float32 values, so widening them
 # loses nothing (the routers of Megatron-Core and torchtitan give bfloat16 weights in bfloat16

@@ -37,16 +37,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
-import os
 import statistics
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-
-METHODS = ("epkit dedup", "epkit pairs", "megatron-style", "plain-torch", "plain-torch padded",
-           "floor")
 
 # Rank 0 reports to the parent as it goes (set by :func:`worker`): ``_emit("progress", n)``
 # after every n rounds or kernel replays, ``_emit(part, result)`` as each part finishes, so

@@ -80,7 +80,7 @@ from epkit.reference.accounting import combine_bytes_of, dispatch_bytes_of, plan
 from epkit.reference.capacity import kept_counts, sorted_slots
 from epkit.reference.dtypes import FLOAT_DTYPES
 from epkit.reference.exchange import VARIANTS
-from epkit.reference.fast import count_words, count_words_block
+from epkit.reference.fast import count_words_block
 from epkit.reference.records import Group
 from epkit.reference.transports import hier
 
@@ -401,17 +401,6 @@ def split_tiers(B: np.ndarray, ranks_per_node: int):
     intra = np.where(same, B, 0).astype(np.float64)
     np.fill_diagonal(intra, 0)
     return intra, np.where(same, 0, B).astype(np.float64)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Each rank's two links: GB/s each way (full duplex) and microseconds a message (the
-    per-message cost alpha, paid at the sender and at the receiver), intra- and inter-node."""
-
-    intra_gbps: float
-    inter_gbps: float
-    intra_us: float = 0.0
-    inter_us: float = 0.0
 
 
 def tier_seconds(B: np.ndarray, ranks_per_node: int, intra_gbps: float, inter_gbps: float,

@@ -33,7 +33,7 @@ What maps to what (docs/migrating.md has the table):
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import List, Optional
+from typing import List
 
 import torch
 

@@ -79,8 +79,6 @@ from .base import Transport, as_rows, payload, rows_of, unpayload
 from .dedup import CountWordsDedup, read_slot, slot_row
 from .direct import count_words
 
-WGRAD_ROW_BYTES = 4              # one float32 weight gradient per kept slot
-
 
 # --- nodes and counts ------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import pytest
 from epkit import reference as ref
 from epkit.tools import simulate as sim
 from epkit.reference import transports as transport
+from epkit.reference.fast import count_words
 
 
 def _routing(rng, R, E, K, unused=0.2):
@@ -22,13 +23,13 @@ def _routing(rng, R, E, K, unused=0.2):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_count_words_equal_clear_reference(seed):
+def test_fast_count_words_equal_clear_reference(seed):
     rng = np.random.default_rng(seed)
     R = int(rng.choice([1, 2, 3, 4]))
     E = R * int(rng.integers(1, 5))
     K = int(rng.integers(1, min(E, 4) + 1))
     idx = _routing(rng, R, E, K)
-    got = sim.count_words(idx, R, E)
+    got = count_words(idx, R, E)
     want = transport.count_words(idx, R, E)
     np.testing.assert_array_equal(got, want)
 
@@ -43,7 +44,7 @@ def test_traffic_equals_reference_bytes(seed):
     H, dtype = 8, str(rng.choice(["bfloat16", "float32"]))
     tr, ex = str(rng.choice(["pairs", "dedup"])), str(rng.choice(["ragged", "padded"]))
     cap = [None, 0, 1, 3][seed % 4]
-    words = sim.count_words(idx, R, E)
+    words = count_words(idx, R, E)
     disp, comb = sim.traffic(words, E, K, H, dtype, tr, ex, cap)
     kw = dict(num_experts=E, hidden=H, dtype=dtype, transport=tr, exchange=ex, capacity=cap)
     np.testing.assert_array_equal(disp, ref.dispatch_bytes(idx, **kw))
@@ -68,7 +69,7 @@ def test_hier_counts_and_bytes_equal_the_reference(seed):
     cat = np.concatenate(idx)
     before = np.zeros(E, np.int64)
     tokens = [len(i) for i in idx]
-    kept = sim.kept_block(cat, tokens, sim.count_words(idx, R, E)[:, :E], before, cap)
+    kept = sim.kept_block(cat, tokens, count_words(idx, R, E)[:, :E], before, cap)
     want_kept = kept_mask(idx, E, cap)
     np.testing.assert_array_equal(kept, np.concatenate(want_kept).reshape(kept.shape))
     np.testing.assert_array_equal(before, np.bincount(cat[cat >= 0], minlength=E))
@@ -78,7 +79,7 @@ def test_hier_counts_and_bytes_equal_the_reference(seed):
         np.testing.assert_array_equal(arr, getattr(want, name), name)
     H, dtype = 8, str(rng.choice(["bfloat16", "float32"]))
     ex = str(rng.choice(["ragged", "padded"]))
-    stages = sim.traffic_stages(sim.count_words(idx, R, E), E, K, H, dtype, "hier", ex, cap, G,
+    stages = sim.traffic_stages(count_words(idx, R, E), E, K, H, dtype, "hier", ex, cap, G,
                                 hier.NodeCounts(**got))
     xs = [np.ones((len(i), H), sim._dtype(dtype)) for i in idx]
     ws = [np.ones(i.shape, np.float32) for i in idx]
@@ -286,7 +287,7 @@ def _dedup_exactness(idx, R, E, K, cap, dtype, ex, H=8):
     from epkit.reference.capacity import kept_mask
 
     nodes = hier.node_counts(idx, kept_mask(idx, E, cap), R, E, 1)
-    words = sim.count_words(idx, R, E)
+    words = count_words(idx, R, E)
     exact = sim.traffic_stages(words, E, K, H, dtype, "dedup", ex, cap, 1, nodes)
     bound = sim.traffic_stages(words, E, K, H, dtype, "dedup", ex, cap, 1, None)
     xs = [np.ones((len(i), H), sim._dtype(dtype)) for i in idx]
@@ -350,7 +351,7 @@ def _hand_case():
     """4 ranks, 2 a node ({0, 1}, {2, 3}), one expert a rank, top-2, one token a rank but
     rank 3: rank 0's token goes to ranks 1 and 2, rank 1's and rank 2's to ranks 0 and 1."""
     idx = [np.array([[1, 2]]), np.array([[0, 1]]), np.array([[0, 1]]), np.zeros((0, 2), np.int64)]
-    words = sim.count_words(idx, 4, 4)
+    words = count_words(idx, 4, 4)
     kept = [np.ones(i.shape, bool) for i in idx]
     nodes = sim.hier.node_counts(idx, kept, 4, 4, 2)
     return {tr: sim.traffic_stages(words, 4, 2, 8, "bfloat16", tr, "ragged", None, 2, nodes,
