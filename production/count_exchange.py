@@ -3,7 +3,8 @@ group's error raised on every rank (the body of ``epkit::count_exchange``, ops.p
 
 Two paths, one result. In host memory (the CPU kernels) the plan is made where the words were
 gathered. On the device path (CUDA, or the interpreted Triton kernels standing in for it) the
-plan stays on the device with its *host mirror* attached (:func:`epkit.plan.host_plan`):
+plan stays on the device, and its *host mirror* is returned beside it (``plan_host``, which
+every op that reads the plan on the host is handed):
 
 - eager exchanges (ragged, padded, equal, auto, lazy): the mirror is the whole plan, copied once
   into pinned host memory: the one host wait of a dispatch; combine and both backward passes
@@ -12,7 +13,11 @@ plan stays on the device with its *host mirror* attached (:func:`epkit.plan.host
   template (every rank with this rank's ``H``, ``K``, dtype and payload, and zero counts):
   exactly the plan's routing-independent words, which are all the static exchange reads on the
   host. The group's error, if any, stays on the device: under an erroneous plan the kernels move
-  no token, and :func:`epkit.device.check_static` raises it when the caller asks.
+  no token, and :func:`epkit.device.check_static` raises it when the caller asks. A template
+  cannot know whether capacity dropped a slot: its ``dropped_any`` word says whether a capacity
+  is set (epkit.moves.may_drop then answers "maybe").
+
+In host memory ``plan_host`` is a copy of the plan (an op's outputs never share storage).
 
 ``EPKIT_HOST_PLAN=1`` computes an eager plan with the CPU kernel instead (the gathered words
 copied to pinned memory: the same one host wait), a fallback should the device plan be in doubt.
@@ -32,7 +37,7 @@ from .hostreads import to_host
 from .memory import device_path, host_work, mark_host, pinned
 from .moves import token_rows_gather
 from .transports import by_code
-from .plan import (DROPPED_ANY, ERR_RANK, HOST, TEMPLATE, WORD_HEADER, raise_error)
+from .plan import DROPPED_ANY, ERR_RANK, WORD_HEADER, raise_error
 from epkit.reference import abi
 from epkit.reference.capacity import capacity_from_factor
 from epkit.reference.errors import MAX_CAPACITY
@@ -45,8 +50,8 @@ __all__ = ["count_exchange", "factor_capacity"]
 
 def count_exchange(words, group_name, rank, num_experts, align, capacity, transport, exchange,
                    max_tokens_per_rank, static_shape, capacity_factor, topk_idx):
-    """The plan of this rank from every rank's count ``words`` (see the module); raises the
-    group's :class:`epkit.InputError` on every rank."""
+    """``(plan, plan_host)`` of this rank from every rank's count ``words`` (see the module);
+    raises the group's :class:`epkit.InputError` on every rank."""
     group = group_from_name(group_name)
     if device_path(words):  # CUDA, or the interpreted Triton kernels standing in for it
         return _on_device(words, group, rank, num_experts, align, capacity, transport, exchange,
@@ -61,8 +66,9 @@ def count_exchange(words, group_name, rank, num_experts, align, capacity, transp
     raise_error(plan)
     # the token rows that travel, after a capacity drop
     if by_code(transport).replans_after_drops and int(plan[DROPPED_ANY]):
-        plan = C.plan(token_rows_gather(gathered, plan, topk_idx, group, R, num_experts), *args)
-    return plan
+        plan = C.plan(token_rows_gather(gathered, plan, plan, topk_idx, group, R, num_experts),
+                      *args)
+    return plan, plan.clone()
 
 
 def factor_capacity(gathered: torch.Tensor, num_experts: int, factor: float) -> int:
@@ -79,15 +85,15 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
     """The plan (CPU kernel) of a routing-free template, as a host mirror: every rank with zero
     counts and ``shape`` = ``[H, K, dtype code, payload]``: exactly the plan's
-    routing-independent words (ranks, experts, capacity, the static caps). Marked as a template
-    (:data:`TEMPLATE`: epkit.moves.may_drop then answers "a capacity is set")."""
+    routing-independent words (ranks, experts, capacity, the static caps). Its ``dropped_any``
+    says whether a capacity is set: whether a slot may have been dropped (epkit.moves.may_drop)."""
     with host_work():
         template = mark_host(torch.zeros((R, W), dtype=torch.int64))
         F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
         for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
             template[:, F[field]] = int(value)
         mirror = mark_host(C.plan(template, *args))
-    setattr(mirror, TEMPLATE, True)
+        mirror[DROPPED_ANY] = int(args[3] >= 0)  # args[3]: the capacity
     return mirror
 
 
@@ -95,7 +101,7 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
                capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
                static_shape: Optional[list] = None, topk_idx: Optional[torch.Tensor] = None,
                capacity_factor: float = -1.0) -> torch.Tensor:
-    """``epkit::count_exchange`` for device words: the device plan with its host mirror attached;
+    """``epkit::count_exchange`` for device words: ``(the device plan, its host mirror)``;
     raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
 
     Host reads (docs/design.md, "Host reads"): one for an eager exchange, the mirror. dedup with
@@ -122,8 +128,7 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
                              "[H, K, dtype code, payload] to size its chunks without a host wait")
         mirror = _template(R, words.shape[0], args, static_shape)
         if by_code(transport).replans_after_drops and capacity >= 0:
-            setattr(plan, HOST, mirror)  # may_drop: a capacity is set
-            words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            words2 = token_rows_gather(gathered, plan, mirror, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
     elif host_words is not None or os.environ.get("EPKIT_HOST_PLAN") == "1":
         if host_words is None:
@@ -132,9 +137,8 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
         plan = (mirror.to(words.device, non_blocking=True) if words.is_cuda else mirror.clone())
     elif by_code(transport).replans_after_drops and capacity >= 0:
         first = C.plan(gathered.view(R, -1), *args)
-        setattr(first, HOST, _template(R, words.shape[0], args))  # may_drop: a capacity is set
-        plan = C.plan(token_rows_gather(gathered, first, topk_idx, group, R, num_experts),
-                      *args)
+        plan = C.plan(token_rows_gather(gathered, first, _template(R, words.shape[0], args),
+                                        topk_idx, group, R, num_experts), *args)
         # the one host wait: the first plan's error words (the group's error, raised before
         # anything that the token rows' plan might say) and the final plan, in one copy
         both = _pinned_copy(torch.cat([first[: ERR_RANK + 1], plan]))
@@ -144,11 +148,10 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
     else:
         plan = C.plan(gathered.view(R, -1), *args)
         mirror = _pinned_copy(plan)  # the one host wait of an eager dispatch
-    setattr(plan, HOST, mirror)
     if not static:
         raise_error(mirror)
         if by_code(transport).replans_after_drops and not planned_rows and int(mirror[DROPPED_ANY]):
-            words2 = token_rows_gather(gathered, plan, topk_idx, group, R, num_experts)
+            words2 = token_rows_gather(gathered, plan, mirror, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
-            setattr(plan, HOST, _pinned_copy(plan))  # a second host wait, only with drops
-    return plan
+            mirror = _pinned_copy(plan)  # a second host wait, only with drops
+    return plan, mirror

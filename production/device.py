@@ -12,9 +12,9 @@ This module gathers the public names; each is defined where its job is:
 - ``production/hostreads.py``: :func:`to_host`, :func:`count_host_reads` (host reads and
   host-to-device copies: the host waits);
 - ``production/launches.py``: :func:`count_launches` (kernel launches and collectives);
-- ``production/plan.py``: :func:`host_plan` (the plan's host mirror, :data:`HOST`);
-- ``production/count_exchange.py``: how the plan and its mirror are made on the device (the one host
-  wait of an eager dispatch; none for the static exchange);
+- ``production/count_exchange.py``: how the plan and its host mirror (a dispatch's
+  ``handle.plan_host``) are made on the device (the one host wait of an eager dispatch; none
+  for the static exchange);
 - ``production/deferred.py``: :func:`check_static`, :func:`unpack_status`, :class:`UnpackMismatch`;
 - ``production/streams.py``: :class:`Side`, the lazy form's side stream.
 
@@ -27,8 +27,7 @@ from .deferred import UnpackMismatch, check_static, unpack_status
 from .hostreads import count_host_reads, to_host
 from .launches import count_launches
 from .memory import device_path, is_host, mark_host
-from .plan import HOST, TEMPLATE, host_plan
 from .streams import Side
 
-__all__ = ["HOST", "TEMPLATE", "device_path", "mark_host", "is_host", "to_host", "host_plan",
-           "check_static", "unpack_status", "UnpackMismatch", "Side", "count_host_reads", "count_launches"]
+__all__ = ["device_path", "mark_host", "is_host", "to_host", "check_static", "unpack_status",
+           "UnpackMismatch", "Side", "count_host_reads", "count_launches"]

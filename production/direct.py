@@ -44,31 +44,32 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     if (not ex.static and not pl.quantized and not ex.deferred
             and not torch.compiler.is_compiling()):
         # The eager path: one fused op, no host read here at all.
-        *outs, plan = ops.prepare_dispatch(
+        *outs, plan, plan_host = ops.prepare_dispatch(
             x, topk_idx, topk_weights, gname, rank, E, align, capacity, transport.path, ex.code,
             pre_error, 0, factor, G, cfg._ws)
-        return result.build(cfg, seq, x, topk_idx, topk_weights, plan, *outs)
+        return result.build(cfg, seq, x, topk_idx, topk_weights, plan, plan_host, *outs)
     max_tokens = int(cfg.max_tokens_per_rank) if ex.static else -1
     words = ops.C.prepare(x, topk_idx, topk_weights, E, R, pre_error + [max_tokens], pl.code)
     # Static on the device path: the shape that sizes the plan's host mirror without a host wait.
     shape = ([x.shape[1], topk_idx.shape[1], dtype_code(x.dtype), pl.code]
              if ex.static and device_path(x) else None)
-    plan = ops.count_exchange(words, gname, rank, E, align, capacity, transport.path, ex.code,
-                              max_tokens, shape, factor, topk_idx if code == Reason.OK else None, G)
-    if ex.uniform and not int(W.host_plan(plan)[W.UNIFORM]):
-        raise error(int(W.host_plan(plan)[W.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
+    plan, plan_host = ops.count_exchange(
+        words, gname, rank, E, align, capacity, transport.path, ex.code, max_tokens, shape, factor,
+        topk_idx if code == Reason.OK else None, G)
+    if ex.uniform and not int(plan_host[W.UNIFORM]):
+        raise error(int(plan_host[W.NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
     SB, N, M = (_static_sizes(transport, pl, R, E, align, max_tokens, x, topk_idx) if ex.static
-                else _planned_sizes(plan))
-    build = functools.partial(result.build, cfg, seq, x, topk_idx, topk_weights, plan)
+                else _planned_sizes(plan_host))
+    build = functools.partial(result.build, cfg, seq, x, topk_idx, topk_weights, plan, plan_host)
     if ex.deferred:
-        return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, gname, transport.path, M,
-                                   build, pl)
+        return lazy.issue_dispatch(x, topk_idx, topk_weights, plan, plan_host, gname,
+                                   transport.path, M, build, pl)
     if pl.quantized:
         hp, row_weight, q, scale, row_src, send_map, recv_map = payloads.dispatch_quantized(
-            pl, x, topk_idx, topk_weights, plan, gname, transport.path, (SB, N, M))
+            pl, x, topk_idx, topk_weights, plan, plan_host, gname, transport.path, (SB, N, M))
         return build(q, row_src, row_weight, send_map, recv_map, scale, hp)
-    return build(*ops.dispatch_tokens(x, topk_idx, topk_weights, plan, gname, transport.path,
-                                      SB, N, M, cfg._ws))
+    return build(*ops.dispatch_tokens(x, topk_idx, topk_weights, plan, plan_host, gname,
+                                      transport.path, SB, N, M, cfg._ws))
 
 
 def _static_sizes(transport, pl, R: int, E: int, align: int, max_tokens: int, x, topk_idx):
@@ -83,10 +84,10 @@ def _static_sizes(transport, pl, R: int, E: int, align: int, max_tokens: int, x,
     return R * chunk, R * (1 + rows), R * max_tokens * per + L * (align - 1)
 
 
-def _planned_sizes(plan):
-    """The one host read of a dispatch (on CPU the plan is host memory already)."""
-    hp = W.host_plan(plan)  # (single words: views of the mirror, host memory)
-    return tuple(int(hp[f]) for f in (W.SEND_BYTES, W.RECV_ROWS, W.EXPERT_ROWS))
+def _planned_sizes(plan_host):
+    """The sizes of an eager dispatch, from the plan's host words (read by the count exchange's
+    one host wait)."""
+    return tuple(int(plan_host[f]) for f in (W.SEND_BYTES, W.RECV_ROWS, W.EXPERT_ROWS))
 
 
 def combine(cfg, expert_y, d, weighted: bool, check) -> torch.Tensor:
@@ -98,5 +99,5 @@ def combine(cfg, expert_y, d, weighted: bool, check) -> torch.Tensor:
         return lazy.issue_combine(expert_y, d, gname, transport, weighted)
     h = d.handle
     return ops.combine_tokens(
-        expert_y, d.row_weight, h.topk_idx, h.topk_weights, h.send_map, h.recv_map, h.plan, gname,
-        transport, weighted, h.x_dtype, check, dcfg._ws)
+        expert_y, d.row_weight, h.topk_idx, h.topk_weights, h.send_map, h.recv_map, h.plan,
+        h.plan_host, gname, transport, weighted, h.x_dtype, check, dcfg._ws)

@@ -29,20 +29,20 @@ def _(words, rank, num_experts, align, capacity, transport, exchange, max_tokens
 
 
 @torch.library.register_fake("epkit::pack")
-def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes):
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send_bytes, plan_host=None):
     T, K = topk_idx.shape
     cols = by_code(transport).send_map_cols(K, num_ranks)
     return x.new_empty((send_bytes,), dtype=torch.uint8), x.new_empty((T, cols), dtype=torch.int64)
 
 
 @torch.library.register_fake("epkit::pack_into")
-def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send):
+def _(x, topk_idx, topk_weights, plan, transport, num_ranks, send, plan_host=None):
     T, K = topk_idx.shape  # send (the workspace's buffer) is written in place
     return x.new_empty((T, by_code(transport).send_map_cols(K, num_ranks)), dtype=torch.int64)
 
 
 @torch.library.register_fake("epkit::unpack")
-def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows):
+def _(recv, plan, transport, hidden, dtype, topk, recv_rows, expert_rows, plan_host=None):
     cols = by_code(transport).recv_map_cols(topk)
     return (recv.new_empty((expert_rows, hidden), dtype=dtype),
             recv.new_empty((expert_rows, 3), dtype=torch.int64),

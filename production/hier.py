@@ -312,6 +312,7 @@ class HierState:
     topo: Topology
     plan: object          # reference.transports.hier.HierPlan
     dedup_plan: torch.Tensor
+    dedup_plan_host: torch.Tensor
     E: int
     kept: torch.Tensor
     weights: torch.Tensor
@@ -521,10 +522,10 @@ def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
         setattr(st, name, v)
     tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
     slot2 = move(slot2, st.section("s2_slot"), me, "stage 2 slot rows")
-    hp = W.host_plan(st.dedup_plan)
+    hp = st.dedup_plan_host
     buf, st.stage2_of_dedup, st.dedup_of_stage2, st.stage2_slots = _receive(tok2, slot2, t.R, P, hp)
     N, M = int(hp[W.RECV_ROWS]), int(hp[W.EXPERT_ROWS])
-    out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M)
+    out = C.unpack(buf, st.dedup_plan, DEDUP, x.shape[1], x.dtype, K, N, M, hp)
     st.recv_map = out[3]
     return out
 
@@ -562,17 +563,18 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None)), -1]
     words = C.prepare(x, topk_idx, topk_weights, E, R, pre_error, 0)
     gname = group_name(group)
-    plan = ops.count_exchange(words, gname, rank, E, align, capacity, DEDUP,
-                              abi.EXCHANGE_CODES["ragged"], -1, None, factor,
-                              topk_idx if ok else None, G)
-    kept = moves.kept_routing(topk_idx, plan)
+    plan, plan_host = ops.count_exchange(words, gname, rank, E, align, capacity, DEDUP,
+                                         abi.EXCHANGE_CODES["ragged"], -1, None, factor,
+                                         topk_idx if ok else None, G)
+    kept = moves.kept_routing(topk_idx, plan, plan_host)
     topo = topology(group, G)
     hplan = gather_plan(kept, group, R, E, G, cfg.exchange)
-    st = HierState(topo, hplan, plan, E, kept, topk_weights.detach(), gname)
+    st = HierState(topo, hplan, plan, plan_host, E, kept, topk_weights.detach(), gname)
     expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
     P = x.shape[1] * x.element_size()
-    return result.build(cfg, seq, x, topk_idx, topk_weights, plan, expert_x, row_src, row_weight,
-                        st.send1_map, recv_map, hier_state=st, bytes_sent=_dispatch_bytes(st, P))
+    return result.build(cfg, seq, x, topk_idx, topk_weights, plan, plan_host, expert_x, row_src,
+                        row_weight, st.send1_map, recv_map, hier_state=st,
+                        bytes_sent=_dispatch_bytes(st, P))
 
 
 # ---- the return path: combine, dispatch backward -----------------------------------------------

@@ -79,7 +79,7 @@ OPS = {
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 # the reading functions (hostreads.py, plan.py, count_exchange.py)
-_READERS = ("to_host", "_pinned_copy", "host_plan")
+_READERS = ("to_host", "_pinned_copy", "host_words")
 
 
 class Read(NamedTuple):

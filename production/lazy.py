@@ -30,22 +30,23 @@ class _DispatchWait(torch.autograd.Function):
         expert_x, row_src, row_weight, recv_map = C.unpack(
             recv, state["plan"], state["transport"], pl.row_bytes(H, 1) if pl.quantized else H,
             torch.uint8 if pl.quantized else x.dtype, state["topk_idx"].shape[1],
-            int(W.host_plan(state["plan"])[W.RECV_ROWS]), state["expert_rows"])
+            int(state["plan_host"][W.RECV_ROWS]), state["expert_rows"], state["plan_host"])
         q = scale = expert_x.new_empty((0,))
         if pl.quantized:  # E4M3 bytes | scales; the differentiable output: the dequantized rows
             q, scale, expert_x = pl.from_rows(expert_x, H)
-        ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"])
+        ctx.save_for_backward(state["send_map"], recv_map, state["topk_idx"], state["plan"],
+                              state["plan_host"])
         ctx.meta = (state["group_name"], state["transport"], x.dtype)
         ctx.mark_non_differentiable(row_src, recv_map, q, scale)
         return expert_x, row_weight, row_src, recv_map, q, scale
 
     @staticmethod
     def backward(ctx, grad_expert_x, grad_row_weight, *_):
-        send_map, recv_map, topk_idx, plan = ctx.saved_tensors
+        send_map, recv_map, topk_idx, plan, plan_host = ctx.saved_tensors
         group_name, transport, x_dtype = ctx.meta
         grad_x, grad_w = ops.dispatch_tokens_backward(
             grad_expert_x.contiguous(), grad_row_weight, send_map, recv_map, topk_idx, plan,
-            group_name, transport, x_dtype)
+            plan_host, group_name, transport, x_dtype)
         return grad_x, grad_w, None
 
 
@@ -85,17 +86,17 @@ class PendingDispatch:
         return self._done
 
 
-def issue_dispatch(x, topk_idx, topk_weights, plan, group_name, transport, expert_rows, build,
-                   payload):
+def issue_dispatch(x, topk_idx, topk_weights, plan, plan_host, group_name, transport,
+                   expert_rows, build, payload):
     """Issue the token exchange; ``payload``: the call's ``epkit.payloads`` entry."""
-    hp = W.host_plan(plan)
+    hp = plan_host
     with Side(x, topk_idx, topk_weights, plan) as side:  # CUDA: a side stream
         # quantized payloads: at the source, rows of E4M3 bytes then the scales' bytes
         rows = payload.to_rows(x) if payload.quantized else x
         send, send_map = C.pack(rows, topk_idx, topk_weights.detach(), plan, transport,
-                                int(hp[W.RANKS]), int(hp[W.SEND_BYTES]))
-        finish = moves.move_dispatch(send, plan, group_name, async_op=True)
-    state = dict(finish=side.wrap(finish, send_map), plan=plan, transport=transport,
+                                int(hp[W.RANKS]), int(hp[W.SEND_BYTES]), hp)
+        finish = moves.move_dispatch(send, hp, group_name, async_op=True)
+    state = dict(finish=side.wrap(finish, send_map), plan=plan, plan_host=hp, transport=transport,
                  topk_idx=topk_idx, expert_rows=expert_rows, send_map=send_map,
                  group_name=group_name, payload=payload)
     return PendingDispatch(x, topk_weights, state, build)
@@ -106,18 +107,19 @@ class _CombineWait(torch.autograd.Function):
     def forward(ctx, expert_y, row_weight, state):
         back, state["finish"] = state["finish"](), None  # the work is done: let it go
         h = state["dispatch"].handle
-        out = moves.reduce_back(back, h.send_map, h.topk_weights, h.plan, state["transport"],
-                              state["weighted"], h.x_dtype)
-        ctx.save_for_backward(expert_y, row_weight, h.send_map, h.recv_map, h.plan)
+        out = moves.reduce_back(back, h.send_map, h.topk_weights, h.plan_host,
+                                state["transport"], state["weighted"], h.x_dtype)
+        ctx.save_for_backward(expert_y, row_weight, h.send_map, h.recv_map, h.plan, h.plan_host)
         ctx.meta = (state["group_name"], state["weighted"])
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
+        expert_y, row_weight, send_map, recv_map, plan, plan_host = ctx.saved_tensors
         group_name, weighted = ctx.meta
         grad_y, grad_w = ops.combine_tokens_backward(grad_out, expert_y, row_weight, send_map,
-                                                     recv_map, plan, group_name, weighted)
+                                                     recv_map, plan, plan_host, group_name,
+                                                     weighted)
         return grad_y, (grad_w if weighted else None), None
 
 
@@ -144,8 +146,8 @@ def issue_combine(expert_y, d, group_name, transport, weighted):
     h = d.handle
     with Side(expert_y, h.recv_map, d.row_weight) as side:  # CUDA: a side stream
         finish = moves.move_back(expert_y.contiguous(), d.row_weight.detach(), h.topk_idx,
-                               h.send_map, h.recv_map, h.plan, group_name, transport, weighted,
-                               async_op=True, what="epkit.combine (lazy)")
+                               h.send_map, h.recv_map, h.plan, h.plan_host, group_name,
+                               transport, weighted, async_op=True, what="epkit.combine (lazy)")
     state = dict(finish=side.wrap(finish), dispatch=d, transport=transport, weighted=weighted,
                  group_name=group_name)
     return PendingCombine(expert_y, d.row_weight, state)

@@ -3,7 +3,8 @@ dispatch backward (pairs' rows; dedup's raw rows or float32 partials, moved as o
 used), dedup's kept routing and the count exchange's second all-gather, and the weight
 gradients' return path (one float32 per kept slot). Collective calls go through
 :func:`epkit.collectives.all_to_all` (the variant table); sizes come from the plan's host
-mirror, so nothing here waits for the device."""
+words (``plan_host``, the ops' argument: on the device path the mirror count_exchange made),
+so nothing here waits for the device."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from . import _build, workspace
 from .collectives import all_gather, all_to_all, group_from_name, variant_of
 from .memory import device_path
 from .plan import (_F, DEDUP, DROPPED_ANY, EXPERTS, LOCAL_EXPERTS, MAX_CHUNK, RANKS, SEND_ROWS,
-                   SLOT_CAP, STATIC_CAP, TEMPLATE, TOK_CAP, WORD_HEADER, host_plan, plan_slices,
-                   ranks_per_node)
+                   SLOT_CAP, STATIC_CAP, TOK_CAP, WORD_HEADER, plan_slices, ranks_per_node)
 from .transports import by_code
 from epkit.reference.capacity import kept_slots
 
@@ -25,66 +25,62 @@ C = torch.ops.epkit  # the kernel bench swaps this module's C to record the call
 
 # ---- the exchange inside the ops ----------------------------------------------------------
 
-def move_rows(buf: torch.Tensor, plan: torch.Tensor, group_name: str, reverse: bool,
+def move_rows(buf: torch.Tensor, plan_host: torch.Tensor, group_name: str, reverse: bool,
               async_op: bool = False, what: str = "epkit", alloc=None):
-    """All-to-all of row-space ``buf`` (combine, the backward passes) along the plan's counts;
-    ``reverse``: expert side -> source side. With ``async_op``, returns a callable that waits
-    and returns the rows. ``alloc``: the receive buffer's workspace (production/workspace.py)."""
-    plan = host_plan(plan)  # on CUDA its pinned host mirror: no host wait
-    R = int(plan[RANKS])
-    v = variant_of(plan)
+    """All-to-all of row-space ``buf`` (combine, the backward passes) along the counts of
+    ``plan_host`` (the plan's host words: no host wait); ``reverse``: expert side -> source side. With
+    ``async_op``, returns a callable that waits and returns the rows. ``alloc``: the receive
+    buffer's workspace (production/workspace.py)."""
+    R = int(plan_host[RANKS])
+    v = variant_of(plan_host)
     variant = v.name
     if v.header_rows:  # fixed chunks of header + cap rows, counts in-band
-        send = recv = [v.header_rows + int(plan[STATIC_CAP])] * R
+        send = recv = [v.header_rows + int(plan_host[STATIC_CAP])] * R
         variant = v.packed
     else:
-        sl = plan_slices(R, int(plan[EXPERTS]))
-        send = plan[sl["send_counts"]].tolist()
-        recv = plan[sl["recv_counts"]].tolist()
+        sl = plan_slices(R, int(plan_host[EXPERTS]))
+        send = plan_host[sl["send_counts"]].tolist()
+        recv = plan_host[sl["recv_counts"]].tolist()
         if reverse:
             send, recv = recv, send
-    return all_to_all(buf, send, recv, group_from_name(group_name), variant, int(plan[MAX_CHUNK]),
-                      async_op=async_op, what=what, alloc=alloc)
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant,
+                      int(plan_host[MAX_CHUNK]), async_op=async_op, what=what, alloc=alloc)
 
 
-def move_dispatch(buf: torch.Tensor, plan: torch.Tensor, group_name: str, async_op: bool = False,
-                  alloc=None):
+def move_dispatch(buf: torch.Tensor, plan_host: torch.Tensor, group_name: str,
+                  async_op: bool = False, alloc=None):
     """The dispatch exchange: ``buf`` holds this rank's chunks back to back as bytes, already in
-    the variant's layout (pack pads), so only ragged needs split sizes. ``alloc``: the receive
-    buffer's workspace."""
-    plan = host_plan(plan)
-    R = int(plan[RANKS])
-    sl = plan_slices(R, int(plan[EXPERTS]))
-    send = plan[sl["send_bytes"]].tolist()
-    recv = plan[sl["recv_bytes"]].tolist()
-    return all_to_all(buf, send, recv, group_from_name(group_name), variant_of(plan).packed,
+    the variant's layout (pack pads), so only ragged needs split sizes; ``plan_host``: the plan's
+    host words. ``alloc``: the receive buffer's workspace."""
+    R = int(plan_host[RANKS])
+    sl = plan_slices(R, int(plan_host[EXPERTS]))
+    send = plan_host[sl["send_bytes"]].tolist()
+    recv = plan_host[sl["recv_bytes"]].tolist()
+    return all_to_all(buf, send, recv, group_from_name(group_name), variant_of(plan_host).packed,
                       send[0] if R else 0,
                       async_op=async_op, what="epkit.dispatch (token exchange)", alloc=alloc)
 
 
 # ---- dedup: the kept routing, and the return path of raw rows or partials -----------------------
 
-def may_drop(plan: torch.Tensor) -> bool:
-    """Whether capacity may have dropped a slot of this plan, read on the host: the plan's
-    ``DROPPED_ANY``; where the host mirror is a routing-free template
-    (production/count_exchange.py: the static exchange on the device path, and the token-row
-    gather before the one host read), whether a capacity is set at all."""
-    hp = host_plan(plan)
-    if getattr(hp, TEMPLATE, False):
-        return int(hp[_F["capacity"]]) >= 0
-    return bool(int(hp[DROPPED_ANY]))
+def may_drop(plan_host: torch.Tensor) -> bool:
+    """Whether capacity may have dropped a slot of this plan: its host words' ``DROPPED_ANY``
+    (a routing-free template's says whether a capacity is set at all:
+    production/count_exchange.py)."""
+    return bool(int(plan_host[DROPPED_ANY]))
 
 
-def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor,
+                 plan_host: torch.Tensor) -> torch.Tensor:
     """``topk_idx [T, K]`` as int64 with the slots capacity dropped set to -1 (``topk_idx``
     itself, as int64, when the plan dropped nothing). The rule is pack's: of this rank's slots to
     expert ``e`` in token order, the first ``own_kept[e]`` are kept (the reference's lines,
     ``capacity.kept_slots``, run on torch tensors). Torch ops on the plan's
-    device, no host read (:func:`may_drop` reads the host mirror); values outside ``[0, E)``
+    device, no host read (:func:`may_drop` reads ``plan_host``); values outside ``[0, E)``
     count as unused."""
     idx = topk_idx.to(torch.int64)
-    hp = host_plan(plan)
-    if not may_drop(plan):
+    hp = plan_host
+    if not may_drop(hp):
         return idx
     E = int(hp[EXPERTS])
     own_kept = plan[plan_slices(int(hp[RANKS]), E)["own_kept"]].to(idx.device)
@@ -94,12 +90,12 @@ def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, flat, -1).view(idx.shape)
 
 
-def kept_token_rows(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+def kept_token_rows(topk_idx: torch.Tensor, plan: torch.Tensor,
+                    plan_host: torch.Tensor) -> torch.Tensor:
     """``[R] int64``: this rank's tokens with a kept slot on each rank (dedup's token rows, what
     the count exchange's second all-gather carries)."""
-    hp = host_plan(plan)
-    R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
-    kept = kept_routing(topk_idx, plan)
+    R, L = int(plan_host[RANKS]), int(plan_host[LOCAL_EXPERTS])
+    kept = kept_routing(topk_idx, plan, plan_host)
     T = kept.shape[0]
     t = torch.arange(T, device=kept.device).unsqueeze(1).expand_as(kept)
     at = torch.where(kept >= 0, t * R + kept // L, T * R)          # T * R: no row
@@ -108,13 +104,13 @@ def kept_token_rows(topk_idx: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
     return (hit[:T * R].view(T, R) > 0).sum(0)
 
 
-def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, topk_idx, group, R: int,
-                      num_experts: int) -> torch.Tensor:
+def token_rows_gather(gathered: torch.Tensor, plan: torch.Tensor, plan_host: torch.Tensor,
+                      topk_idx, group, R: int, num_experts: int) -> torch.Tensor:
     """The count exchange's second all-gather (dedup, when capacity dropped a slot anywhere):
     every rank's kept token rows (R words) replace the words' tokens_per_rank, so the plan made
     from the result has the token rows that really travel. Returns the new words ``[R, W]``.
     A rank without its routing contributes -1 words, and every rank then raises."""
-    rows = (kept_token_rows(topk_idx, plan) if topk_idx is not None else
+    rows = (kept_token_rows(topk_idx, plan, plan_host) if topk_idx is not None else
             torch.full((R,), -1, dtype=torch.int64, device=gathered.device))
     got = gathered.new_empty((R * R,))
     all_gather(got, rows.to(gathered.device).contiguous(), group,
@@ -217,14 +213,13 @@ class Back(NamedTuple):
 
 def _dedup_move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, weighted: bool,
                      recv_map: torch.Tensor, send_map: torch.Tensor, kept_idx: torch.Tensor,
-                     plan: torch.Tensor, group_name: str, async_op: bool, what: str,
-                     ws: int):
+                     plan: torch.Tensor, hp: torch.Tensor, group_name: str, async_op: bool,
+                     what: str, ws: int):
     """dedup's return path: gather_units writes the units the exchange sends (a token row with n
     kept slots: its n rows of y when ``n <= per = 4 / itemsize``, else its float32 partial, as
     ``min(n, per)`` units of H elements), placed along the variant's chunks; the source reads
     the received buffer in place. Both buffers from workspace ``ws``. Returns a :class:`Back`
     (or, with ``async_op``, a callable that waits and returns it)."""
-    hp = host_plan(plan)
     R, L = int(hp[RANKS]), int(hp[LOCAL_EXPERTS])
     per = 4 // expert_y.dtype.itemsize
     N, S = recv_map.shape[0], int(hp[SEND_ROWS])
@@ -299,8 +294,8 @@ def _device_sides(recv_map: torch.Tensor, plan: torch.Tensor, hp, ucap: int, chu
 
 def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
               send_map: torch.Tensor, recv_map: torch.Tensor, plan: torch.Tensor,
-              group_name: str, transport: int, weighted: bool, async_op: bool = False,
-              what: str = "epkit.combine", ws: int = -1):
+              plan_host: torch.Tensor, group_name: str, transport: int, weighted: bool,
+              async_op: bool = False, what: str = "epkit.combine", ws: int = -1):
     """The return path of combine (``expert_y``) or dispatch backward (gradient rows, unweighted):
     gather_units on the expert side and the exchange. Returns a :class:`Back` for
     :func:`reduce_back`, or with ``async_op`` a callable that waits and returns it. ``ws``:
@@ -312,25 +307,25 @@ def move_back(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.
         rows = workspace.empty(workspace.allocator(ws, workspace.SEND),
                                (recv_map.shape[0], expert_y.shape[1]), expert_y.dtype, expert_y)
         C.gather_units(expert_y, recv_map, row_weight, transport, weighted, None, rows)
-        moved = move_rows(rows, plan, group_name, reverse=True, async_op=async_op, what=what,
-                          alloc=workspace.allocator(ws, workspace.RECV))
+        moved = move_rows(rows, plan_host, group_name, reverse=True, async_op=async_op,
+                          what=what, alloc=workspace.allocator(ws, workspace.RECV))
         if async_op:
             return lambda: Back(moved(), topk_idx, None)
         return Back(moved, topk_idx, None)
     return _dedup_move_back(expert_y, row_weight, weighted, recv_map, send_map,
-                            kept_routing(topk_idx, plan), plan, group_name, async_op, what, ws)
+                            kept_routing(topk_idx, plan, plan_host), plan, plan_host, group_name,
+                            async_op, what, ws)
 
 
 def reduce_back(back: Back, send_map: torch.Tensor, topk_weights: torch.Tensor,
-                plan: torch.Tensor, transport: int, weighted: bool,
+                plan_host: torch.Tensor, transport: int, weighted: bool,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """The source side of the return path: ``[T, H] out_dtype``, each token's sum in the spec's
     order (reduce_tokens; ``ranks_per_node`` from the plan). ``topk_weights [T, K] float32``:
-    the source's weights (unread unweighted)."""
-    hp = host_plan(plan)
-    return C.reduce_tokens(back.rows, send_map, back.idx, topk_weights, int(hp[EXPERTS]),
-                           int(hp[RANKS]), transport, weighted, out_dtype, ranks_per_node(plan),
-                           back.first)
+    the source's weights (unread unweighted); ``plan_host``: the plan's host words."""
+    return C.reduce_tokens(back.rows, send_map, back.idx, topk_weights, int(plan_host[EXPERTS]),
+                           int(plan_host[RANKS]), transport, weighted, out_dtype,
+                           ranks_per_node(plan_host), back.first)
 
 
 # ---- the weight gradients' return path: one float32 per kept slot -------------------------------
@@ -395,14 +390,14 @@ def slot_places(hp, recv_map: torch.Tensor, send_map: torch.Tensor, idx: torch.T
 
 
 def move_slot_values(values: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
-                     idx: torch.Tensor, plan: torch.Tensor, group_name: str, transport: int,
-                     what: str) -> torch.Tensor:
+                     idx: torch.Tensor, plan: torch.Tensor, plan_host: torch.Tensor,
+                     group_name: str, transport: int, what: str) -> torch.Tensor:
     """The weight gradients' return path (the gradient of ``row_weight``): ``values [M] float32``
     on the expert side, one per expert-major row -> ``[T, K] float32`` on the source, 0 for
     unused and dropped slots. ``idx [T, K]``: the source's routing (dedup: the kept routing,
     :func:`kept_routing`; pairs: topk_idx). One float32 per kept slot travels
     (:func:`slot_places`; docs/design.md, wire format)."""
-    hp = host_plan(plan)
+    hp = plan_host
     at = slot_places(hp, recv_map, send_map, idx, transport, plan, values)
     vals = (at.values if at.values is not None else
             C.gather_slot_values(values, recv_map, at.first, at.rows))

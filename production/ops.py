@@ -35,7 +35,7 @@ C = torch.ops.epkit
 
 from . import fakes  # noqa: F401  (registers the fake kernels)
 from .plan import (EXPERT_ROWS, NONUNIFORM_RANK, RANKS, RECV_ROWS, SEND_BYTES, SEND_ROWS, UNIFORM,
-                   host_plan, plan_size, plan_slices, stamp_ranks_per_node)
+                   plan_size, plan_slices, stamp_ranks_per_node)
 from .transports import by_code
 from .moves import move_back, move_dispatch, move_rows, move_slot_values, reduce_back
 
@@ -47,8 +47,11 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
                    max_tokens_per_rank: int, static_shape: Optional[list[int]] = None,
                    capacity_factor: float = -1.0,
                    topk_idx: Optional[torch.Tensor] = None,
-                   ranks_per_node: int = 1) -> torch.Tensor:
-    """All-gather every rank's count words; return this rank's plan, or raise the group's error.
+                   ranks_per_node: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather every rank's count words; return this rank's ``(plan, plan_host)``, or raise
+    the group's error. ``plan_host`` is the plan's words in host memory, what every op below
+    reads on the host (its argument of that name): on the device path the mirror, made with the
+    one host wait of an eager dispatch (none for static); on CPU a copy of the plan.
 
     Every rank computes the same error from the same gathered words, so bad input on any rank
     raises the same :class:`epkit.InputError` on all of them, before any token moves.
@@ -56,7 +59,6 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     on every rank), one more all-gather of every rank's kept token rows (R words, from
     ``topk_idx`` [T, K], this rank's routing) and the plan again (:func:`token_rows_gather`);
     without drops, none.
-    On CUDA the plan stays on the device with its host mirror attached
     (``production/count_exchange.py``; ``static_shape`` = ``[H, K, x dtype code, payload]``
     sizes the static exchange's mirror).
     ``capacity_factor > 0`` replaces ``capacity`` by ``capacity_from_factor(S, E, factor)``, ``S``
@@ -64,9 +66,11 @@ def count_exchange(words: torch.Tensor, group_name: str, rank: int, num_experts:
     ``ranks_per_node`` (agreed in the call header) is written into the plan
     (:func:`stamp_ranks_per_node`): combine and the dispatch backward sum in its order.
     """
-    return stamp_ranks_per_node(plan_of_group(
+    plan, plan_host = plan_of_group(
         words, group_name, rank, num_experts, align, capacity, transport, exchange,
-        max_tokens_per_rank, static_shape, capacity_factor, topk_idx), ranks_per_node)
+        max_tokens_per_rank, static_shape, capacity_factor, topk_idx)
+    stamp_ranks_per_node(plan, plan_host, ranks_per_node)
+    return plan, plan_host
 
 
 @count_exchange.register_fake
@@ -76,7 +80,8 @@ def _(words, group_name, rank, num_experts, align, capacity, transport, exchange
     import torch.distributed as dist
 
     R = dist.get_world_size(group_from_name(group_name))
-    return words.new_empty((plan_size(R, num_experts),))
+    size = plan_size(R, num_experts)
+    return words.new_empty((size,)), torch.empty((size,), dtype=torch.int64, device="cpu")
 
 
 # ---- a Dispatch's counts ----------------------------------------------------------------------
@@ -109,7 +114,7 @@ def _(plan, ranks, num_experts):
 
 @torch.library.custom_op("epkit::dispatch_tokens", mutates_args=())
 def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    plan: torch.Tensor, group_name: str, transport: int,
+                    plan: torch.Tensor, plan_host: torch.Tensor, group_name: str, transport: int,
                     send_bytes: int, recv_rows: int, expert_rows: int, workspace: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
@@ -117,16 +122,17 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     home."""
     send = ws_empty(allocator(workspace, SEND), (send_bytes,), torch.uint8, x)
     send_map = C.pack_into(x, topk_idx, topk_weights, plan, transport,
-                           int(host_plan(plan)[RANKS]), send)
-    recv = move_dispatch(send, plan, group_name, alloc=allocator(workspace, RECV))
+                           int(plan_host[RANKS]), send, plan_host)
+    recv = move_dispatch(send, plan_host, group_name, alloc=allocator(workspace, RECV))
     del send  # exchanged: freed before unpack allocates expert_x (a lower peak per step)
     expert_x, row_src, row_weight, recv_map = C.unpack(
-        recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows)
+        recv, plan, transport, x.shape[1], x.dtype, topk_idx.shape[1], recv_rows, expert_rows,
+        plan_host)
     return expert_x, row_src, row_weight, send_map, recv_map
 
 
 @dispatch_tokens.register_fake
-def _(x, topk_idx, topk_weights, plan, group_name, transport, send_bytes, recv_rows,
+def _(x, topk_idx, topk_weights, plan, plan_host, group_name, transport, send_bytes, recv_rows,
       expert_rows, workspace=-1):
     import torch.distributed as dist
 
@@ -149,10 +155,10 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
                      capacity_factor: float = -1.0, ranks_per_node: int = 1,
                      workspace: int = -1
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                torch.Tensor, torch.Tensor]:
+                                torch.Tensor, torch.Tensor, torch.Tensor]:
     """Layout, count exchange, allocation and token exchange in one call.
 
-    Returns ``(expert_x, row_src, row_weight, send_map, recv_map, plan)``. The received sizes
+    Returns ``(expert_x, row_src, row_weight, send_map, recv_map, plan, plan_host)``. The received sizes
     are read from the plan inside the op (host memory on CPU), so the caller makes no host read
     at all. Its fake kernel declares the two routing-dependent sizes as unbacked (new, not
     guessed); under torch.compile the split ops (prepare / count_exchange / dispatch_tokens) are
@@ -160,14 +166,13 @@ def prepare_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torc
     """
     words = C.prepare(x, topk_idx, topk_weights, num_experts,
                       _world(group_name), pre_error, payload)
-    plan = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
-                          exchange, -1, None, capacity_factor, topk_idx, ranks_per_node)
-    hp = host_plan(plan)  # on CUDA the pinned mirror count_exchange made: no second host wait
+    plan, hp = count_exchange(words, group_name, rank, num_experts, align, capacity, transport,
+                              exchange, -1, None, capacity_factor, topk_idx, ranks_per_node)
     if exchange == abi.EXCHANGE_CODES["equal"] and not int(hp[UNIFORM]):
         raise error(int(hp[NONUNIFORM_RANK]), Reason.EQUAL_NONUNIFORM)
-    SB, N, M = (int(hp[f]) for f in (SEND_BYTES, RECV_ROWS, EXPERT_ROWS))  # views of the mirror
-    return (*dispatch_tokens(x, topk_idx, topk_weights, plan, group_name, transport, SB, N, M,
-                             workspace), plan)
+    SB, N, M = (int(hp[f]) for f in (SEND_BYTES, RECV_ROWS, EXPERT_ROWS))  # host words
+    return (*dispatch_tokens(x, topk_idx, topk_weights, plan, hp, group_name, transport, SB, N, M,
+                             workspace), plan, hp)
 
 
 def _world(group_name: str) -> int:
@@ -187,13 +192,14 @@ def _(x, topk_idx, topk_weights, group_name, rank, num_experts, align, capacity,
             x.new_empty((M,), dtype=torch.float32),
             x.new_empty((T, by_code(transport).send_map_cols(K, R)), dtype=torch.int64),
             x.new_empty((N, by_code(transport).recv_map_cols(K)), dtype=torch.int64),
-            x.new_empty((plan_size(R, num_experts),), dtype=torch.int64))
+            x.new_empty((plan_size(R, num_experts),), dtype=torch.int64),
+            torch.empty((plan_size(R, num_experts),), dtype=torch.int64, device="cpu"))
 
 
 def _fused_setup(ctx, inputs, output):
     x, topk_idx, _, group_name, _, _, _, _, transport, *_ = inputs
-    expert_x, _, _, send_map, recv_map, plan = output
-    ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
+    expert_x, _, _, send_map, recv_map, plan, plan_host = output
+    ctx.save_for_backward(send_map, recv_map, topk_idx, plan, plan_host)
     ctx.meta = (group_name, transport, x.dtype, inputs[-1])
     unmaterialized(ctx, expert_x)
 
@@ -231,7 +237,8 @@ def _agree_backward(group_name: str, op: int, grad: torch.Tensor, what: str) -> 
 @torch.library.custom_op("epkit::dispatch_tokens_backward", mutates_args=())
 def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optional[torch.Tensor],
                              send_map: torch.Tensor, recv_map: torch.Tensor,
-                             topk_idx: torch.Tensor, plan: torch.Tensor, group_name: str,
+                             topk_idx: torch.Tensor, plan: torch.Tensor,
+                             plan_host: torch.Tensor, group_name: str,
                              transport: int, x_dtype: torch.dtype,
                              workspace: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x [T, H] x dtype, grad_topk_weights [T, K] float32)``.
@@ -243,41 +250,42 @@ def dispatch_tokens_backward(grad_expert_x: torch.Tensor, grad_row_weight: Optio
     with serial(group_from_name(group_name)):  # the call lock (production/workspace.py)
         _agree_backward(group_name, DISPATCH_BACKWARD, grad_expert_x, "epkit.dispatch backward")
         empty_w = grad_expert_x.new_empty((0,), dtype=torch.float32)  # (no weights)
-        back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, group_name,
-                         transport, False, what="epkit.dispatch backward", ws=workspace)
-        grad_x = reduce_back(back, send_map, empty_w, plan, transport, False, x_dtype)
+        back = move_back(grad_expert_x, empty_w, topk_idx, send_map, recv_map, plan, plan_host,
+                         group_name, transport, False, what="epkit.dispatch backward",
+                         ws=workspace)
+        grad_x = reduce_back(back, send_map, empty_w, plan_host, transport, False, x_dtype)
         idx = back.idx
         if grad_row_weight is None:
             return grad_x, torch.zeros(topk_idx.shape, dtype=torch.float32,
                                        device=topk_idx.device)
         return grad_x, move_slot_values(grad_row_weight.contiguous(), send_map, recv_map, idx,
-                                        plan, group_name, transport,
+                                        plan, plan_host, group_name, transport,
                                         "epkit.dispatch backward (weight gradients)")
 
 
 @dispatch_tokens_backward.register_fake
-def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, group_name, transport,
-      x_dtype, workspace=-1):
+def _(grad_expert_x, grad_row_weight, send_map, recv_map, topk_idx, plan, plan_host, group_name,
+      transport, x_dtype, workspace=-1):
     T, K = topk_idx.shape
     return (grad_expert_x.new_empty((T, grad_expert_x.shape[1]), dtype=x_dtype),
             grad_expert_x.new_empty((T, K), dtype=torch.float32))
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, topk_idx, topk_weights, plan, group_name, transport, *_ = inputs
+    x, topk_idx, topk_weights, plan, plan_host, group_name, transport, *_ = inputs
     expert_x, _, _, send_map, recv_map = output
-    ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
+    ctx.save_for_backward(send_map, recv_map, topk_idx, plan, plan_host)
     ctx.meta = (group_name, transport, x.dtype, inputs[-1])
     unmaterialized(ctx, expert_x)
 
 
 def _dispatch_backward(ctx, grad_expert_x, _grad_src, grad_row_weight, _gs, _gr):
-    send_map, recv_map, topk_idx, plan = ctx.saved_tensors
+    send_map, recv_map, topk_idx, plan, plan_host = ctx.saved_tensors
     group_name, transport, x_dtype, ws = ctx.meta
     grad_x, grad_w = dispatch_tokens_backward(
         grad_or_zeros(ctx, grad_expert_x), grad_row_weight, send_map, recv_map, topk_idx, plan,
-        group_name, transport, x_dtype, ws)
-    return grad_x, None, grad_w, *([None] * 7)
+        plan_host, group_name, transport, x_dtype, ws)
+    return grad_x, None, grad_w, *([None] * 8)
 
 
 dispatch_tokens.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
@@ -289,7 +297,7 @@ prepare_dispatch.register_autograd(_fused_backward, setup_context=_fused_setup)
 @torch.library.custom_op("epkit::combine_tokens", mutates_args=())
 def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: torch.Tensor,
                    topk_weights: torch.Tensor, send_map: torch.Tensor, recv_map: torch.Tensor,
-                   plan: torch.Tensor, group_name: str, transport: int,
+                   plan: torch.Tensor, plan_host: torch.Tensor, group_name: str, transport: int,
                    weighted: bool, out_dtype: torch.dtype, check: list[int],
                    workspace: int = -1) -> torch.Tensor:
     """``out [T, H]`` in x's dtype: the fixed-order weighted (or plain) sum of expert rows.
@@ -307,20 +315,21 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     if check:
         agree(group_from_name(group_name), check, "epkit.combine (call header)")
     back = move_back(expert_y.contiguous(), row_weight, topk_idx, send_map, recv_map, plan,
-                     group_name, transport, weighted, ws=workspace)
-    return reduce_back(back, send_map, topk_weights, plan, transport, weighted, out_dtype)
+                     plan_host, group_name, transport, weighted, ws=workspace)
+    return reduce_back(back, send_map, topk_weights, plan_host, transport, weighted, out_dtype)
 
 
 @combine_tokens.register_fake
-def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, group_name,
-      transport, weighted, out_dtype, check, workspace=-1):
+def _(expert_y, row_weight, topk_idx, topk_weights, send_map, recv_map, plan, plan_host,
+      group_name, transport, weighted, out_dtype, check, workspace=-1):
     return expert_y.new_empty((topk_idx.shape[0], expert_y.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("epkit::combine_tokens_backward", mutates_args=())
 def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
                             row_weight: torch.Tensor, send_map: torch.Tensor,
-                            recv_map: torch.Tensor, plan: torch.Tensor, group_name: str,
+                            recv_map: torch.Tensor, plan: torch.Tensor,
+                            plan_host: torch.Tensor, group_name: str,
                             weighted: bool, workspace: int = -1
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_expert_y [M, H] y dtype, grad_row_weight [M] float32)``.
@@ -332,33 +341,34 @@ def combine_tokens_backward(grad_out: torch.Tensor, expert_y: torch.Tensor,
         _agree_backward(group_name, COMBINE_BACKWARD, grad_out, "epkit.combine backward")
         # the gradient rows in the order they leave (send rows, as the dispatch sent its own)
         send_rows = ws_empty(allocator(workspace, SEND),
-                             (int(host_plan(plan)[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
+                             (int(plan_host[SEND_ROWS]), grad_out.shape[1]), grad_out.dtype,
                              grad_out)
         C.scatter_rows_into(grad_out.contiguous(), send_map, send_rows)
-        recv = move_rows(send_rows, plan, group_name, reverse=False,
+        recv = move_rows(send_rows, plan_host, group_name, reverse=False,
                          what="epkit.combine backward", alloc=allocator(workspace, RECV))
         del send_rows  # exchanged: freed before combine_backward_dest allocates grad_y
         return C.combine_backward_dest(recv, recv_map, row_weight, expert_y.contiguous(), weighted)
 
 
 @combine_tokens_backward.register_fake
-def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, group_name, weighted,
+def _(grad_out, expert_y, row_weight, send_map, recv_map, plan, plan_host, group_name, weighted,
       workspace=-1):
     return torch.empty_like(expert_y), expert_y.new_empty((expert_y.shape[0],), dtype=torch.float32)
 
 
 def _combine_setup(ctx, inputs, output):
-    expert_y, row_weight, _, _, send_map, recv_map, plan, group_name, _, weighted, *_ = inputs
-    ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan)
+    (expert_y, row_weight, _, _, send_map, recv_map, plan, plan_host, group_name, _, weighted,
+     *_) = inputs
+    ctx.save_for_backward(expert_y, row_weight, send_map, recv_map, plan, plan_host)
     ctx.meta = (group_name, weighted, inputs[-1])
 
 
 def _combine_backward(ctx, grad_out):
-    expert_y, row_weight, send_map, recv_map, plan = ctx.saved_tensors
+    expert_y, row_weight, send_map, recv_map, plan, plan_host = ctx.saved_tensors
     group_name, weighted, ws = ctx.meta
     grad_y, grad_w = combine_tokens_backward(grad_out, expert_y, row_weight, send_map, recv_map,
-                                             plan, group_name, weighted, ws)
-    return grad_y, (grad_w if weighted else None), *([None] * 11)
+                                             plan, plan_host, group_name, weighted, ws)
+    return grad_y, (grad_w if weighted else None), *([None] * 12)
 
 
 combine_tokens.register_autograd(_combine_backward, setup_context=_combine_setup)

@@ -1,8 +1,10 @@
 """The plan as Python reads it: its words' positions (reference/abi.py, the one definition the
 kernels' csrc/abi.h is generated from), the transport codes, and the few plan words Python
 writes or derives. ``plan`` is the int64 tensor ``epkit::plan`` computes from the gathered
-count words (docs/design.md, "The plan"); on CUDA its host mirror (:func:`epkit.device.host_plan`)
-is what these read, with the mirror's attribute names."""
+count words (docs/design.md, "The plan"). Python reads its words on the host: ``plan_host``,
+which ``epkit::count_exchange`` returns beside the plan and every op takes as an argument (on
+the device path its mirror in pinned host memory, made with the dispatch's one host wait; on
+CPU a copy of the plan)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,7 @@ __all__ = ['TRANSPORTS', 'PAIRS', 'DEDUP', 'ERR_CODE', 'ERR_A', 'ERR_B', 'ERR_RA
            'STATIC_CAP', 'VARIANT', 'PAYLOAD_BYTES', 'TOK_CAP', 'SLOT_CAP', 'SEND_BYTES',
            'RECV_BYTES', 'NONUNIFORM_RANK', 'DROPPED_ANY', 'RANKS_PER_NODE', 'PLAN_HEADER',
            'WORD_HEADER', 'plan_size', 'plan_slices', 'ranks_per_node',
-           'stamp_ranks_per_node', 'HOST', 'TEMPLATE', 'host_plan',
-           'raise_error']
-
-HOST = "_epkit_host"  # attribute of a device plan: its host mirror
-TEMPLATE = "_epkit_template"  # attribute of a mirror that is a routing-free template
+           'stamp_ranks_per_node', 'host_words', 'raise_error']
 
 TRANSPORTS = dict(abi.TRANSPORT_CODES)
 PAIRS, DEDUP = TRANSPORTS["pairs"], TRANSPORTS["dedup"]
@@ -41,14 +39,11 @@ plan_size = abi.plan_size
 plan_slices = abi.plan_slices
 
 
-def host_plan(plan: torch.Tensor) -> torch.Tensor:
-    """The plan's words on the host: the plan itself on CPU; on the device path its mirror (a
-    copy with a host wait, should a plan have lost it: correct, and counted by
-    :func:`epkit.device.count_host_reads`)."""
-    if not device_path(plan):
-        return plan
-    mirror = getattr(plan, HOST, None)
-    return mirror if mirror is not None else to_host(plan)
+def host_words(plan: torch.Tensor) -> torch.Tensor:
+    """A plan's words on the host, read from the plan itself: the plan on CPU; on the device
+    path a copy (a host wait, counted by :func:`epkit.device.count_host_reads`). For a plan
+    without its ``plan_host`` (a kernel called alone); the ops are handed theirs."""
+    return to_host(plan) if device_path(plan) else plan
 
 
 def raise_error(words: torch.Tensor) -> None:
@@ -59,21 +54,19 @@ def raise_error(words: torch.Tensor) -> None:
         raise error(int(words[ERR_RANK]), code, int(words[ERR_A]), int(words[ERR_B]))
 
 
-def ranks_per_node(plan: torch.Tensor) -> int:
+def ranks_per_node(plan_host: torch.Tensor) -> int:
     """The plan's ``G``, the nodes of the combine's summation order (a plan word that
     :func:`count_exchange` writes; a plan made by ``epkit::plan`` alone reads as 1)."""
-    return max(1, int(host_plan(plan)[RANKS_PER_NODE]))
+    return max(1, int(plan_host[RANKS_PER_NODE]))
 
 
-def stamp_ranks_per_node(plan: torch.Tensor, G: int) -> torch.Tensor:
-    """Write ``G`` into the plan and its host mirror (on CUDA a fill, no host wait). ``G`` = 1
-    writes nothing: the plan's word is 0 there, which :func:`ranks_per_node` reads as 1 (one
-    launch fewer for every one-node dispatch)."""
+def stamp_ranks_per_node(plan: torch.Tensor, plan_host: torch.Tensor, G: int) -> None:
+    """Write ``G`` into the plan and its host words (on the device a fill, no host wait).
+    ``G`` = 1 writes nothing: the plan's word is 0 there, which :func:`ranks_per_node` reads
+    as 1 (one launch fewer for every one-node dispatch)."""
     if G == 1:
-        return plan
+        return
     plan[RANKS_PER_NODE] = G
-    mirror = host_plan(plan)
-    if mirror is not plan:
+    if plan_host is not plan:
         with host_work():
-            mirror[RANKS_PER_NODE] = G
-    return plan
+            plan_host[RANKS_PER_NODE] = G

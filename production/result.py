@@ -26,7 +26,9 @@ class Handle:
         send_map: ``[T, cols]`` int64, where each of this rank's token (or slot) rows went
             (``cols`` from the transport's row, production/transports/).
         recv_map: ``[N, cols]`` int64, the expert-major row of each received row's slots.
-        plan: int64, the plan (production/plan.py) with its host mirror on the device path.
+        plan: int64, the plan (production/plan.py), on x's device.
+        plan_host: int64, its words in host memory (epkit::count_exchange's second output): what
+            combine and the backward passes read on the host, so they wait for nothing.
         config: the :class:`epkit.Dispatcher` that dispatched (its transport and exchange).
         x_dtype: x's dtype, the dtype combine returns.
         call_number: the call header's number of this dispatch (-1 when traced).
@@ -41,6 +43,7 @@ class Handle:
     send_map: Optional[torch.Tensor]
     recv_map: Optional[torch.Tensor]
     plan: torch.Tensor
+    plan_host: torch.Tensor
     config: Any
     x_dtype: torch.dtype
     call_number: int
@@ -102,14 +105,14 @@ class Dispatch:
         return self.expert_x.shape[0]
 
 
-def build(config, call_number: int, x, topk_idx, topk_weights, plan, expert_x, row_src,
-          row_weight, send_map, recv_map, expert_scale=None, expert_x_hp=None, hier_state=None,
-          bytes_sent=None) -> Dispatch:
+def build(config, call_number: int, x, topk_idx, topk_weights, plan, plan_host, expert_x,
+          row_src, row_weight, send_map, recv_map, expert_scale=None, expert_x_hp=None,
+          hier_state=None, bytes_sent=None) -> Dispatch:
     """The Dispatch of one call of ``config`` (a Dispatcher): counts and offsets from the plan,
     rows from the exchange."""
     R = dist.get_world_size(config.group)
-    handle = Handle(topk_idx, topk_weights.detach(), send_map, recv_map, plan, config, x.dtype,
-                    call_number, expert_x.shape[0], expert_x.shape[1], group_name(config.group),
+    handle = Handle(topk_idx, topk_weights.detach(), send_map, recv_map, plan, plan_host, config,
+                    x.dtype, call_number, expert_x.shape[0], expert_x.shape[1], group_name(config.group),
                     hier_state)
     tpe, offsets, dropped, sent, padded = ops.dispatch_counts(plan, R, int(config.num_experts))
     d = Dispatch(
@@ -135,5 +138,5 @@ def seal_of(h: Handle) -> tuple:
     the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
     field replaced, or written in place, after dispatch no longer matches (FOREIGN_DISPATCH),
     instead of sending one rank's kernels out of bounds or out of step."""
-    ts = (h.plan, h.recv_map, h.send_map, h.topk_idx, h.topk_weights)
+    ts = (h.plan, h.plan_host, h.recv_map, h.send_map, h.topk_idx, h.topk_weights)
     return tuple((id(t), getattr(t, "_version", None)) for t in ts) + (h.x_dtype, h.config)

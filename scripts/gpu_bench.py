@@ -108,7 +108,7 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
     chunks = []
     for r in range(R):
         SB = int(hps[r][W.SEND_BYTES])
-        g = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, SB)
+        g = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, SB, hps[r])
         c = C.pack(xs[r].cpu(), idxs[r].cpu(), ws[r].cpu(), hps[r], tr, R, SB)
         same(f"pack[{r}].send", g[0], c[0])
         same(f"pack[{r}].send_map", g[1], c[1])
@@ -116,7 +116,7 @@ def check(T, H, K, E, R, transport, seed=1, device="cuda") -> list[str]:
     recv = torch.cat(chunks)
     hp = hps[0]
     N, M, S = (int(hp[k]) for k in (W.RECV_ROWS, W.EXPERT_ROWS, W.SEND_ROWS))
-    ug = C.unpack(recv.to(dev), plans[0], tr, H, dtype, K, N, M)
+    ug = C.unpack(recv.to(dev), plans[0], tr, H, dtype, K, N, M, hp)
     uc = C.unpack(recv, hp, tr, H, dtype, K, N, M)
     for name, a, b in zip(("expert_x", "row_src", "row_weight", "recv_map"), ug, uc):
         same(f"unpack.{name}", a, b)
@@ -155,7 +155,8 @@ def measure(T, H, K, E, R, transport, reps, seed=0):
     # rank 0's receive buffer: what every rank's pack addresses to rank 0
     chunks = []
     for r in range(R):
-        send, _ = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][W.SEND_BYTES]))
+        send, _ = C.pack(xs[r], idxs[r], ws[r], plans[r], tr, R, int(hps[r][W.SEND_BYTES]),
+                         hps[r])
         chunks.append(send[: int(hps[r][sl["send_bytes"]][0])].clone())
         del send
     recv = torch.cat(chunks)
@@ -163,17 +164,17 @@ def measure(T, H, K, E, R, transport, reps, seed=0):
     x, idx, w, plan, hp = xs[0], idxs[0], ws[0], plans[0], hps[0]
     del xs[1:], idxs[1:], ws[1:]
     SB, N, M = (int(hp[k]) for k in (W.SEND_BYTES, W.RECV_ROWS, W.EXPERT_ROWS))
-    send, send_map = C.pack(x, idx, w, plan, tr, R, SB)
-    expert_x, row_src, row_weight, recv_map = C.unpack(recv, plan, tr, H, dtype, K, N, M)
+    send, send_map = C.pack(x, idx, w, plan, tr, R, SB, hp)
+    expert_x, row_src, row_weight, recv_map = C.unpack(recv, plan, tr, H, dtype, K, N, M, hp)
     rows = C.gather_rows(expert_x, recv_map, row_weight, tr, True)
     S = int(hp[W.SEND_ROWS])
     back = torch.randn(S, H, generator=gen, device=dev).to(rows.dtype)  # the rows coming home
     isz = x.element_size()
     route = idx.numel() * (idx.element_size() + 4)
     kernels = {
-        "pack": (lambda: C.pack(x, idx, w, plan, tr, R, SB),
+        "pack": (lambda: C.pack(x, idx, w, plan, tr, R, SB, hp),  # hp: the host words
                  x.numel() * isz + route + send.numel() + send_map.numel() * 8),
-        "unpack": (lambda: C.unpack(recv, plan, tr, H, dtype, K, N, M),
+        "unpack": (lambda: C.unpack(recv, plan, tr, H, dtype, K, N, M, hp),
                    recv.numel() + M * (H * isz + 3 * 8 + 4) + recv_map.numel() * 8),
         "gather_rows": (lambda: C.gather_rows(expert_x, recv_map, row_weight, tr, True),
                         expert_x.numel() * isz + recv_map.numel() * 8 + M * 4

@@ -163,12 +163,14 @@ Tensor plan_cpu(const Tensor& words, int64_t rank, int64_t num_experts, int64_t 
                 int64_t max_tokens_per_rank);
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan, int64_t transport,
-                                    int64_t num_ranks, c10::SymInt send_rows);
+                                    int64_t num_ranks, c10::SymInt send_rows,
+                                    const std::optional<Tensor>& plan_host);
 std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv, const Tensor& plan,
                                                       int64_t transport, int64_t hidden,
                                                       at::ScalarType dtype, int64_t topk,
                                                       c10::SymInt recv_rows,
-                                                      c10::SymInt expert_rows);
+                                                      c10::SymInt expert_rows,
+                                                      const std::optional<Tensor>& plan_host);
 Tensor gather_rows_cpu(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
                        int64_t transport, bool weighted);
 void gather_units_cpu(const Tensor& expert_y, const Tensor& recv_map, const Tensor& row_weight,
@@ -181,7 +183,8 @@ Tensor reduce_tokens_cpu(const Tensor& back, const Tensor& send_map, const Tenso
 Tensor scatter_rows_cpu(const Tensor& src, const Tensor& send_map, c10::SymInt send_rows);
 void scatter_rows_into_cpu(const Tensor& src, const Tensor& send_map, const Tensor& out);
 Tensor pack_into_cpu(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                     const Tensor& plan, int64_t transport, int64_t num_ranks, const Tensor& send);
+                     const Tensor& plan, int64_t transport, int64_t num_ranks, const Tensor& send,
+                     const std::optional<Tensor>& plan_host);
 std::tuple<Tensor, Tensor> combine_backward_dest_cpu(const Tensor& recv, const Tensor& recv_map,
                                                      const Tensor& row_weight,
                                                      const Tensor& expert_y, bool weighted);

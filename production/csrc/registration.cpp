@@ -13,10 +13,12 @@ TORCH_LIBRARY(epkit, m) {
         "int[] pre_error, int payload) -> Tensor");
   m.def("plan(Tensor words, int rank, int num_experts, int align, int capacity, int transport, "
         "int exchange, int max_tokens_per_rank) -> Tensor");
+  // plan_host: the plan's words in host memory (epkit::count_exchange's second output), which
+  // the device path's kernels size their launches from; the CPU kernels read the plan itself.
   m.def("pack(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, int num_ranks, "
-        "SymInt send_bytes) -> (Tensor, Tensor)");
+        "SymInt send_bytes, Tensor? plan_host=None) -> (Tensor, Tensor)");
   m.def("unpack(Tensor recv, Tensor plan, int transport, int hidden, ScalarType dtype, int topk, "
-        "SymInt recv_rows, SymInt expert_rows) -> (Tensor, Tensor, Tensor, Tensor)");
+        "SymInt recv_rows, SymInt expert_rows, Tensor? plan_host=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gather_rows(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted) -> Tensor");
   m.def("gather_units(Tensor expert_y, Tensor recv_map, Tensor row_weight, int transport, bool weighted, "
         "Tensor? first, Tensor(a!) out) -> ()");
@@ -25,7 +27,7 @@ TORCH_LIBRARY(epkit, m) {
         "Tensor? first=None) -> Tensor");
   m.def("scatter_rows(Tensor src, Tensor send_map, SymInt send_rows) -> Tensor");
   m.def("pack_into(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor plan, int transport, "
-        "int num_ranks, Tensor(a!) send) -> Tensor");
+        "int num_ranks, Tensor(a!) send, Tensor? plan_host=None) -> Tensor");
   m.def("scatter_rows_into(Tensor src, Tensor send_map, Tensor(a!) out) -> ()");
   m.def("empty_large(Tensor like, SymInt[] size, ScalarType dtype) -> Tensor");
   // No tensor argument: one kernel for every device (the CPU's kept blocks; cpu/alloc.cpp).

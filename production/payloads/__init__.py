@@ -125,14 +125,15 @@ class _QuantizedDispatch(torch.autograd.Function):
     """x, topk_weights -> (expert_x_hp, row_weight | q, scale, row_src, send_map, recv_map)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, topk_idx, plan, group_name, transport, sizes, name):
+    def forward(ctx, x, topk_weights, topk_idx, plan, plan_host, group_name, transport, sizes,
+                name):
         S, N, M = sizes
         payload = TABLE[name]
         rows, row_src, row_weight, send_map, recv_map = ops.dispatch_tokens(
-            payload.to_rows(x), topk_idx, topk_weights.detach(), plan, group_name, transport,
-            S, N, M)
+            payload.to_rows(x), topk_idx, topk_weights.detach(), plan, plan_host, group_name,
+            transport, S, N, M)
         expert_x, expert_scale, hp = payload.from_rows(rows, x.shape[1])
-        ctx.save_for_backward(send_map, recv_map, topk_idx, plan)
+        ctx.save_for_backward(send_map, recv_map, topk_idx, plan, plan_host)
         ctx.meta = (group_name, transport, x.dtype)
         ctx.mark_non_differentiable(expert_x, expert_scale, row_src, send_map, recv_map)
         ops.unmaterialized(ctx, hp)  # None, not zeros (a launch each), where the loss misses
@@ -140,21 +141,21 @@ class _QuantizedDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_hp, grad_row_weight, *_):
-        send_map, recv_map, topk_idx, plan = ctx.saved_tensors
+        send_map, recv_map, topk_idx, plan, plan_host = ctx.saved_tensors
         group_name, transport, x_dtype = ctx.meta
         grad_x, grad_w = ops.dispatch_tokens_backward(
             ops.grad_or_zeros(ctx, grad_hp), grad_row_weight, send_map, recv_map, topk_idx, plan,
-            group_name, transport, x_dtype)
-        return grad_x, grad_w, None, None, None, None, None, None
+            plan_host, group_name, transport, x_dtype)
+        return grad_x, grad_w, *([None] * 7)
 
 
-def dispatch_quantized(payload: Payload, x, topk_idx, topk_weights, plan, group_name, transport,
-                       sizes):
+def dispatch_quantized(payload: Payload, x, topk_idx, topk_weights, plan, plan_host, group_name,
+                       transport, sizes):
     """The eager dispatch of a quantized payload: ``(expert_x_hp, row_weight, expert_x,
     expert_scale, row_src, send_map, recv_map)``, the gradient straight through expert_x_hp."""
     # The payload travels by name: a string is a constant to torch.compile, a dataclass is not.
-    return _QuantizedDispatch.apply(x, topk_weights, topk_idx, plan, group_name, transport,
-                                    sizes, payload.name)
+    return _QuantizedDispatch.apply(x, topk_weights, topk_idx, plan, plan_host, group_name,
+                                    transport, sizes, payload.name)
 
 
 class _RoundTrip(torch.autograd.Function):

@@ -21,8 +21,9 @@ buffer gets its source (a payload row of x or none), its metadata words and its 
 (sections.py), and ``byterows.write_rows`` writes every byte of the section once.
 
 Routing-dependent plan words are read on the device (the plan tensor); the host reads only
-the words the C++ kernel checks through a host pointer (``epkit.device.host_plan``: the plan on
-CPU, its mirror on CUDA), and the section sizes from them. Data the C++ kernel range-checks
+the words the C++ kernel checks through a host pointer (``plan_host``, the op's argument: the
+plan's host words, count_exchange's second output; a copy of the plan when not given), and the
+section sizes from them. Data the C++ kernel range-checks
 (expert ids, a plan from another call) cannot raise on a GPU without a host read: such slots
 are masked (not sent), and nothing is read or written out of bounds. A plan that carries an
 error on the device (the static exchange's deferred error) sends nothing: ``send_map`` all -1,
@@ -40,7 +41,7 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
-from ..plan import host_plan
+from ..plan import host_words
 from . import byterows, ranks
 from .inverse import invert
 from .planview import PlanView
@@ -64,7 +65,7 @@ def _readable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not device_path(t)
 
 
-def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
+def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB, plan_host):
     """checks.h check_pack_args + check_pack_plan; returns the plan's host words and the
     transport's path."""
     check_routing_args(op, x, topk_idx, topk_weights)
@@ -72,7 +73,7 @@ def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB):
     path = path_of(op, transport)
     check_nonneg(op, "send_bytes", SB)
     path.check_pack_topk(op, topk_idx.shape[1])
-    p = host_plan(plan).tolist()
+    p = (host_words(plan) if plan_host is None else plan_host).tolist()
     op = "epkit.pack"  # the plan checks name pack, as in checks.h
     sl = check_plan_header(op, p, plan.numel())
     if num_ranks != p[W.RANKS]:
@@ -173,24 +174,26 @@ def _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send) -> torch.Ten
 
 
 def pack(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-         plan: torch.Tensor, transport: int, num_ranks: int, send_bytes: int):
-    """x [T, H] any dtype, topk_idx [T, K] integer, topk_weights [T, K] float32, plan [n] int64
-    -> (send [send_bytes] uint8, send_map [T, K] (pairs) or [T, R] (dedup) int64)."""
+         plan: torch.Tensor, transport: int, num_ranks: int, send_bytes: int,
+         plan_host: Optional[torch.Tensor] = None):
+    """x [T, H] any dtype, topk_idx [T, K] integer, topk_weights [T, K] float32, plan [n] int64,
+    plan_host [n] int64 (its words in host memory) -> (send [send_bytes] uint8, send_map [T, K]
+    (pairs) or [T, R] (dedup) int64)."""
     SB = int(send_bytes)
     p, path = _check_pack("epkit.pack", x, topk_idx, topk_weights, plan, transport, num_ranks,
-                          SB)
+                          SB, plan_host)
     send = torch.empty((SB,), dtype=torch.uint8, device=x.device)
     return send, _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send)
 
 
 def pack_into(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
               plan: torch.Tensor, transport: int, num_ranks: int,
-              send: torch.Tensor) -> torch.Tensor:
+              send: torch.Tensor, plan_host: Optional[torch.Tensor] = None) -> torch.Tensor:
     """pack into ``send`` [send_bytes] uint8 (contiguous, x's device); returns send_map."""
     op = "epkit.pack_into"
     check_send_buffer(op, send, x.device)
     p, path = _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks,
-                          send.numel())
+                          send.numel(), plan_host)
     return _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send)
 
 

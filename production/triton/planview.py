@@ -1,6 +1,6 @@
 """The plan as a row pass reads it: the device plan (the kernels read its routing-dependent
-words themselves) and the host words the pass sizes its launches from (``epkit.plan.host_plan``:
-the plan on CPU, its mirror on the device path). Shared by pack's index pass (pack.Slots) and
+words themselves) and the host words the pass sizes its launches from (the op's ``plan_host``:
+on the device path the mirror count_exchange made). Shared by pack's index pass (pack.Slots) and
 unpack's row space (unpack.RowSpace)."""
 
 from __future__ import annotations

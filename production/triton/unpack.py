@@ -39,14 +39,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from epkit.reference import abi
 
 from .. import plan as W
-from ..plan import host_plan
+from ..plan import host_words
 from . import byterows, rowspace
 from .planview import PlanView
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
@@ -84,7 +84,7 @@ def describe(bits: int) -> str:
     return "; ".join(text for bit, text in STATUS_BITS.items() if bits & bit)
 
 
-def _check(recv, plan, transport, H, dtype, K, N, M):
+def _check(recv, plan, transport, H, dtype, K, N, M, plan_host):
     """checks.h check_unpack_args + check_unpack_plan; returns the plan's host words and the
     transport's path."""
     op = "epkit.unpack"
@@ -98,7 +98,7 @@ def _check(recv, plan, transport, H, dtype, K, N, M):
         fail(op, f"topk {K} out of range for transport {transport}")
     check_nonneg(op, "recv_rows", N)
     check_nonneg(op, "expert_rows", M)
-    p = host_plan(plan).tolist()
+    p = (host_words(plan) if plan_host is None else plan_host).tolist()
     sl = check_plan_header(op, p, plan.numel())
     P = H * dtype.itemsize
     check_plan_transport(op, p, path)
@@ -248,11 +248,12 @@ def _unpack(recv, plan, path, P, K, N, M, p):
 
 
 def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
-                       dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int):
+                       dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int,
+                       plan_host: Optional[torch.Tensor] = None):
     """:func:`unpack`'s outputs and this call's status (a 0-d int32 tensor on recv's device;
     nonzero: the outputs are in their "nothing received" form), raising nothing for the data."""
     M, N, H, K = int(expert_rows), int(recv_rows), int(hidden), int(topk)
-    p, path = _check(recv, plan, transport, H, dtype, K, N, M)
+    p, path = _check(recv, plan, transport, H, dtype, K, N, M, plan_host)
     recv = recv.contiguous()
     P = H * dtype.itemsize
     status, row_src, row_weight, recv_map, src_off, out_off = _unpack(recv, plan, path, P, K,
@@ -266,8 +267,10 @@ def unpack_with_status(recv: torch.Tensor, plan: torch.Tensor, transport: int, h
 
 
 def unpack(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
-           dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int):
-    """recv [recv_bytes] uint8, plan [n] int64 -> (expert_x [expert_rows, hidden] dtype,
+           dtype: torch.dtype, topk: int, recv_rows: int, expert_rows: int,
+           plan_host: Optional[torch.Tensor] = None):
+    """recv [recv_bytes] uint8, plan [n] int64, plan_host [n] int64 (its words in host memory;
+    a copy of the plan when not given) -> (expert_x [expert_rows, hidden] dtype,
     row_src [expert_rows, 3] int64 (source rank, token, k; -1 on padding), row_weight
     [expert_rows] float32, recv_map [recv_rows, 1 (pairs) or topk (dedup)] int64).
 
@@ -275,7 +278,7 @@ def unpack(recv: torch.Tensor, plan: torch.Tensor, transport: int, hidden: int,
     launch (what the C++ kernel raises), on CUDA the outputs in their "nothing received" form
     and the bits OR-ed into :func:`status_word` (module docstring)."""
     out, status = unpack_with_status(recv, plan, transport, hidden, dtype, topk, recv_rows,
-                                     expert_rows)
+                                     expert_rows, plan_host)
     if recv.device.type == "cpu":
         _raise_on_cpu(status)
     else:

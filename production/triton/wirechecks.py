@@ -1,8 +1,8 @@
 """The argument checks of pack, unpack and scatter_rows (csrc/checks.h, same kinds of message:
 ``epkit.<op>: <argument> ...``), in Python before any launch.
 
-They read tensor metadata and the plan's host words only (``epkit.device.host_plan``: on CPU
-the plan itself, on CUDA its host mirror), never device data: so the checks that depend on
+They read tensor metadata and the plan's host words only (the op's ``plan_host``: on the
+device path the mirror count_exchange made), never device data: so the checks that depend on
 routing data (a token's expert id out of range, a chunk that disagrees with its plan) are not
 here; the kernels mask them (pack) or report them through unpack's status word, whose bits
 are here too (unpack and the paths' index passes, pairs.py and dedup.py, set them).

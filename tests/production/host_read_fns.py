@@ -135,7 +135,7 @@ def planted_read(group, rank):
     output in the caller; the plan's mirror read is not one."""
     import epkit
     from epkit import moves
-    from epkit.device import count_host_reads, host_plan
+    from epkit.device import count_host_reads
 
     x, idx, w = inputs(rank, group.size(), torch.float32, False)
     d = epkit.dispatch(x, idx, w, num_experts=E, group=group, transport="pairs")
@@ -155,7 +155,7 @@ def planted_read(group, rank):
             in_op = reads.take()
             int(d.tokens_per_expert.sum())
             in_caller = reads.take()
-            int(host_plan(d.handle.plan)[0])  # the mirror: host memory, never a device read
+            int(d.handle.plan_host[0])  # the mirror: host memory, never a device read
             mirror = reads.take()
     finally:
         moves.reduce_back = real
@@ -167,12 +167,12 @@ def planted_read(group, rank):
 def paths(group, rank):
     """Which tensors the device path treats as device memory in this process."""
     import epkit
-    from epkit.device import device_path, host_plan
+    from epkit.device import device_path
 
     x, idx, w = inputs(rank, group.size(), torch.float32, False)
     d = epkit.dispatch(x, idx, w, num_experts=E, group=group, transport="pairs")
-    return (device_path(d.expert_x), device_path(d.handle.plan), device_path(host_plan(d.handle.plan)),
-            device_path(host_plan(d.handle.plan)[3:5]))
+    return (device_path(d.expert_x), device_path(d.handle.plan), device_path(d.handle.plan_host),
+            device_path(d.handle.plan_host[3:5]))
 
 
 def _table():

@@ -116,8 +116,8 @@ def opcheck_all(group, rank):
     checked = []
     for transport in (planw.PAIRS, planw.DEDUP):
         words = C.prepare(x, idx, w, E, 1, [0, 0, 0, 1], 0)
-        plan = ops.count_exchange(words, gname, 0, E, 2, -1, transport, 0, -1)
-        SB, S, N, M = plan[[planw.SEND_BYTES, planw.SEND_ROWS, planw.RECV_ROWS,
+        plan, hp = ops.count_exchange(words, gname, 0, E, 2, -1, transport, 0, -1)
+        SB, S, N, M = hp[[planw.SEND_BYTES, planw.SEND_ROWS, planw.RECV_ROWS,
                             planw.EXPERT_ROWS]].tolist()
         send, send_map = C.pack(x, idx, w, plan, transport, 1, SB)
         ex, src, rw, recv_map = C.unpack(send, plan, transport, H, x.dtype, K, N, M)
@@ -141,11 +141,14 @@ def opcheck_all(group, rank):
             (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, 1, -1)),
             (C.plan, (words.view(1, -1), 0, E, 2, -1, transport, 5, T)),
             (C.pack, (x, idx, w, plan, transport, 1, SB)),
+            (C.pack, (x, idx, w, plan, transport, 1, SB, hp)),
             (C.unpack, (send, plan, transport, H, x.dtype, K, N, M)),
+            (C.unpack, (send, plan, transport, H, x.dtype, K, N, M, hp)),
             (C.gather_rows, (y, recv_map, rw, transport, True)),
             (C.reduce_tokens, (back, send_map, idx, w, E, 1, transport, True, x.dtype)),
             (C.gather_units, (y, recv_map, rw, transport, True, ufirst, units)),
             (C.pack_into, (x, idx, w, plan, transport, 1, torch.empty(SB, dtype=torch.uint8))),
+            (C.pack_into, (x, idx, w, plan, transport, 1, torch.empty(SB, dtype=torch.uint8), hp)),
             (C.scatter_rows_into, (x, send_map, torch.empty((S, H)))),
 
             (C.scatter_rows, (x, send_map, S)),
@@ -166,30 +169,31 @@ def opcheck_all(group, rank):
             (C.count_exchange, (words, gname, 0, E, 2, -1, transport, 0, -1)),
             (C.prepare_dispatch, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
                                   gname, 0, E, 2, -1, transport, 0, [0, 0, 0, 1], 0)),
-            (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, gname,
-                                 transport, SB, N, M)),
+            (C.dispatch_tokens, (x.requires_grad_(True), idx, w.requires_grad_(True), plan, hp,
+                                 gname, transport, SB, N, M)),
             (C.combine_tokens, (y.requires_grad_(True), rw.requires_grad_(True), idx, w.detach(),
-                                send_map, recv_map, plan, gname, transport, True, x.dtype,
+                                send_map, recv_map, plan, hp, gname, transport, True, x.dtype,
                                 agree.header(agree.COMBINE, [E, 2, -1, transport, 0, 0, -1],
                                              (0, 0, 0), 1, 0))),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
-                                          gname, transport, x.dtype)),
+                                          hp, gname, transport, x.dtype)),
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
-                                         plan, gname, True)),
+                                         plan, hp, gname, True)),
         ]
         if transport == planw.DEDUP:  # the units read in place
             C.gather_units(y, recv_map, rw, transport, True, ufirst, units)
             S_rows = int(send_map.max()) + 1
-            calls.append((C.reduce_tokens, (units, send_map, moves.kept_routing(idx, plan), w, E, 1,
+            calls.append((C.reduce_tokens, (units, send_map, moves.kept_routing(idx, plan, hp), w,
+                                            E, 1,
                                             transport, True, x.dtype, 1,
                                             first_of_rows(send_map, idx, S_rows, un))))
         calls += [  # the collective ops with a workspace
             (C.dispatch_tokens, (x.detach().requires_grad_(True), idx, w.detach().requires_grad_(True),
-                                 plan, gname, transport, SB, N, M, ws.key)),
+                                 plan, hp, gname, transport, SB, N, M, ws.key)),
             (C.combine_tokens_backward, (x.detach(), y.detach(), rw.detach(), send_map, recv_map,
-                                         plan, gname, True, ws.key)),
+                                         plan, hp, gname, True, ws.key)),
             (C.dispatch_tokens_backward, (ex.detach(), rw.detach(), send_map, recv_map, idx, plan,
-                                          gname, transport, x.dtype, ws.key)),
+                                          hp, gname, transport, x.dtype, ws.key)),
         ]
         for op, args in calls:
             torch.library.opcheck(op, args)

@@ -324,7 +324,8 @@ def workspace_rounds(group, rank, x, idx, w, gout, opts):
         outs = {f"{name} {k}": v for k, v in dispatch_outputs(d).items()}
         outs.update({f"{name} out": out, f"{name} grad_x": xg.grad, f"{name} grad_w": wg.grad,
                      f"{name} grad_y": y.grad, f"{name} send_map": d.handle.send_map,
-                     f"{name} recv_map": d.handle.recv_map, f"{name} plan": d.handle.plan})
+                     f"{name} recv_map": d.handle.recv_map, f"{name} plan": d.handle.plan,
+                     f"{name} plan_host": d.handle.plan_host})
         assert_disjoint(rank, "outputs and the workspace",
                         {**outs, **{f"workspace {i}": t for i, t in enumerate(held)}})
         want = want_a if name == "A" else want_b

@@ -168,6 +168,12 @@ def bad_combine(group, rank, faulty, kind):
         if kind == "replaced_plan":
             d.handle.plan = d.handle.plan.clone()
             return disp.combine(y, d)
+        if kind == "replaced_plan_host":
+            d.handle.plan_host = d.handle.plan_host.clone()
+            return disp.combine(y, d)
+        if kind == "plan_host_written":  # in place: the words combine sizes its exchange from
+            d.handle.plan_host.add_(0)
+            return disp.combine(y, d)
         if kind == "recv_map_written":
             d.handle.recv_map.add_(0)  # in place: the version counter moves
             return disp.combine(y, d)

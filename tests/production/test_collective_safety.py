@@ -99,6 +99,8 @@ COMBINE_CASES = [
     ("weighted_unreadable", Reason.BAD_ARGUMENT, lambda f: f, "could not be read"),
     ("replaced_plan", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
     ("recv_map_written", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
+    ("replaced_plan_host", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
+    ("plan_host_written", Reason.FOREIGN_DISPATCH, lambda f: f, "altered after dispatch"),
 ]
 
 # Refused over the default group (the only group such a call can name): the test group is

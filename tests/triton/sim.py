@@ -133,7 +133,8 @@ def _dispatch(C, case, align, capacity, transport, exchange, max_tokens, device,
         # count_exchange's second all-gather: every rank's kept token rows, and the plans again
         words = words.clone()
         words[:, W.WORD_HEADER + E:] = torch.stack(
-            [moves.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
+            [moves.kept_token_rows(idxs[r], plans[r], W.host_words(plans[r]))
+             for r in range(R)])
         plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
                  for r in range(R)]
     hps = [p.cpu() for p in plans]
@@ -188,7 +189,7 @@ def run(case, *, align=1, capacity=None, transport="dedup", exchange="ragged",
     def back_of(b, dtype):
         return b if tr == W.PAIRS else b.view(dtype)
 
-    kidx = [idxs[s] if tr == W.PAIRS else moves.kept_routing(idxs[s], out["plans"][s])
+    kidx = [idxs[s] if tr == W.PAIRS else moves.kept_routing(idxs[s], out["plans"][s], hps[s])
             for s in range(R)]
     rows = [C.gather_rows(ys[d], ups[d][3], ups[d][2], tr, weighted) for d in range(R)]
     backs = _move_rows(rows, hps, R, E, True)

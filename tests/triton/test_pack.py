@@ -156,7 +156,7 @@ def test_data_errors_match_cpp(cpp):
         assert msgs[0] == msgs[1], name
 
 
-def test_pack_erroneous_device_plan_sends_nothing(cpp, monkeypatch):
+def test_pack_erroneous_device_plan_sends_nothing(cpp):
     """A static plan carrying an error on the device (its host mirror, a routing-free
     template, does not): the whole buffer zeros, send_map -1, as the CUDA path did."""
     for tr in TRANSPORTS:
@@ -164,12 +164,11 @@ def test_pack_erroneous_device_plan_sends_nothing(cpp, monkeypatch):
         plan = g.plans[0].clone()
         mirror = g.plans[0].clone()
         plan[W.ERR_CODE] = 20
-        monkeypatch.setattr(tp, "host_plan", lambda p: mirror)
         SB = g.word(0, "SEND_BYTES")
-        send, smap = tp.pack(g.rows[0], g.idxs[0], g.ws[0], plan, g.transport, 2, SB)
+        send, smap = tp.pack(g.rows[0], g.idxs[0], g.ws[0], plan, g.transport, 2, SB, mirror)
         assert not bool(send.any()) and bool((smap == -1).all())
         buf = _garbage(SB)
-        tp.pack_into(g.rows[0], g.idxs[0], g.ws[0], plan, g.transport, 2, buf)
+        tp.pack_into(g.rows[0], g.idxs[0], g.ws[0], plan, g.transport, 2, buf, mirror)
         assert not bool(buf.any())
 
 

@@ -252,15 +252,14 @@ def test_unpack_mismatch_pairs_plan(cpp):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_unpack_erroneous_device_plan(cpp, monkeypatch, transport):
+def test_unpack_erroneous_device_plan(cpp, transport):
     """A static plan carrying an error on the device (its host mirror does not): nothing is
     received and no status bit is set (check_static raises the plan's error)."""
     g, recvs = _group(cpp, transport, "static")
     mirror, plan = g.plans[0].clone(), g.plans[0].clone()
     plan[W.ERR_CODE] = 20
-    monkeypatch.setattr(tu, "host_plan", lambda p: mirror)
     out, status = tu.unpack_with_status(recvs[0], plan, g.transport, 8, torch.float32, 3,
-                                        g.word(0, "RECV_ROWS"), g.word(0, "EXPERT_ROWS"))
+                                        g.word(0, "RECV_ROWS"), g.word(0, "EXPERT_ROWS"), mirror)
     assert int(status) == 0
     _assert_nothing_received(out)
 

@@ -93,7 +93,8 @@ def make_group(C, R, L, K, Ts, H, transport="pairs", exchange="ragged", capacity
     if tr == W.DEDUP and int(plans[0][W.DROPPED_ANY]):
         words = words.clone()  # the count exchange's second all-gather, then the plans again
         words[:, W.WORD_HEADER + E:] = torch.stack(
-            [moves.kept_token_rows(idxs[r], plans[r]) for r in range(R)])
+            [moves.kept_token_rows(idxs[r], plans[r], W.host_words(plans[r]))
+             for r in range(R)])
         plans = [C.plan(words, r, E, align, cap, tr, CODES[exchange], max_tokens)
                  for r in range(R)]
     for p in plans:

@@ -93,7 +93,8 @@ Tensor pack_into_send(const Tensor& x_in, const Tensor& topk_idx, const Tensor& 
 
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan_t,
-                                    int64_t transport, int64_t num_ranks, c10::SymInt send_bytes) {
+                                    int64_t transport, int64_t num_ranks, c10::SymInt send_bytes,
+                                    const std::optional<Tensor>& /*plan_host: the plan is host memory*/) {
   const int64_t SB = send_bytes.expect_int();
   check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
   const PlanOffsets o = plan_offsets(x_in, plan_t, transport, num_ranks, SB);
@@ -104,7 +105,8 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
 
 Tensor pack_into_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                      const Tensor& plan_t, int64_t transport, int64_t num_ranks,
-                     const Tensor& send) {
+                     const Tensor& send,
+                     const std::optional<Tensor>& /*plan_host: the plan is host memory*/) {
   constexpr const char* op = "epkit.pack_into";
   check_send_buffer(op, send, x_in.device());
   check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), op);

@@ -93,7 +93,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
                                                       int64_t transport, int64_t H,
                                                       at::ScalarType dtype, int64_t K,
                                                       c10::SymInt recv_rows,
-                                                      c10::SymInt expert_rows) {
+                                                      c10::SymInt expert_rows,
+                                                      const std::optional<Tensor>& /*plan_host*/) {
   const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
   check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M);
   const Tensor recv = recv_in.contiguous();
