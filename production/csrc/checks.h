@@ -26,6 +26,12 @@ constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // tokens t
 // What a transport's rows can encode (k, j) is its path's (pairs.h, dedup.h).
 
 // ---- tensors ------------------------------------------------------------------------------
+// A dtype as Python spells it (torch.float32, not Float): the name the Triton kernels' checks
+// (production/triton/rowchecks.py) print too, so both tiers give one message.
+inline std::string dtype_name(at::ScalarType dt) {
+  return "torch." + std::string(c10::getDtypeNames(dt).first);
+}
+
 inline void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got ", t.dim(),
@@ -33,19 +39,20 @@ inline void check_dim(const char* op, const char* name, const Tensor& t, int64_t
 }
 
 inline void check_dtype(const char* op, const char* name, const Tensor& t, at::ScalarType dt) {
-  TORCH_CHECK(t.scalar_type() == dt, op, ": ", name, " must be ", dt, ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dt, op, ": ", name, " must be ", dtype_name(dt), ", got ",
+              dtype_name(t.scalar_type()));
 }
 
 // float32 or bfloat16: the payload dtypes of the arithmetic kernels.
 inline void check_float_dtype(const char* op, const char* name, at::ScalarType dt) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, op, ": ", name,
-              " must be float32 or bfloat16, got ", dt);
+              " must be float32 or bfloat16, got ", dtype_name(dt));
 }
 
 // Expert ids: any integer dtype (converted to int64 by the kernels), never bool.
 inline void check_index_dtype(const char* op, const char* name, const Tensor& t) {
   TORCH_CHECK(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), op, ": ", name,
-              " must have an integer dtype, got ", t.scalar_type());
+              " must have an integer dtype, got ", dtype_name(t.scalar_type()));
 }
 
 // A map (send_map / recv_map): int64 of `dim` dimensions.
@@ -385,7 +392,7 @@ inline void check_reduce_tokens_args(const Tensor& back, const Tensor& send_map,
   });
   TORCH_CHECK(first.has_value() || back.size(1) % per == 0, op,
               ": dedup's back must be [S, 4 H / itemsize] (a float32 row per token row), got ",
-              back.sizes(), " of ", back.scalar_type());
+              back.sizes(), " of ", dtype_name(back.scalar_type()));
   if (weighted) {  // the source's own weights (dedup: for the rows that come back raw)
     check_dim(op, "topk_weights", topk_weights, 2);
     check_dtype(op, "topk_weights", topk_weights, at::kFloat);

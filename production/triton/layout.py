@@ -29,96 +29,35 @@ from .abi import (REASON_DUPLICATE_EXPERT, REASON_HIDDEN_NOT_MULT32, REASON_INDE
                   WORD_PAYLOAD, WORD_TOKENS, WORD_TOPK, WORD_X_DTYPE)
 from epkit.reference import abi
 
+from .rowchecks import (MAX_EXPERTS, check_dim, check_experts_ranks, check_float_dtype,
+                        check_index_dtype, check_num_ranks, fail)
+from .wirechecks import check_routing_args
+
 __all__ = ["layout", "prepare", "counts"]
 
-MAX_RANKS = 1 << 20          # checks.h kMaxRanks
-MAX_EXPERTS = (1 << 31) - 1  # checks.h kMaxExperts (int32 max)
 _PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
 _BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
 
 
-# ---- argument checks (checks.h, the same messages) --------------------------------------------
-def _fail(op: str, msg: str):
-    raise RuntimeError(f"{op}: {msg}")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return str(list(t.shape))
-
-
-# c10's names of the dtypes (the C++ messages print ScalarType names).
-_C10 = {torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
-        torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
-        torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
-        torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return _C10.get(dt, str(dt).replace("torch.", ""))
-
-
-def check_dim(op, name, t, dim):
-    if t.dim() != dim:
-        _fail(op, f"{name} must be {dim}-D, got {t.dim()}-D of shape {_shape(t)}")
-
-
-def check_index_dtype(op, name, t):
-    dt = t.dtype
-    if dt == torch.bool or dt.is_floating_point or dt.is_complex:
-        _fail(op, f"{name} must have an integer dtype, got {dtype_name(dt)}")
-
-
-def check_num_ranks(op, R):
-    if not 1 <= R <= MAX_RANKS:
-        _fail(op, f"num_ranks must be in [1, {MAX_RANKS}], got {R}")
-
-
-def check_experts_ranks(op, E, R):
-    """num_experts E >= 1, a multiple of num_ranks R (checks.h check_experts_ranks)."""
-    check_num_ranks(op, R)
-    if not 1 <= E <= MAX_EXPERTS:
-        _fail(op, f"num_experts must be in [1, {MAX_EXPERTS}], got {E}")
-    if E % R:
-        _fail(op, f"num_experts {E} is not a multiple of num_ranks {R}")
-
-
-def _check_routing(op, x, idx, w):
-    check_dim(op, "x", x, 2)
-    check_dim(op, "topk_idx", idx, 2)
-    check_index_dtype(op, "topk_idx", idx)
-    if idx.device != x.device:
-        _fail(op, f"topk_idx is on {idx.device}, expected {x.device}")
-    if idx.shape[0] != x.shape[0]:
-        _fail(op, f"topk_idx must have size(0) == {x.shape[0]} (tokens of x), got shape "
-                  f"{_shape(idx)}")
-    check_dim(op, "topk_weights", w, 2)
-    if w.dtype != torch.float32:
-        _fail(op, f"topk_weights must be Float, got {dtype_name(w.dtype)}")
-    if w.device != x.device:
-        _fail(op, f"topk_weights is on {w.device}, expected {x.device}")
-    if w.shape != idx.shape:
-        _fail(op, f"topk_weights must have the shape of topk_idx {_shape(idx)}, got {_shape(w)}")
-
-
+# ---- argument checks (checks.h, the same messages: rowchecks' and wirechecks' primitives) ------
 def _check_prepare(x, idx, w, E, R, pre_error, payload):
     op = "epkit.prepare"
     if len(pre_error) <= _PRE["b"]:
-        _fail(op, "pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got "
-                  f"{len(pre_error)} values")
+        fail(op, "pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got "
+                 f"{len(pre_error)} values")
     check_num_ranks(op, R)
     if payload not in _BLOCKS:
-        _fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
+        fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
     if pre_error[_PRE["code"]] != 0:
         if not -R <= E <= MAX_EXPERTS:
-            _fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
+            fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
         return
     check_experts_ranks(op, E, R)
-    _check_routing(op, x, idx, w)
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        _fail(op, f"x must be float32 or bfloat16, got {dtype_name(x.dtype)}")
+    check_routing_args(op, x, idx, w)
+    check_float_dtype(op, "x", x.dtype)
     if len(pre_error) > _PRE["max_tokens"] and pre_error[_PRE["max_tokens"]] < -1:
-        _fail(op, "pre_error's max_tokens_per_rank must be >= -1, got "
-                  f"{pre_error[_PRE['max_tokens']]}")
+        fail(op, "pre_error's max_tokens_per_rank must be >= -1, got "
+                 f"{pre_error[_PRE['max_tokens']]}")
 
 
 # ---- device-generic pieces ----------------------------------------------------------------------
@@ -176,7 +115,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     # which carries the error in its words instead).
     i, e = torch.stack([bad, _at(flat, bad)]).tolist()
     if i >= 0:
-        _fail(op, f"topk_idx[{i // K}, {i % K}] = {e} outside [-1, {E})")
+        fail(op, f"topk_idx[{i // K}, {i % K}] = {e} outside [-1, {E})")
     tpe, tpr, spr, in_rank = counts(idx, E, R, with_slots=True)
     return tpe, tpr, spr, in_rank
 

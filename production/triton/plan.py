@@ -51,7 +51,8 @@ from .abi import (BLOCK_FP8_BLOCK128, BLOCK_MXFP8, DTYPE_BFLOAT16, EXCHANGE_AUTO
                   WORD_HIDDEN, WORD_PAYLOAD, WORD_TOPK, WORD_X_DTYPE)
 from ..memory import mark_host
 from .rowchecks import on_host
-from .layout import MAX_EXPERTS, MAX_RANKS, _fail, check_dim, check_experts_ranks, dtype_name
+from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_dim, check_dtype, check_experts_ranks,
+                        fail)
 from .transports import path_of
 from epkit.reference import abi
 
@@ -413,19 +414,18 @@ def _check_args(words, rank, E, transport, exchange):
     """checks.h check_plan_args; returns the transport's path."""
     op = "epkit.plan"
     check_dim(op, "words", words, 2)
-    if words.dtype != torch.int64:
-        _fail(op, f"words must be Long, got {dtype_name(words.dtype)}")
+    check_dtype(op, "words", words, torch.int64)
     R = words.shape[0]
     if not 1 <= R <= MAX_RANKS:
-        _fail(op, f"words must have one row per rank (1 to {MAX_RANKS}), got {R}")
+        fail(op, f"words must have one row per rank (1 to {MAX_RANKS}), got {R}")
     if not (-R <= E <= MAX_EXPERTS and words.shape[1] == abi.WORD_HEADER + E + R):
-        _fail(op, f"words must be [R, 8 + E + R] for R = {R} and num_experts {E}, got "
+        fail(op, f"words must be [R, 8 + E + R] for R = {R} and num_experts {E}, got "
                   f"{list(words.shape)}")
     if not 0 <= rank < R:
-        _fail(op, f"rank {rank} outside [0, {R})")
+        fail(op, f"rank {rank} outside [0, {R})")
     path = path_of(op, transport)
     if not _EX["ragged"] <= exchange <= _EX["static"]:
-        _fail(op, f"exchange code {exchange} outside [0, 5]")
+        fail(op, f"exchange code {exchange} outside [0, 5]")
     return path
 
 
@@ -468,14 +468,14 @@ def _raise_fault(words, fault):
     words = words.cpu()
     if head:
         h, k, p = words[0, 4].item(), words[0, 5].item(), words[0, 7].item()
-        _fail(op, f"words of rank 0 carry hidden {h}, topk {k}, payload {p}")
+        fail(op, f"words of rank 0 carry hidden {h}, topk {k}, payload {p}")
     if count >= 0:
         s, e = divmod(count, E)
-        _fail(op, f"words of rank {s} count {words[s, abi.WORD_HEADER + e].item()} slots for "
+        fail(op, f"words of rank {s} count {words[s, abi.WORD_HEADER + e].item()} slots for "
                   f"expert {e}")
     if tpr >= 0:
         s, d = divmod(tpr, R)
-        _fail(op, f"words of rank {s} count {words[s, abi.WORD_HEADER + E + d].item()} tokens "
+        fail(op, f"words of rank {s} count {words[s, abi.WORD_HEADER + E + d].item()} tokens "
                   f"for rank {d}")
 
 

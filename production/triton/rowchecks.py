@@ -11,8 +11,8 @@ Two kinds, as in checks.h:
   the kernels mask instead (an entry out of range reads and writes nothing) and nothing is
   raised.
 
-The primitives mirror those of ``wirechecks.py`` (pack / unpack's checks); they are small
-enough to keep each module self-contained. The checks that differ by transport are the paths'
+The primitives (``fail``, ``check_dim``, ``check_dtype``, ...) are the one Python body of
+checks.h's helpers: wirechecks.py (pack / unpack), layout.py and plan.py use them. The checks that differ by transport are the paths'
 (pairs.py, dedup.py); the shared ones here take the path an op resolved and ask it, and each
 op resolves it where checks.h checks the transport code, so the errors come in checks.h's
 order.
@@ -73,9 +73,14 @@ def check_nonneg(op, name, v):
         fail(op, f"{name} must be >= 0, got {v}")
 
 
-def check_experts_ranks(op, E, R):
+def check_num_ranks(op, R):
     if not 1 <= R <= MAX_RANKS:
         fail(op, f"num_ranks must be in [1, {MAX_RANKS}], got {R}")
+
+
+def check_experts_ranks(op, E, R):
+    """num_experts E >= 1, a multiple of num_ranks R (checks.h check_experts_ranks)."""
+    check_num_ranks(op, R)
     if not 1 <= E <= MAX_EXPERTS:
         fail(op, f"num_experts must be in [1, {MAX_EXPERTS}], got {E}")
     if E % R:

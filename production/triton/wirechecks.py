@@ -22,7 +22,7 @@ from epkit.reference import abi
 from .. import plan as W
 # The basic checks are rowchecks' (the same checks.h helpers, one body each).
 from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_device, check_dim, check_dtype,  # noqa: F401
-                        check_map, check_nonneg, check_size, fail)
+                        check_index_dtype, check_map, check_nonneg, check_size, fail)
 
 __all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_nonneg",
            "check_plan_header", "check_plan_transport", "check_plan_chunks", "check_send_buffer",
@@ -62,9 +62,7 @@ def check_routing_args(op, x, topk_idx, topk_weights):
     """x [T, H], topk_idx [T, K] of an integer dtype, topk_weights [T, K] float32, one device."""
     check_dim(op, "x", x, 2)
     check_dim(op, "topk_idx", topk_idx, 2)
-    dt = topk_idx.dtype
-    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-        fail(op, f"topk_idx must have an integer dtype, got {topk_idx.dtype}")
+    check_index_dtype(op, "topk_idx", topk_idx)
     check_device(op, "topk_idx", topk_idx, x.device)
     check_size(op, "topk_idx", topk_idx, 0, x.shape[0], "tokens of x")
     check_dim(op, "topk_weights", topk_weights, 2)

@@ -186,7 +186,7 @@ def test_bad_unit_places_are_refused():
         C.gather_units(y, rm, wt, DEDUP, True, torch.from_numpy(first), out)
     with pytest.raises(RuntimeError, match="pairs"):  # pairs places a row per row
         C.gather_units(y, rm[:, :1], wt, 0, True, torch.from_numpy(first), out)
-    with pytest.raises(RuntimeError, match="out must be BFloat16"):  # out in another dtype
+    with pytest.raises(RuntimeError, match="out must be torch.bfloat16"):  # out in another dtype
         C.gather_units(y, rm, wt, DEDUP, True, torch.from_numpy(first),
                        torch.empty((units, 8)))
     with pytest.raises(RuntimeError, match="first"):  # dedup needs its places

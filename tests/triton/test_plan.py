@@ -190,34 +190,6 @@ def test_plan_bad_options(cpp, option):
         assert int(plan[F["err_code"]]) in (11, 7)
 
 
-def _plan_bad_calls():
-    rng = np.random.default_rng(2)
-    w1, w2 = direct_words(rng, 1, 4, 2, 8, 1, 0, 3), direct_words(rng, 2, 4, 2, 8, 1, 0, 3)
-    ok = dict(words=w1, rank=0, E=4, align=2, cap=-1, tr=1, ex=0, mt=-1)
-
-    def call(**kw):
-        a = dict(ok, **kw)
-        return (a["words"], a["rank"], a["E"], a["align"], a["cap"], a["tr"], a["ex"], a["mt"])
-
-    return {
-        "ok": call(), "rank_equal_R": call(rank=1), "rank_negative": call(rank=-1),
-        "rank_past_two_ranks": call(words=w2, rank=2), "zero_ranks": call(words=w1[:0]),
-        "transport": call(tr=2), "exchange": call(ex=9), "exchange_negative": call(ex=-1),
-        "words_1d": call(words=w1.view(-1)), "words_float": call(words=w1.float()),
-        "words_int32": call(words=w1.int()), "words_width": call(words=w1[:, :-1]),
-        "experts_disagree_with_words": call(E=5), "negative_experts": call(words=w1[:, :8], E=-1),
-        "absurd_experts": call(E=2**40),
-    }
-
-
-@pytest.mark.parametrize("name", sorted(_plan_bad_calls()))
-def test_plan_metadata_errors(cpp, name):
-    args = _plan_bad_calls()[name]
-    want = raised(cpp.plan, *args)
-    assert (want is None) == (name == "ok")
-    assert raised(tp.plan, *args) == want
-
-
 def test_plan_error_words_with_few_experts(cpp):
     """Error words of prepare with E down to -R (the collective InputError path) plan to the
     same header-only plan, of the C++ kernel's size."""

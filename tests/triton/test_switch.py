@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 PROBE = r"""
 import sys, torch
 import epkit.ops

@@ -193,7 +193,7 @@ Tensor reduce_tokens_path(const Tensor& back_in, const Tensor& send_map_in,
     check_map_range(op, "send_map", mp, T * C, S, "rows of back");
     check_expert_range(op, ip, T * K, E);
     TORCH_CHECK(!bad_first.load(), op, ": a token row whose units lie outside back's ", U,
-                " (first names a unit out of range)");
+                " units (first names a unit out of range)");
     TORCH_CHECK(false, op, Path::kMissingRow);
   }
   return out;
