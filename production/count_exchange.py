@@ -14,8 +14,8 @@ every op that reads the plan on the host is handed):
   exactly the plan's routing-independent words, which are all the static exchange reads on the
   host. The group's error, if any, stays on the device: under an erroneous plan the kernels move
   no token, and :func:`epkit.device.check_static` raises it when the caller asks. A template
-  cannot know whether capacity dropped a slot: its ``dropped_any`` word says whether a capacity
-  is set (epkit.moves.may_drop then answers "maybe").
+  cannot know whether capacity dropped a slot: its ``dropped_any`` word is -1 ("maybe") when a
+  capacity is set, 0 when none is (epkit.moves.may_drop reads it).
 
 In host memory ``plan_host`` is a copy of the plan (an op's outputs never share storage).
 
@@ -86,21 +86,21 @@ def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
     """The plan (CPU kernel) of a routing-free template, as a host mirror: every rank with zero
     counts and ``shape`` = ``[H, K, dtype code, payload]``: exactly the plan's
     routing-independent words (ranks, experts, capacity, the static caps). Its ``dropped_any``
-    says whether a capacity is set: whether a slot may have been dropped (epkit.moves.may_drop)."""
+    is -1 ("maybe": a capacity is set) or 0 (none is), which epkit.moves.may_drop reads."""
     with host_work():
         template = mark_host(torch.zeros((R, W), dtype=torch.int64))
         F = {f: i for i, f in enumerate(abi.WORD_FIELDS)}
         for field, value in zip(("hidden", "topk", "x_dtype", "payload"), shape):
             template[:, F[field]] = int(value)
         mirror = mark_host(C.plan(template, *args))
-        mirror[DROPPED_ANY] = int(args[3] >= 0)  # args[3]: the capacity
+        mirror[DROPPED_ANY] = -1 if args[3] >= 0 else 0  # args[3]: the capacity; -1: maybe
     return mirror
 
 
 def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: int,
                capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
                static_shape: Optional[list] = None, topk_idx: Optional[torch.Tensor] = None,
-               capacity_factor: float = -1.0) -> torch.Tensor:
+               capacity_factor: float = -1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``epkit::count_exchange`` for device words: ``(the device plan, its host mirror)``;
     raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
 

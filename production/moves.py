@@ -64,10 +64,10 @@ def move_dispatch(buf: torch.Tensor, plan_host: torch.Tensor, group_name: str,
 # ---- dedup: the kept routing, and the return path of raw rows or partials -----------------------
 
 def may_drop(plan_host: torch.Tensor) -> bool:
-    """Whether capacity may have dropped a slot of this plan: its host words' ``DROPPED_ANY``
-    (a routing-free template's says whether a capacity is set at all:
+    """Whether capacity may have dropped a slot of this plan: its host words' ``DROPPED_ANY``, 1
+    (dropped) or -1 (a routing-free template with a capacity set: maybe;
     production/count_exchange.py)."""
-    return bool(int(plan_host[DROPPED_ANY]))
+    return int(plan_host[DROPPED_ANY]) != 0
 
 
 def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor,

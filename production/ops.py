@@ -118,6 +118,8 @@ def dispatch_tokens(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     send_bytes: int, recv_rows: int, expert_rows: int, workspace: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pack, exchange, unpack: ``(expert_x, row_src, row_weight, send_map, recv_map)``.
+    ``plan`` [n] int64 on x's device and ``plan_host`` [n] int64 in host memory (its words, as
+    count_exchange returned them: every size and split read on the host comes from it).
     ``workspace``: the Dispatcher's (production/workspace.py; -1: none), the receive buffer's
     home."""
     send = ws_empty(allocator(workspace, SEND), (send_bytes,), torch.uint8, x)
@@ -308,6 +310,7 @@ def combine_tokens(expert_y: torch.Tensor, row_weight: torch.Tensor, topk_idx: t
     bit-identical to ``row_weight``) and adds them over d ascending, into node partials first
     when the plan's ``ranks_per_node`` is above 1 (arith.grouped_total_sum).
 
+    ``plan_host``: the plan's words in host memory (the return path's sizes and splits).
     ``check`` is this rank's call header (production/agree.py) when the ranks agree inside the op
     (under torch.compile, so no data-dependent branch is traced); empty when the caller
     agreed already (the eager path).

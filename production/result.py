@@ -28,7 +28,9 @@ class Handle:
         recv_map: ``[N, cols]`` int64, the expert-major row of each received row's slots.
         plan: int64, the plan (production/plan.py), on x's device.
         plan_host: int64, its words in host memory (epkit::count_exchange's second output): what
-            combine and the backward passes read on the host, so they wait for nothing.
+            combine and the backward passes read on the host, so they wait for nothing. For
+            the static exchange on the device path, a routing-free template's words: the
+            plan's routing-independent words, which are all a static step reads on the host.
         config: the :class:`epkit.Dispatcher` that dispatched (its transport and exchange).
         x_dtype: x's dtype, the dtype combine returns.
         call_number: the call header's number of this dispatch (-1 when traced).
@@ -134,8 +136,8 @@ def build(config, call_number: int, x, topk_idx, topk_weights, plan, plan_host, 
 
 
 def seal_of(h: Handle) -> tuple:
-    """What combine and the backward passes read from a dispatch besides row_weight: the plan,
-    the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
+    """What combine and the backward passes read from a dispatch besides row_weight: the plan
+    and its host words, the maps, the routing and x's dtype. Each tensor by identity and version counter, so a
     field replaced, or written in place, after dispatch no longer matches (FOREIGN_DISPATCH),
     instead of sending one rank's kernels out of bounds or out of step."""
     ts = (h.plan, h.plan_host, h.recv_map, h.send_map, h.topk_idx, h.topk_weights)

@@ -121,7 +121,8 @@ PLAN_FIELDS = (
     "send_bytes", "recv_bytes",  # the dispatch exchange, in bytes
     "nonuniform_rank",  # lowest source rank with a count unlike rank 0's first (-1: uniform)
     "dropped_any",      # 1: capacity dropped a slot somewhere in the group (dedup: the count
-                        # exchange gathers the token rows once more and plans again)
+                        # exchange gathers the token rows once more and plans again); -1 in
+                        # production's routing-free template mirror: "maybe" (a capacity is set)
     "ranks_per_node",   # G: the nodes of the combine's summation order (arith.py); written by
                         # epkit.count_exchange, 0 read as 1
 )

@@ -26,12 +26,6 @@ constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // tokens t
 // What a transport's rows can encode (k, j) is its path's (pairs.h, dedup.h).
 
 // ---- tensors ------------------------------------------------------------------------------
-// A dtype as Python spells it (torch.float32, not Float): the name the Triton kernels' checks
-// (production/triton/rowchecks.py) print too, so both tiers give one message.
-inline std::string dtype_name(at::ScalarType dt) {
-  return "torch." + std::string(c10::getDtypeNames(dt).first);
-}
-
 inline void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
   TORCH_CHECK(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got ", t.dim(),
@@ -104,6 +98,20 @@ inline void check_plan_tensor(const char* op, const Tensor& plan, at::Device dev
   TORCH_CHECK(plan.is_contiguous(), op, ": plan must be contiguous");
   TORCH_CHECK(plan.numel() >= kPlanHeader, op, ": plan has ", plan.numel(),
               " words, fewer than its ", static_cast<int64_t>(kPlanHeader), "-word header");
+}
+
+// plan_host (optional): the plan's words in host memory, which the device path's kernels size
+// their launches from (the CPU kernels read the plan itself): 1-D int64 on the CPU, as many
+// words as the plan.
+inline void check_plan_host(const char* op, const std::optional<Tensor>& plan_host,
+                            const Tensor& plan) {
+  if (!plan_host.has_value()) return;
+  const Tensor& h = *plan_host;
+  check_dim(op, "plan_host", h, 1);
+  check_dtype(op, "plan_host", h, at::kLong);
+  check_device(op, "plan_host", h, at::Device(at::kCPU));
+  TORCH_CHECK(h.numel() == plan.numel(), op, ": plan_host has ", h.numel(), " words, the plan ",
+              plan.numel());
 }
 
 // The header of a plan made by epkit.plan (p: n words of host memory): R >= 1, E % R == 0,
@@ -252,9 +260,11 @@ inline void check_plan_options(int64_t E, int64_t R, int64_t align, int64_t capa
 // Tensors of pack (no data read). Then check_pack_plan with the plan's host words.
 inline void check_pack_args(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                             const Tensor& plan, int64_t transport, int64_t send_bytes,
+                            const std::optional<Tensor>& plan_host,
                             const char* op = "epkit.pack") {
   check_routing_args(op, x, topk_idx, topk_weights);
   check_plan_tensor(op, plan, x.device());
+  check_plan_host(op, plan_host, plan);
   check_transport(op, transport);
   check_nonneg(op, "send_bytes", send_bytes);
   with_transport(op, transport, [&](auto path) {
@@ -296,11 +306,13 @@ inline PlanOffsets check_pack_plan(const int64_t* p, int64_t n, int64_t transpor
 
 inline void check_unpack_args(const Tensor& recv, const Tensor& plan, int64_t transport,
                               int64_t hidden, at::ScalarType dtype, int64_t topk,
-                              int64_t recv_rows, int64_t expert_rows) {
+                              int64_t recv_rows, int64_t expert_rows,
+                              const std::optional<Tensor>& plan_host) {
   constexpr const char* op = "epkit.unpack";
   check_dim(op, "recv", recv, 1);
   check_dtype(op, "recv", recv, at::kByte);
   check_plan_tensor(op, plan, recv.device());
+  check_plan_host(op, plan_host, plan);
   check_transport(op, transport);
   TORCH_CHECK(hidden >= 0 && hidden <= std::numeric_limits<int32_t>::max(), op, ": hidden ",
               hidden, " outside [0, 2^31)");
@@ -310,7 +322,7 @@ inline void check_unpack_args(const Tensor& recv, const Tensor& plan, int64_t tr
   TORCH_CHECK(topk >= 0 && topk <= max_topk, op, ": topk ", topk, " out of range for transport ",
               transport);
   TORCH_CHECK(dtype != at::ScalarType::Undefined && c10::elementSize(dtype) >= 1, op,
-              ": dtype ", dtype, " has no element size");
+              ": dtype ", dtype_name(dtype), " has no element size");
   check_nonneg(op, "recv_rows", recv_rows);
   check_nonneg(op, "expert_rows", expert_rows);
 }

@@ -266,12 +266,18 @@ constexpr int64_t kRowGrain = 16;
 }  // namespace epkit
 
 namespace epkit {
+// A dtype as Python spells it (torch.float32, not Float): the name the Triton kernels' checks
+// (production/triton/rowchecks.py) print too, so both tiers give one message.
+inline std::string dtype_name(at::ScalarType dt) {
+  return "torch." + std::string(c10::getDtypeNames(dt).first);
+}
+
 // Calls f(T{}) with T = float or at::BFloat16: the two payload dtypes of the arithmetic kernels.
 template <typename F>
 inline void dispatch_float_types(at::ScalarType dt, const char* name, F&& f) {
   if (dt == at::kFloat) f(float{});
   else if (dt == at::kBFloat16) f(at::BFloat16{});
-  else TORCH_CHECK(false, name, ": dtype must be float32 or bfloat16, got ", dt);
+  else TORCH_CHECK(false, name, ": dtype must be float32 or bfloat16, got ", dtype_name(dt));
 }
 // Exact widening to float32 and round-to-nearest-even narrowing.
 inline float widen(float v) { return v; }

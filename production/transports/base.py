@@ -11,8 +11,9 @@ for the node-aware one) behind two functions::
     dispatch(dispatcher, seq, x, topk_idx, topk_weights, local, G) -> Dispatch
     combine(dispatcher, expert_y, d, weighted, check) -> out
 
-and its kernels by its code (``csrc/transports.h``'s ``with_transport``, ``triton/transports.py``'s
-``PATHS``). Codes come from reference/abi.py.
+and its kernels by its ``path`` (the code of the kernel path its rows take, which the ops get:
+``csrc/transports.h``'s ``with_transport``, ``triton/transports.py``'s ``PATHS``). Its facts are
+those of that path's rows (tests/architecture/test_tables.py). Codes come from reference/abi.py.
 """
 
 from __future__ import annotations

@@ -29,35 +29,13 @@ from .abi import (REASON_DUPLICATE_EXPERT, REASON_HIDDEN_NOT_MULT32, REASON_INDE
                   WORD_PAYLOAD, WORD_TOKENS, WORD_TOPK, WORD_X_DTYPE)
 from epkit.reference import abi
 
-from .rowchecks import (MAX_EXPERTS, check_dim, check_experts_ranks, check_float_dtype,
-                        check_index_dtype, check_num_ranks, fail)
-from .wirechecks import check_routing_args
+from .rowchecks import check_layout_args, fail
+from .wirechecks import check_prepare_args
 
 __all__ = ["layout", "prepare", "counts"]
 
 _PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
 _BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
-
-
-# ---- argument checks (checks.h, the same messages: rowchecks' and wirechecks' primitives) ------
-def _check_prepare(x, idx, w, E, R, pre_error, payload):
-    op = "epkit.prepare"
-    if len(pre_error) <= _PRE["b"]:
-        fail(op, "pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got "
-                 f"{len(pre_error)} values")
-    check_num_ranks(op, R)
-    if payload not in _BLOCKS:
-        fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
-    if pre_error[_PRE["code"]] != 0:
-        if not -R <= E <= MAX_EXPERTS:
-            fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
-        return
-    check_experts_ranks(op, E, R)
-    check_routing_args(op, x, idx, w)
-    check_float_dtype(op, "x", x.dtype)
-    if len(pre_error) > _PRE["max_tokens"] and pre_error[_PRE["max_tokens"]] < -1:
-        fail(op, "pre_error's max_tokens_per_rank must be >= -1, got "
-                 f"{pre_error[_PRE['max_tokens']]}")
 
 
 # ---- device-generic pieces ----------------------------------------------------------------------
@@ -104,9 +82,7 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     the last. Raises for an id outside [-1, E), the first in (t, k) order, as cpu/layout.cpp."""
     op = "epkit.layout"
     E, R = int(num_experts), int(num_ranks)
-    check_dim(op, "topk_idx", topk_idx, 2)
-    check_index_dtype(op, "topk_idx", topk_idx)
-    check_experts_ranks(op, E, R)
+    check_layout_args(topk_idx, E, R)
     idx = topk_idx.to(torch.int64).contiguous()
     T, K = idx.shape
     flat = idx.view(-1)
@@ -323,7 +299,7 @@ def prepare(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
     verdict, which travels as is (the tensors are then not looked at)."""
     E, R, payload = int(num_experts), int(num_ranks), int(payload)
     pre = [int(v) for v in pre_error]
-    _check_prepare(x, topk_idx, topk_weights, E, R, pre, payload)
+    check_prepare_args(x, topk_idx, topk_weights, E, R, pre, payload)
     dev = topk_idx.device
     words = torch.empty(abi.WORD_HEADER + E + R, dtype=torch.int64, device=dev)
     x_dtype = pre[_PRE["x_dtype"]] if len(pre) > _PRE["x_dtype"] else 0

@@ -45,11 +45,10 @@ from ..plan import host_words
 from . import byterows, ranks
 from .inverse import invert
 from .planview import PlanView
-from .transports import path_of
-from .wirechecks import (check_dim, check_device, check_dtype, check_map, check_nonneg,
-                         check_plan_chunks, check_plan_header, check_plan_tensor,
-                         check_plan_transport, check_routing_args, check_send_buffer,
-                         check_size, fail, row_bytes)
+from .transports import PATHS
+from .wirechecks import (check_pack_args, check_plan_chunks, check_plan_header,
+                         check_plan_transport, check_scatter_args, check_scatter_into_args,
+                         check_send_buffer, fail, row_bytes)
 
 __all__ = ["pack", "pack_into", "scatter_rows", "scatter_rows_into"]
 
@@ -68,10 +67,8 @@ def _readable(t: torch.Tensor) -> bool:
 def _check_pack(op, x, topk_idx, topk_weights, plan, transport, num_ranks, SB, plan_host):
     """checks.h check_pack_args + check_pack_plan; returns the plan's host words and the
     transport's path."""
-    check_routing_args(op, x, topk_idx, topk_weights)
-    check_plan_tensor(op, plan, x.device)
-    path = path_of(op, transport)
-    check_nonneg(op, "send_bytes", SB)
+    check_pack_args(op, x, topk_idx, topk_weights, plan, transport, SB, plan_host)  # the fake's too
+    path = PATHS[transport]
     path.check_pack_topk(op, topk_idx.shape[1])
     p = (host_words(plan) if plan_host is None else plan_host).tolist()
     op = "epkit.pack"  # the plan checks name pack, as in checks.h
@@ -197,14 +194,6 @@ def pack_into(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tenso
     return _pack_into_send(x, topk_idx, topk_weights, plan, path, p, send)
 
 
-def _check_scatter(op, src, send_map, S):
-    check_dim(op, "src", src, 2)
-    check_map(op, "send_map", send_map)
-    check_device(op, "send_map", send_map, src.device)
-    check_size(op, "send_map", send_map, 0, src.shape[0], "tokens of src")
-    check_nonneg(op, "send_rows", S)
-
-
 def _check_map_data(op: str, m: torch.Tensor, S: int, C: int) -> None:
     """The C++ kernel's checks of send_map's entries: in [-1, S), no send row named twice."""
     bad = (m < -1) | (m >= S)
@@ -243,7 +232,7 @@ def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> t
     """src [T, H] any dtype, send_map [T, C] int64 -> [send_rows, H] of src's dtype: row r is
     the token whose entry names r, zeros where none does."""
     S = int(send_rows)
-    _check_scatter("epkit.scatter_rows", src, send_map, S)
+    check_scatter_args("epkit.scatter_rows", src, send_map, S)
     out = torch.empty((S, src.shape[1]), dtype=src.dtype, device=src.device)
     _scatter_into("epkit.scatter_rows", src, send_map, out)
     return out
@@ -252,11 +241,5 @@ def scatter_rows(src: torch.Tensor, send_map: torch.Tensor, send_rows: int) -> t
 def scatter_rows_into(src: torch.Tensor, send_map: torch.Tensor, out: torch.Tensor) -> None:
     """scatter_rows into ``out`` [send_rows, H] (src's dtype, contiguous)."""
     op = "epkit.scatter_rows_into"
-    check_dim(op, "out", out, 2)
-    _check_scatter(op, src, send_map, out.shape[0])
-    check_dtype(op, "out", out, src.dtype)
-    check_device(op, "out", out, src.device)
-    if not out.is_contiguous():
-        fail(op, "out must be contiguous")
-    check_size(op, "out", out, 1, src.shape[1], "hidden of src")
+    check_scatter_into_args(op, src, send_map, out)
     _scatter_into(op, src, send_map, out)

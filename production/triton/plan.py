@@ -51,9 +51,9 @@ from .abi import (BLOCK_FP8_BLOCK128, BLOCK_MXFP8, DTYPE_BFLOAT16, EXCHANGE_AUTO
                   WORD_HIDDEN, WORD_PAYLOAD, WORD_TOPK, WORD_X_DTYPE)
 from ..memory import mark_host
 from .rowchecks import on_host
-from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_dim, check_dtype, check_experts_ranks,
-                        fail)
-from .transports import path_of
+from .rowchecks import check_experts_ranks, fail
+from .wirechecks import check_plan_args
+from .transports import PATHS
 from epkit.reference import abi
 
 __all__ = ["plan", "plan_words_size"]
@@ -411,22 +411,10 @@ _BS, _BX = 8, 32
 
 # ---- argument checks (checks.h check_plan_args / check_plan_options) ----------------------------
 def _check_args(words, rank, E, transport, exchange):
-    """checks.h check_plan_args; returns the transport's path."""
-    op = "epkit.plan"
-    check_dim(op, "words", words, 2)
-    check_dtype(op, "words", words, torch.int64)
-    R = words.shape[0]
-    if not 1 <= R <= MAX_RANKS:
-        fail(op, f"words must have one row per rank (1 to {MAX_RANKS}), got {R}")
-    if not (-R <= E <= MAX_EXPERTS and words.shape[1] == abi.WORD_HEADER + E + R):
-        fail(op, f"words must be [R, 8 + E + R] for R = {R} and num_experts {E}, got "
-                  f"{list(words.shape)}")
-    if not 0 <= rank < R:
-        fail(op, f"rank {rank} outside [0, {R})")
-    path = path_of(op, transport)
-    if not _EX["ragged"] <= exchange <= _EX["static"]:
-        fail(op, f"exchange code {exchange} outside [0, 5]")
-    return path
+    """checks.h check_plan_args (wirechecks.check_plan_args, which the fake kernel runs too);
+    returns the transport's path."""
+    check_plan_args(words, rank, E, transport, exchange)
+    return PATHS[transport]
 
 
 def _option_error(E, R, align, capacity, exchange, max_tokens):

@@ -87,6 +87,14 @@ def check_experts_ranks(op, E, R):
         fail(op, f"num_experts {E} is not a multiple of num_ranks {R}")
 
 
+def check_layout_args(topk_idx, E, R):
+    """checks.h check_layout_args."""
+    op = "epkit.layout"
+    check_dim(op, "topk_idx", topk_idx, 2)
+    check_index_dtype(op, "topk_idx", topk_idx)
+    check_experts_ranks(op, E, R)
+
+
 def check_weights_1d(op, row_weight, y):
     check_dim(op, "row_weight", row_weight, 1)
     check_dtype(op, "row_weight", row_weight, torch.float32)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from epkit.reference import abi
 
 from . import dedup, pairs
-from .rowchecks import fail
+from .wirechecks import check_transport
 
 __all__ = ["PATHS", "INTERFACE", "path_of"]
 
@@ -49,13 +49,8 @@ INTERFACE = (
 PATHS = {abi.TRANSPORT_CODES["pairs"]: pairs, abi.TRANSPORT_CODES["dedup"]: dedup}
 assert all(hasattr(path, name) for path in PATHS.values() for name in INTERFACE), \
     "a path module without a name of the interface"
-_CHOICES = " or ".join(f"{code} ({path.NAME})" for code, path in PATHS.items())
-
-
 def path_of(op: str, transport: int):
     """The path module of ``transport``; raises checks.h check_transport's error for a code
-    that names none."""
-    path = PATHS.get(transport)
-    if path is None:
-        fail(op, f"transport must be {_CHOICES}, got {transport}")
-    return path
+    that names none (wirechecks.check_transport: the transports whose rows are a kernel path)."""
+    check_transport(op, transport)
+    return PATHS[transport]

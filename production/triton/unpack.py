@@ -51,10 +51,9 @@ from . import byterows, rowspace
 from .planview import PlanView
 from ._runtime import INTERPRETED, cdiv, launch, tl, triton
 from .abi import PLAN_ERR_CODE
-from .transports import path_of
-from .wirechecks import (STATUS_BITS, check_dim, check_dtype, check_nonneg, check_plan_chunks,
-                         check_plan_header, check_plan_tensor, check_plan_transport, fail,
-                         row_bytes)
+from .transports import PATHS
+from .wirechecks import (STATUS_BITS, check_nonneg, check_plan_chunks, check_plan_header,
+                         check_plan_transport, check_unpack_args, fail, row_bytes)
 
 __all__ = ["unpack", "unpack_with_status", "status_word", "STATUS_BITS"]
 
@@ -88,12 +87,8 @@ def _check(recv, plan, transport, H, dtype, K, N, M, plan_host):
     """checks.h check_unpack_args + check_unpack_plan; returns the plan's host words and the
     transport's path."""
     op = "epkit.unpack"
-    check_dim(op, "recv", recv, 1)
-    check_dtype(op, "recv", recv, torch.uint8)
-    check_plan_tensor(op, plan, recv.device)
-    path = path_of(op, transport)
-    if not 0 <= H <= (1 << 31) - 1:
-        fail(op, f"hidden {H} outside [0, 2^31)")
+    check_unpack_args(recv, plan, transport, H, plan_host)  # the fake's checks too
+    path = PATHS[transport]
     if not 0 <= K <= path.MAX_TOPK:
         fail(op, f"topk {K} out of range for transport {transport}")
     check_nonneg(op, "recv_rows", N)

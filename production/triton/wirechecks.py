@@ -9,6 +9,11 @@ are here too (unpack and the paths' index passes, pairs.py and dedup.py, set the
 
 The checks that differ by transport take the path (pairs.py or dedup.py, resolved by
 ``transports.path_of``) and ask it; the path modules import this one, not the other way round.
+
+The ``check_<op>_args`` functions are each op's metadata checks up to the first that needs the
+kernel path or the plan's words: the Triton kernels open with them, and the fake kernels
+(production/fakes.py) run them too, so a bad call raises the C++ kernel's message under
+torch.compile and on meta tensors. Nothing here imports Triton.
 """
 
 from __future__ import annotations
@@ -20,15 +25,21 @@ import torch
 from epkit.reference import abi
 
 from .. import plan as W
+from ..transports import TABLE as _TRANSPORTS
 # The basic checks are rowchecks' (the same checks.h helpers, one body each).
 from .rowchecks import (MAX_EXPERTS, MAX_RANKS, check_device, check_dim, check_dtype,  # noqa: F401
-                        check_index_dtype, check_map, check_nonneg, check_size, fail)
+                        check_experts_ranks, check_float_dtype, check_index_dtype, check_map,
+                        check_nonneg, check_num_ranks, check_size, fail)
 
 __all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "check_nonneg",
+           "check_transport", "check_prepare_args", "check_plan_args", "check_pack_args",
+           "check_unpack_args", "check_scatter_args", "check_scatter_into_args",
            "check_plan_header", "check_plan_transport", "check_plan_chunks", "check_send_buffer",
            "check_map", "row_bytes", "STATUS_BITS", "status_bit"]
 
 TRANSPORT, ALIGN = abi.PLAN_FIELDS.index("transport"), abi.PLAN_FIELDS.index("align")
+_PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
+_BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
 
 # The unpack status bits: what the device checks of the received chunks found (the bits of the
 # old CUDA kernel; unpack.py's docstring says how they travel).
@@ -58,6 +69,20 @@ def status_of(bits) -> torch.Tensor:
     return functools.reduce(torch.bitwise_or, bits)
 
 
+def _kernel_paths() -> dict:
+    """code -> name of the transports that are a kernel path (their rows are their own)."""
+    return {t.code: t.name for t in sorted(_TRANSPORTS.values(), key=lambda t: t.code)
+            if t.path == t.code}
+
+
+def check_transport(op, transport: int) -> None:
+    """checks.h check_transport: the code names a kernel path."""
+    paths = _kernel_paths()
+    if transport not in paths:
+        choices = " or ".join(f"{code} ({name})" for code, name in paths.items())
+        fail(op, f"transport must be {choices}, got {transport}")
+
+
 def check_routing_args(op, x, topk_idx, topk_weights):
     """x [T, H], topk_idx [T, K] of an integer dtype, topk_weights [T, K] float32, one device."""
     check_dim(op, "x", x, 2)
@@ -81,6 +106,101 @@ def check_plan_tensor(op, plan, dev):
         fail(op, "plan must be contiguous")
     if plan.numel() < W.PLAN_HEADER:
         fail(op, f"plan has {plan.numel()} words, fewer than its {W.PLAN_HEADER}-word header")
+
+
+def check_prepare_args(x, topk_idx, topk_weights, E, R, pre_error, payload):
+    """checks.h check_prepare_args. A nonzero code in ``pre_error`` is the caller's own verdict
+    on its arguments, which then travels in the words: the tensors are not looked at."""
+    op = "epkit.prepare"
+    if len(pre_error) <= _PRE["b"]:
+        fail(op, "pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got "
+                 f"{len(pre_error)} values")
+    check_num_ranks(op, R)
+    if payload not in _BLOCKS:
+        fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
+    if pre_error[_PRE["code"]] != 0:
+        if not -R <= E <= MAX_EXPERTS:
+            fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
+        return
+    check_experts_ranks(op, E, R)
+    check_routing_args(op, x, topk_idx, topk_weights)
+    check_float_dtype(op, "x", x.dtype)
+    if len(pre_error) > _PRE["max_tokens"] and pre_error[_PRE["max_tokens"]] < -1:
+        fail(op, "pre_error's max_tokens_per_rank must be >= -1, got "
+                 f"{pre_error[_PRE['max_tokens']]}")
+
+
+def check_plan_args(words, rank, E, transport, exchange):
+    """checks.h check_plan_args."""
+    op = "epkit.plan"
+    check_dim(op, "words", words, 2)
+    check_dtype(op, "words", words, torch.int64)
+    R = words.shape[0]
+    if not 1 <= R <= MAX_RANKS:
+        fail(op, f"words must have one row per rank (1 to {MAX_RANKS}), got {R}")
+    if not (-R <= E <= MAX_EXPERTS and words.shape[1] == abi.WORD_HEADER + E + R):
+        fail(op, f"words must be [R, 8 + E + R] for R = {R} and num_experts {E}, got "
+                 f"{list(words.shape)}")
+    if not 0 <= rank < R:
+        fail(op, f"rank {rank} outside [0, {R})")
+    check_transport(op, transport)
+    codes = abi.EXCHANGE_CODES
+    if not codes["ragged"] <= exchange <= codes["static"]:
+        fail(op, f"exchange code {exchange} outside [0, 5]")
+
+
+def check_plan_host(op, plan_host, plan):
+    """checks.h check_plan_host: the plan's words in host memory (optional), 1-D int64 on the
+    CPU, as many words as the plan."""
+    if plan_host is None:
+        return
+    check_dim(op, "plan_host", plan_host, 1)
+    check_dtype(op, "plan_host", plan_host, torch.int64)
+    check_device(op, "plan_host", plan_host, torch.device("cpu"))
+    if plan_host.numel() != plan.numel():
+        fail(op, f"plan_host has {plan_host.numel()} words, the plan {plan.numel()}")
+
+
+def check_pack_args(op, x, topk_idx, topk_weights, plan, transport, SB, plan_host=None):
+    """checks.h check_pack_args, up to what the transport's path checks."""
+    check_routing_args(op, x, topk_idx, topk_weights)
+    check_plan_tensor(op, plan, x.device)
+    check_plan_host(op, plan_host, plan)
+    check_transport(op, transport)
+    check_nonneg(op, "send_bytes", SB)
+
+
+def check_unpack_args(recv, plan, transport, H, plan_host=None):
+    """checks.h check_unpack_args, up to what the transport's path checks."""
+    op = "epkit.unpack"
+    check_dim(op, "recv", recv, 1)
+    check_dtype(op, "recv", recv, torch.uint8)
+    check_plan_tensor(op, plan, recv.device)
+    check_plan_host(op, plan_host, plan)
+    check_transport(op, transport)
+    if not 0 <= H <= (1 << 31) - 1:
+        fail(op, f"hidden {H} outside [0, 2^31)")
+
+
+def check_scatter_args(op, src, send_map, S):
+    """checks.h check_scatter_args (scatter_rows; scatter_rows_into with S its out's rows)."""
+    check_dim(op, "src", src, 2)
+    check_map(op, "send_map", send_map)
+    check_device(op, "send_map", send_map, src.device)
+    check_size(op, "send_map", send_map, 0, src.shape[0], "tokens of src")
+    check_nonneg(op, "send_rows", S)
+
+
+def check_scatter_into_args(op, src, send_map, out):
+    """scatter_rows_into: check_scatter_args with out's rows, then out itself ([S, H] of src's
+    dtype, on its device, contiguous)."""
+    check_dim(op, "out", out, 2)
+    check_scatter_args(op, src, send_map, out.shape[0])
+    check_dtype(op, "out", out, src.dtype)
+    check_device(op, "out", out, src.device)
+    if not out.is_contiguous():
+        fail(op, "out must be contiguous")
+    check_size(op, "out", out, 1, src.shape[1], "hidden of src")
 
 
 def check_send_buffer(op, send, dev):

@@ -30,6 +30,30 @@ def test_transports_have_a_row_in_every_tier():
         importlib.import_module(f"epkit.{row.module}")  # the module that carries it out
 
 
+# The facts the ops, their fakes, the count exchange and the return path ask of the row of the
+# kernel path they run (the ops get the path's code): a transport must state them as its path
+# does, or its own row (validation, static sizes) and the ops would disagree.
+PATH_FACTS = ("replans_after_drops", "slot_sections", "slot_cap_field", "rows_hold_many_slots",
+              "returns_units", "max_topk", "max_local")
+
+
+def test_every_transport_states_the_facts_of_its_kernel_path():
+    import torch
+
+    from epkit import transports
+
+    for row in transports.TABLE.values():
+        path = transports.TABLE_BY_CODE.get(row.path)
+        assert path is not None and path.path == path.code, f"{row.name}: path {row.path}"
+        for fact in PATH_FACTS:
+            assert getattr(row, fact) == getattr(path, fact), f"{row.name}.{fact}"
+        for K, R in ((1, 1), (8, 4), (255, 64)):
+            assert row.send_map_cols(K, R) == path.send_map_cols(K, R), row.name
+            assert row.recv_map_cols(K) == path.recv_map_cols(K), row.name
+        for dt in (torch.float32, torch.bfloat16):
+            assert row.back_dtype(dt) == path.back_dtype(dt), row.name
+
+
 def _cpp_members(path: str) -> set:
     """The static members of the one path struct a csrc header declares."""
     import re

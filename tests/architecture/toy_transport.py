@@ -48,6 +48,7 @@ def register() -> None:
 
     if NAME in abi.TRANSPORT_CODES:
         return
+    assert CODE not in abi.TRANSPORT_CODES.values(), f"code {CODE} is taken: pick a free one"
     abi.TRANSPORT_CODES[NAME] = CODE
     reference_transports.TABLE[NAME] = ReferenceToy()
     row = _production_row()

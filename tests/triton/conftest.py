@@ -17,7 +17,13 @@ def cpp():
     import torch
 
     import epkit.ops  # noqa: F401  (loads the library)
+    from epkit import triton as registry
 
+    # under EPKIT_KERNELS=triton torch.ops.epkit on CPU would be the Triton kernels themselves,
+    # and every comparison here a kernel against itself
+    assert "CPU" not in registry.registered_keys(), (
+        "tests/triton compare the Triton kernels with the C++ ones: run them without "
+        "EPKIT_KERNELS=triton")
     return torch.ops.epkit
 
 

@@ -94,9 +94,10 @@ Tensor pack_into_send(const Tensor& x_in, const Tensor& topk_idx, const Tensor& 
 std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
                                     const Tensor& topk_weights, const Tensor& plan_t,
                                     int64_t transport, int64_t num_ranks, c10::SymInt send_bytes,
-                                    const std::optional<Tensor>& /*plan_host: the plan is host memory*/) {
+                                    const std::optional<Tensor>& plan_host) {
   const int64_t SB = send_bytes.expect_int();
-  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB);
+  // plan_host is checked, not read: the CPU kernel reads the plan, host memory itself
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, SB, plan_host);
   const PlanOffsets o = plan_offsets(x_in, plan_t, transport, num_ranks, SB);
   Tensor send = empty_large({SB}, at::kByte);
   Tensor send_map = pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, o, send);
@@ -106,10 +107,10 @@ std::tuple<Tensor, Tensor> pack_cpu(const Tensor& x_in, const Tensor& topk_idx,
 Tensor pack_into_cpu(const Tensor& x_in, const Tensor& topk_idx, const Tensor& topk_weights,
                      const Tensor& plan_t, int64_t transport, int64_t num_ranks,
                      const Tensor& send,
-                     const std::optional<Tensor>& /*plan_host: the plan is host memory*/) {
+                     const std::optional<Tensor>& plan_host) {
   constexpr const char* op = "epkit.pack_into";
   check_send_buffer(op, send, x_in.device());
-  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), op);
+  check_pack_args(x_in, topk_idx, topk_weights, plan_t, transport, send.numel(), plan_host, op);
   const PlanOffsets o = plan_offsets(x_in, plan_t, transport, num_ranks, send.numel());
   return pack_into_send(x_in, topk_idx, topk_weights, plan_t, transport, o, send);
 }

@@ -94,9 +94,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> unpack_cpu(const Tensor& recv_in, con
                                                       at::ScalarType dtype, int64_t K,
                                                       c10::SymInt recv_rows,
                                                       c10::SymInt expert_rows,
-                                                      const std::optional<Tensor>& /*plan_host*/) {
+                                                      const std::optional<Tensor>& plan_host) {
   const int64_t M = expert_rows.expect_int(), N = recv_rows.expect_int();
-  check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M);
+  check_unpack_args(recv_in, plan_t, transport, H, dtype, K, N, M, plan_host);
   const Tensor recv = recv_in.contiguous();
   const int64_t* plan = plan_t.data_ptr<int64_t>();
   const int64_t P = H * static_cast<int64_t>(c10::elementSize(dtype));
