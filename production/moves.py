@@ -28,9 +28,9 @@ C = torch.ops.epkit  # the kernel bench swaps this module's C to record the call
 def move_rows(buf: torch.Tensor, plan_host: torch.Tensor, group_name: str, reverse: bool,
               async_op: bool = False, what: str = "epkit", alloc=None):
     """All-to-all of row-space ``buf`` (combine, the backward passes) along the counts of
-    ``plan_host`` (the plan's host words: no host wait); ``reverse``: expert side -> source side. With
-    ``async_op``, returns a callable that waits and returns the rows. ``alloc``: the receive
-    buffer's workspace (production/workspace.py)."""
+    ``plan_host`` (the plan's host words: no host wait); ``reverse``: expert side -> source
+    side. With ``async_op``, returns a callable that waits and returns the rows. ``alloc``: the
+    receive buffer's workspace (production/workspace.py)."""
     R = int(plan_host[RANKS])
     v = variant_of(plan_host)
     variant = v.name

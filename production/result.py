@@ -114,8 +114,8 @@ def build(config, call_number: int, x, topk_idx, topk_weights, plan, plan_host, 
     rows from the exchange."""
     R = dist.get_world_size(config.group)
     handle = Handle(topk_idx, topk_weights.detach(), send_map, recv_map, plan, plan_host, config,
-                    x.dtype, call_number, expert_x.shape[0], expert_x.shape[1], group_name(config.group),
-                    hier_state)
+                    x.dtype, call_number, expert_x.shape[0], expert_x.shape[1],
+                    group_name(config.group), hier_state)
     tpe, offsets, dropped, sent, padded = ops.dispatch_counts(plan, R, int(config.num_experts))
     d = Dispatch(
         expert_x=expert_x,

@@ -30,12 +30,12 @@ from .abi import (REASON_DUPLICATE_EXPERT, REASON_HIDDEN_NOT_MULT32, REASON_INDE
 from epkit.reference import abi
 
 from .rowchecks import check_layout_args, fail
+from .wirechecks import BLOCKS as _BLOCKS
+from .wirechecks import PRE as _PRE
 from .wirechecks import check_prepare_args
 
 __all__ = ["layout", "prepare", "counts"]
 
-_PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
-_BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
 
 
 # ---- device-generic pieces ----------------------------------------------------------------------

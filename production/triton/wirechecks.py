@@ -38,8 +38,8 @@ __all__ = ["fail", "check_dim", "check_routing_args", "check_plan_tensor", "chec
            "check_map", "row_bytes", "STATUS_BITS", "status_bit"]
 
 TRANSPORT, ALIGN = abi.PLAN_FIELDS.index("transport"), abi.PLAN_FIELDS.index("align")
-_PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}
-_BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # code -> block
+PRE = {name: i for i, name in enumerate(abi.PRE_ERROR_FIELDS)}  # pre_error's fields
+BLOCKS = {abi.PAYLOAD_CODES[n]: b for n, b in abi.PAYLOAD_BLOCKS.items()}  # payload code -> block
 
 # The unpack status bits: what the device checks of the received chunks found (the bits of the
 # old CUDA kernel; unpack.py's docstring says how they travel).
@@ -69,17 +69,16 @@ def status_of(bits) -> torch.Tensor:
     return functools.reduce(torch.bitwise_or, bits)
 
 
-def _kernel_paths() -> dict:
-    """code -> name of the transports that are a kernel path (their rows are their own)."""
-    return {t.code: t.name for t in sorted(_TRANSPORTS.values(), key=lambda t: t.code)
-            if t.path == t.code}
+# code -> name of the transports that are a kernel path (their rows are their own): made once,
+# as the kernel tiers' paths are (every op checks its code against it)
+_KERNEL_PATHS = {t.code: t.name for t in sorted(_TRANSPORTS.values(), key=lambda t: t.code)
+                 if t.path == t.code}
 
 
 def check_transport(op, transport: int) -> None:
     """checks.h check_transport: the code names a kernel path."""
-    paths = _kernel_paths()
-    if transport not in paths:
-        choices = " or ".join(f"{code} ({name})" for code, name in paths.items())
+    if transport not in _KERNEL_PATHS:
+        choices = " or ".join(f"{code} ({name})" for code, name in _KERNEL_PATHS.items())
         fail(op, f"transport must be {choices}, got {transport}")
 
 
@@ -112,22 +111,22 @@ def check_prepare_args(x, topk_idx, topk_weights, E, R, pre_error, payload):
     """checks.h check_prepare_args. A nonzero code in ``pre_error`` is the caller's own verdict
     on its arguments, which then travels in the words: the tensors are not looked at."""
     op = "epkit.prepare"
-    if len(pre_error) <= _PRE["b"]:
+    if len(pre_error) <= PRE["b"]:
         fail(op, "pre_error must be [code, a, b(, x dtype code(, max_tokens_per_rank))], got "
                  f"{len(pre_error)} values")
     check_num_ranks(op, R)
-    if payload not in _BLOCKS:
+    if payload not in BLOCKS:
         fail(op, f"payload must be one of {abi.PAYLOAD_CHOICES}, got {payload}")
-    if pre_error[_PRE["code"]] != 0:
+    if pre_error[PRE["code"]] != 0:
         if not -R <= E <= MAX_EXPERTS:
             fail(op, f"num_experts {E} leaves no room for the count words' header (num_ranks {R})")
         return
     check_experts_ranks(op, E, R)
     check_routing_args(op, x, topk_idx, topk_weights)
     check_float_dtype(op, "x", x.dtype)
-    if len(pre_error) > _PRE["max_tokens"] and pre_error[_PRE["max_tokens"]] < -1:
+    if len(pre_error) > PRE["max_tokens"] and pre_error[PRE["max_tokens"]] < -1:
         fail(op, "pre_error's max_tokens_per_rank must be >= -1, got "
-                 f"{pre_error[_PRE['max_tokens']]}")
+                 f"{pre_error[PRE['max_tokens']]}")
 
 
 def check_plan_args(words, rank, E, transport, exchange):
