@@ -17,9 +17,11 @@ read the device), and, as a net for reads that bypass it, ``.item()``, ``int()``
 ``.to(device)``: on the interpreted path host and device are one ``torch.device``), ``copy_``
 into host memory, and the ops whose output size depends on the data (a host wait on
 CUDA: ``nonzero``, a boolean mask index, ``masked_select``, ``bincount``, ``unique``,
-``repeat_interleave`` without ``output_size``). The net patches ``torch.Tensor`` methods for the
-duration of the context, not a ``TorchDispatchMode``: a mode is switched off inside the
-``torch.library.custom_op`` bodies where epkit's collectives run, so it would see none of them.
+``repeat_interleave`` without ``output_size``). The net is a torch function mode (:class:`_Net`),
+nothing patched: it sees those methods and functions wherever they are called while the
+context is open, inside epkit's custom ops and their backward passes too. On CUDA the context
+also sets ``torch.cuda.set_sync_debug_mode("warn")`` and counts each synchronizing operation
+the net did not see (one inside a C++ op: kind ``"cuda sync"``).
 Each read is attributed to the innermost epkit operation on the stack (:data:`OPS`).
 
 A host-to-device copy is a wait too (from pageable memory a copy to the GPU is synchronous on
@@ -33,14 +35,15 @@ would happen on CUDA even though nothing is copied here.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
+from torch.overrides import TorchFunctionMode, redispatch_function
 
 from . import triton as kernels
 from .memory import device_path, is_host, mark_host
@@ -114,7 +117,7 @@ class Counter:
 
 _ACTIVE: list[Counter] = []
 _LOCK = threading.Lock()
-_STATE = threading.local()  # .inside: a patched read is running (its own inner reads are its)
+_STATE = threading.local()  # .inside: a counted read is running (its own inner reads are its)
 
 
 def _where() -> tuple[str, str]:
@@ -190,17 +193,10 @@ def quiet():
         _STATE.inside = before
 
 
-# ---- the net: torch.Tensor methods and torch functions that read the host --------------------
+# ---- the net: a torch function mode over the reads and uploads ----------------------------
 
-def _counted(kind: str, fn, which=lambda args, kwargs: args[0] if args else None):
-    @functools.wraps(fn)
-    def read(*args, **kwargs):
-        t = which(args, kwargs)
-        if t is not None:
-            record(kind, t)
-        with quiet():
-            return fn(*args, **kwargs)
-    return read
+def _first(args, kwargs):
+    return args[0] if args else None
 
 
 def _to_cpu(args, kwargs):
@@ -211,13 +207,9 @@ def _to_cpu(args, kwargs):
     for a in rest:
         if isinstance(a, str) and a.split(":")[0] == "cpu":
             return t
-        if isinstance(a, torch.Tensor) and _host_target(a):
+        if isinstance(a, torch.Tensor) and is_host(a):
             return t
     return None
-
-
-def _host_target(t) -> bool:
-    return is_host(t)
 
 
 def _device_target(a) -> bool:
@@ -229,15 +221,6 @@ def _device_target(a) -> bool:
     if isinstance(a, torch.device):
         return a.type == "cuda" or _device_active()
     return isinstance(a, str) and a.split(":")[0] == "cuda"
-
-
-def _uploading(fn, is_upload):
-    """Wrap ``fn``: count a host-to-device copy when ``is_upload(args, kwargs)``."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        _record_upload(is_upload(args, kwargs))
-        return fn(*args, **kwargs)
-    return wrapper
 
 
 def _to_device(args, kwargs) -> bool:
@@ -259,7 +242,7 @@ def _made_on_device(args, kwargs) -> bool:
 
 def _copy_into_host(args, kwargs):
     dst, src = args[0], args[1] if len(args) > 1 else kwargs.get("src")
-    return src if isinstance(src, torch.Tensor) and _host_target(dst) else None
+    return src if isinstance(src, torch.Tensor) and is_host(dst) else None
 
 
 def _bool_index(args, kwargs):
@@ -279,63 +262,106 @@ def _unsized_repeat(args, kwargs):
     return repeats if isinstance(repeats, torch.Tensor) else None
 
 
-_TENSOR_READS = {
-    "item": "item", "tolist": "tolist", "numpy": "numpy", "cpu": "cpu",
-    "__int__": "int", "__float__": "float", "__bool__": "bool", "__index__": "index",
-    "nonzero": "nonzero", "masked_select": "masked_select", "bincount": "bincount",
-    "unique": "unique",
-}
-_TORCH_READS = {"nonzero": "nonzero", "masked_select": "masked_select",
-                "bincount": "bincount", "unique": "unique"}
+def _never(args, kwargs) -> bool:
+    return False
 
 
-def _install() -> list:
-    """Patch the net in; returns what to put back."""
-    saved = []
-
-    def patch(owner, name, wrapper):
-        saved.append((owner, name, owner.__dict__.get(name, getattr(owner, name))))
-        setattr(owner, name, wrapper)
-
-    for name, kind in _TENSOR_READS.items():
-        patch(torch.Tensor, name, _counted(kind, getattr(torch.Tensor, name)))
-    for name, kind in _TORCH_READS.items():
-        patch(torch, name, _counted(kind, getattr(torch, name)))
-    patch(torch.Tensor, "to", _uploading(_counted("to cpu", torch.Tensor.to, _to_cpu),
-                                         _to_device))
-    patch(torch.Tensor, "copy_", _uploading(
-        _counted("copy to host", torch.Tensor.copy_, _copy_into_host), _copy_from_host))
-    for name in ("tensor", "as_tensor"):
-        patch(torch, name, _uploading(getattr(torch, name), _made_on_device))
-    patch(torch.Tensor, "__getitem__", _counted("mask index", torch.Tensor.__getitem__,
-                                                _bool_index))
-    patch(torch.Tensor, "__setitem__", _counted("mask index", torch.Tensor.__setitem__,
-                                                _bool_index))
-    patch(torch.Tensor, "repeat_interleave",
-          _counted("repeat_interleave", torch.Tensor.repeat_interleave, _unsized_repeat))
-    patch(torch, "repeat_interleave",
-          _counted("repeat_interleave", torch.repeat_interleave, _unsized_repeat))
-    return saved
+_T = torch.Tensor
+# function -> (kind, the tensor it reads or None); every read of the net
+READS = {f: (kind, which) for fs, kind, which in (
+    ((_T.item,), "item", _first), ((_T.tolist,), "tolist", _first),
+    ((_T.numpy,), "numpy", _first), ((_T.cpu,), "cpu", _first),
+    ((_T.__int__,), "int", _first), ((_T.__float__,), "float", _first),
+    ((_T.__bool__,), "bool", _first), ((_T.__index__,), "index", _first),
+    ((_T.nonzero, torch.nonzero), "nonzero", _first),
+    ((_T.masked_select, torch.masked_select), "masked_select", _first),
+    ((_T.bincount, torch.bincount), "bincount", _first),
+    ((_T.unique, torch.unique), "unique", _first),
+    ((_T.to,), "to cpu", _to_cpu), ((_T.copy_,), "copy to host", _copy_into_host),
+    ((_T.__getitem__, _T.__setitem__), "mask index", _bool_index),
+    ((_T.repeat_interleave, torch.repeat_interleave), "repeat_interleave", _unsized_repeat),
+) for f in fs}
+# function -> whether the call copies host data to the device
+UPLOADS = {_T.to: _to_device, _T.copy_: _copy_from_host,
+           torch.tensor: _made_on_device, torch.as_tensor: _made_on_device}
 
 
-_SAVED: list = []
+class _Net(TorchFunctionMode):
+    """The net: sees every torch function and ``torch.Tensor`` method called while it is on
+    this thread's mode stack, and counts the reads (:data:`READS`) and uploads
+    (:data:`UPLOADS`) among them. Not a ``TorchDispatchMode``: a dispatch mode is switched off
+    inside the ``torch.library.custom_op`` bodies where epkit's collectives and host reads
+    run, and ``tolist`` / ``numpy`` never reach the dispatcher. A function mode is popped while
+    its handler runs too, so the handler puts itself back around every call it passes on
+    (``redispatch_function``): the bodies of epkit's ops, their backward passes and the
+    Triton kernels' launch code run under the net."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not getattr(_STATE, "inside", False):
+            _record_upload(UPLOADS.get(func, _never)(args, kwargs))
+            read = READS.get(func)
+            if read is not None:
+                t = read[1](args, kwargs)
+                if t is not None:
+                    record(read[0], t)
+                    with quiet():  # what the read does inside is the read itself
+                        return func(*args, **kwargs)
+        with self:
+            return redispatch_function(func, types, args, kwargs)
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda's text, set_sync_debug_mode
+
+
+@contextmanager
+def _cuda_syncs():
+    """On CUDA, count each synchronizing operation torch reports (``set_sync_debug_mode``) as
+    a read, unless the net counted it already (a counted read runs quiet)."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if SYNC_WARNING not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        if _ACTIVE and not getattr(_STATE, "inside", False):
+            _append("cuda sync", *_where())
+        return None
+
+    before = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=SYNC_WARNING)
+        warnings.showwarning = show
+        if before is not None:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            if before is not None:
+                torch.cuda.set_sync_debug_mode(before)
+
+
+_ACTIVE_HERE = threading.local()  # .net: this thread's _Net while a counter is open in it
 
 
 @contextmanager
 def count_host_reads():
-    """Count the host reads of would-be device memory made inside, in every thread; yields a
-    :class:`Counter`. Nested and concurrent counters each see every read."""
+    """Count the host reads of would-be device memory made inside (this thread, and the
+    autograd engine's work for it); yields a :class:`Counter`. Nested counters each see every
+    read."""
     counter = Counter()
+    outer = getattr(_ACTIVE_HERE, "net", None)
     with _LOCK:
-        if not _ACTIVE:
-            _SAVED[:] = _install()
         _ACTIVE.append(counter)
     try:
-        yield counter
+        if outer is not None:
+            yield counter
+        else:
+            _ACTIVE_HERE.net = _Net()
+            try:
+                with _ACTIVE_HERE.net, _cuda_syncs():
+                    yield counter
+            finally:
+                _ACTIVE_HERE.net = None
     finally:
         with _LOCK:
             _ACTIVE.remove(counter)
-            if not _ACTIVE:
-                for owner, name, value in reversed(_SAVED):
-                    setattr(owner, name, value)
-                _SAVED.clear()

@@ -183,6 +183,8 @@ def _table():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     os.environ["EPKIT_KERNELS"] = "triton"
+    # the workers look functions up by module name, and this file runs as __main__ here
+    import host_read_fns as fns
     from group import GroupPool
 
     def fmt(reads, kernel):
@@ -201,14 +203,14 @@ def _table():
         print("| --- | --- | --- | --- | --- | --- | --- |")
         rows = []
         for transport in ("pairs", "dedup", "hier"):
-            for exchange, payload, reads, _ in pool.run(matrix, 2, [transport] * 2,
+            for exchange, payload, reads, _ in pool.run(fns.matrix, 2, [transport] * 2,
                                                         ["bfloat16"] * 2)[0]:
                 rows.append((transport, exchange, str(payload), reads))
         for transport in ("pairs", "dedup"):
-            for name, reads, _ in pool.run(capacity_cases, 2, [transport] * 2)[0]:
+            for name, reads, _ in pool.run(fns.capacity_cases, 2, [transport] * 2)[0]:
                 rows.append((transport, name, "None", reads))
         rows.append(("dedup", "auto, NCCL-only header", "None",
-                     pool.run(nccl_only_headers, 2)[0]))
+                     pool.run(fns.nccl_only_headers, 2)[0]))
         for transport, exchange, payload, reads in rows:
             kernel = sum((reads[p] for p in ("dispatch", "combine", "backward")), [])
             print(f"| {transport} | {exchange} | {payload} | {fmt(reads['dispatch'], False)} | "
