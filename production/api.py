@@ -64,7 +64,7 @@ class Dispatcher:
             which forwards it inside the node; the combine returns over the same two stages;
             production/hier.py). Same result, bit for bit, for the same ``ranks_per_node``. hier
             runs the exchanges ``auto``, ``ragged``, ``padded`` and ``equal``, without a payload
-            and not under torch.compile (an InputError, HIER_UNSUPPORTED, otherwise). ``None``:
+            and not under torch.compile (an InputError, UNSUPPORTED, otherwise). ``None``:
             the default.
         exchange: ``None`` or ``"auto"`` (equal-length when the plan is uniform, else ragged), ``"ragged"``,
             ``"padded"``, ``"equal"``, ``"lazy"`` (the auto exchange issued asynchronously:
@@ -179,8 +179,8 @@ class Dispatcher:
         topk_weights = _widened(topk_weights)
         if torch.compiler.is_compiling():
             transport = transports.of(self.transport)
-            if transport is not None and transport.stages > 1:  # every rank traces alike
-                raise error(0, Reason.HIER_UNSUPPORTED, 4)
+            if transport is not None and not transport.compiles:  # every rank traces alike
+                raise error(0, Reason.UNSUPPORTED, 4, transport.code)
             # Traced: options are constants of the graph; local errors ride in the count words.
             return self._dispatch(x, topk_idx, topk_weights,
                                   local_error(self, x, topk_idx, topk_weights))

@@ -27,7 +27,7 @@ kept slot, tokens with two, kept slots per rank; tokens with one and with two ke
 node), and every rank derives every stage's counts and the exchange variant with
 ``reference.transports.hier.plan`` (the same arithmetic as the spec, so the same variant and
 the same EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
-cached (:func:`topology`). Not supported (refused in the call header, HIER_UNSUPPORTED): the
+cached (:func:`topology`). Not supported (refused in the call header, UNSUPPORTED): the
 lazy and static exchanges, a payload, torch.compile.
 """
 

@@ -80,7 +80,7 @@ class Reason(enum.IntEnum):
     BAD_GROUP = 56             # (no details)
     RANKS_PER_NODE = 57        # a: ranks_per_node, b: group size
     RANKS_PER_NODE_MISMATCH = 58  # a: this rank's ranks_per_node, b: rank 0's (production only)
-    HIER_UNSUPPORTED = 59      # a: what (errors.HIER_UNSUPPORTED_WHAT), b: 0 (production only)
+    UNSUPPORTED = 59           # a: what (errors.UNSUPPORTED_WHAT), b: transport (production only)
 
 # ---- dtypes ------------------------------------------------------------------------------------
 # dtype codes carried as integers in the count-exchange header (torch and NumPy names alike).

@@ -69,8 +69,8 @@ def option_names(kind: str) -> dict:
     """code -> name of the option ``kind`` ("transport", "exchange", "payload"; {} for another)."""
     return {code: str(name) for name, code in _OPTION_CODES.get(kind, {}).items()}
 
-# What production's hier transport refuses (HIER_UNSUPPORTED's a).
-HIER_UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
+# What a production transport may refuse (UNSUPPORTED's a; b names the transport).
+UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
                          4: "torch.compile"}
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
@@ -203,9 +203,10 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
         Reason.RANKS_PER_NODE_MISMATCH: f"ranks_per_node {a} differs from rank 0's {b} (the "
                                         "default follows LOCAL_WORLD_SIZE: set it alike on "
                                         "every rank, or pass ranks_per_node=)",
-        Reason.HIER_UNSUPPORTED: f"transport='hier' does not support "
-                                 f"{HIER_UNSUPPORTED_WHAT.get(a, 'this option')} in production: "
-                                 "use exchange 'auto', 'ragged', 'padded' or 'equal', no payload",
+        Reason.UNSUPPORTED: f"transport={_opt('transport', b)} does not support "
+                            f"{UNSUPPORTED_WHAT.get(a, 'this option')} in production: use "
+                            "another exchange or payload with it (docs/design.md, its "
+                            "transport's section), or another transport",
         Reason.BAD_GROUP: "group must be a torch.distributed ProcessGroup (or None for the "
                           "default group)",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "

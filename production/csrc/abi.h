@@ -68,7 +68,7 @@ constexpr int64_t kBadArgument = 55;
 constexpr int64_t kBadGroup = 56;
 constexpr int64_t kRanksPerNode = 57;
 constexpr int64_t kRanksPerNodeMismatch = 58;
-constexpr int64_t kHierUnsupported = 59;
+constexpr int64_t kUnsupported = 59;
 }  // namespace reason
 
 // dtype codes (reference/errors.py DTYPE_CODES)

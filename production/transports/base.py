@@ -38,6 +38,7 @@ class Transport:
                               transport whose rows are one of these runs its kernels)
     exchanges, quantized      the exchange options it runs (None: every one), whether a
                               quantized payload travels
+    compiles                  whether it runs under torch.compile (its ops have fakes)
     meta_bytes                a first-section row's bytes after the payload
     max_topk, max_local       the largest top-k and local-expert count its rows encode (None:
                               any)
@@ -62,6 +63,7 @@ class Transport:
     stages: int = 1
     exchanges: Optional[tuple] = None
     quantized: bool = True
+    compiles: bool = True
     meta_bytes: int
     max_topk: Optional[int] = None
     max_local: Optional[int] = None
@@ -107,7 +109,7 @@ class Transport:
         if self.max_local is not None and L >= self.max_local:
             return Reason.TOO_MANY_LOCAL_EXPERTS, L, self.max_local - 1
         if not self.runs(exchange, payload):  # a = 1 lazy, 2 static, 3 a quantized payload
-            return Reason.HIER_UNSUPPORTED, {"lazy": 1, "static": 2}.get(exchange, 3), 0
+            return Reason.UNSUPPORTED, {"lazy": 1, "static": 2}.get(exchange, 3), self.code
         return Reason.OK, 0, 0
 
     def __repr__(self) -> str:

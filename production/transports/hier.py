@@ -20,6 +20,7 @@ class Hier(Dedup):
     stages = 2                  # the inter-node stage, then the intra-node stage
     exchanges = ("auto", "ragged", "padded", "equal")
     quantized = False
+    compiles = False            # its stages are autograd Functions, without fake kernels
     # Its facts are dedup's, the rows of both stages (stage 2's token rows carry the source
     # rank too: abi.HIER_TOKEN_META_BYTES, which hier.py sizes them with).
 

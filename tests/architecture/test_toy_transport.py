@@ -86,3 +86,21 @@ def test_the_reference_runs_the_toy_as_a_transport(toy):
     with pytest.raises(ref.InputError, match="transport"):
         toy.unregister()
         ref.dispatch(xs, idx, ws, num_experts=E, transport="toy")
+
+
+def test_a_refusing_transport_is_named_in_its_refusal(toy):
+    """A transport that does not run an option (its ``exchanges`` and ``quantized`` facts)
+    refuses it with ``UNSUPPORTED`` naming itself, not hier: the toy row, narrowed."""
+    from epkit import transports
+    from epkit.reference.errors import Reason, format_reason
+
+    row = transports.TABLE["toy"]
+    narrowed = type("NarrowToy", (type(row),), {"exchanges": ("auto",), "quantized": False})()
+    assert row.option_error(4, 1, "static", None) == (Reason.OK, 0, 0)
+    for exchange, payload, what in (("static", None, "exchange='static'"),
+                                    ("lazy", None, "exchange='lazy'"),
+                                    ("auto", "mxfp8", "a payload")):
+        code, a, b = narrowed.option_error(4, 1, exchange, payload)
+        assert code == Reason.UNSUPPORTED
+        assert format_reason(code, a, b).startswith(
+            f"transport='toy' does not support {what} in production"), (exchange, payload)

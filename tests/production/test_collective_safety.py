@@ -76,7 +76,7 @@ DISPATCH_CASES = [
     ("other_ranks_per_node", Reason.RANKS_PER_NODE_MISMATCH, differs_from_rank0,
      "ranks_per_node"),
     ("zero_ranks_per_node", Reason.RANKS_PER_NODE, lambda f: f, "ranks_per_node must be >= 1"),
-    ("hier_lazy", Reason.HIER_UNSUPPORTED, lambda f: f, "transport='hier' does not support "
+    ("hier_lazy", Reason.UNSUPPORTED, lambda f: f, "transport='hier' does not support "
                                                         "exchange='lazy'"),
 ]
 

@@ -148,9 +148,9 @@ def test_ranks_per_node_mismatch_is_collective(group_pool):
 
 @pytest.mark.parametrize("opts, code", [
     (dict(ranks_per_node=3), Reason.RANKS_PER_NODE),
-    (dict(transport="hier", ranks_per_node=2, exchange="lazy"), Reason.HIER_UNSUPPORTED),
+    (dict(transport="hier", ranks_per_node=2, exchange="lazy"), Reason.UNSUPPORTED),
     (dict(transport="hier", ranks_per_node=2, exchange="static", max_tokens_per_rank=4),
-     Reason.HIER_UNSUPPORTED),
+     Reason.UNSUPPORTED),
 ])
 def test_bad_options_are_collective(group_pool, opts, code):
     got = _errors(group_pool, [dict(num_experts=8, **opts)] * 4)
