@@ -24,7 +24,7 @@ terms from +0.0 does not depend on their order.
 Plan: after the dispatch's count exchange (the dedup plan, which raises every input error on
 every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
 kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
-node), and every rank derives every stage's counts and the exchange variant with
+node; gathered where the routing is, like the count words, and read by the host once), and every rank derives every stage's counts and the exchange variant with
 ``reference.transports.hier.plan`` (the same arithmetic as the spec, so the same variant and
 the same EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
 cached (:func:`topology`). Not supported (refused in the call header, UNSUPPORTED): the
@@ -45,10 +45,10 @@ import torch.distributed as dist
 from . import moves, ops, result
 from . import plan as W
 from .hostreads import to_host
-from .memory import device_path, mark_host
+from .memory import device_path
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
 from .transports.hier import HIER
-from .collectives import VARIANTS, all_gather, all_to_all, dtype_code, group_name, small_device
+from .collectives import VARIANTS, all_gather, all_to_all, dtype_code, group_name
 from epkit.reference import abi
 from epkit.reference.transports import hier as spec
 from epkit.reference.errors import Reason
@@ -261,20 +261,19 @@ def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
 
 def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str):
     """The count exchange's hier all-gather, and ``reference.transports.hier.plan`` on its result
-    (raises EQUAL_NONUNIFORM on every rank alike)."""
+    (raises EQUAL_NONUNIFORM on every rank alike). Returns ``(plan, counts [R, 3 R + 2 N])``:
+    the gathered words stay where the routing is (on the device path, the device, like the
+    count words), so the forwarder's tables are made from them there (:func:`_forward`); the
+    host reads them once for the plan."""
     L, N = E // R, R // G
-    mine, dev = _counts_of(kept, R, L, G), small_device(group)
-    if dev.type == "cpu":  # a CPU backend carries them: from the device, one host read
-        mine = to_host(mine)
+    mine = _counts_of(kept, R, L, G)
     got = mine.new_empty((R * mine.shape[0],))
-    if dev.type == "cpu":
-        mark_host(got)
     all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
     w = to_host(got).view(R, -1).numpy().astype(np.int64)
     c = spec.NodeCounts(tokens=w[:, :R], multi=w[:, R:2 * R], slots=w[:, 2 * R:3 * R],
                         node_tokens=w[:, 3 * R:3 * R + N], node_multi=w[:, 3 * R + N:])
     # reference.transports.hier.plan reads the group's ranks_per_node and exchange only
-    return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c)
+    return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c), got.view(R, -1)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
@@ -311,6 +310,7 @@ class HierState:
 
     topo: Topology
     plan: object          # reference.transports.hier.HierPlan
+    counts: torch.Tensor  # [R, 3 R + 2 N] int64: the gathered hier counts (gather_plan)
     dedup_plan: torch.Tensor
     dedup_plan_host: torch.Tensor
     E: int
@@ -395,13 +395,14 @@ def _stage1_send(payload, kept, w, N: int, GL: int, rows: int, slots: int):
     nn_, tt = _nonzero(cnt > 0, rows)                                 # (node, t) order
     send1_map = torch.full((T, N), -1, dtype=torch.int64, device=dev)
     send1_map[tt, nn_] = torch.arange(tt.numel(), device=dev)
-    tok = torch.cat([payload[tt], _int32_rows(tt, cnt[tt, nn_])], 1)
+    n_tn = cnt[tt, nn_]                                               # each row's kept slots
+    tok = torch.cat([payload[tt], _int32_rows(tt, n_tn)], 1)
     flat = node.reshape(-1)
     key = flat * (T * K) + torch.arange(T * K, device=dev)
     slots1 = torch.argsort(key)[:slots]                                # (node, t, k) order
     e, n = kept.reshape(-1)[slots1], flat[slots1]
     slot = _slot_rows(slots1 % K, e - n * GL, w.reshape(-1)[slots1])
-    return tok, slot, dict(send1_map=send1_map, stage1_token=tt, stage1_slots=cnt[tt, nn_],
+    return tok, slot, dict(send1_map=send1_map, stage1_token=tt, stage1_slots=n_tn,
                            stage1_slot_index=slots1)
 
 
@@ -413,16 +414,18 @@ def _nonzero(mask: torch.Tensor, n: int):
     return tuple(torch.nonzero_static(mask.t(), size=n).unbind(1))
 
 
-def _forward(tok1, slot1, src_counts, inter_ranks, G: int, L: int, K: int, P: int, rows: int):
+def _forward(tok1, slot1, counts, me: int, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
-    received row), and the maps of the return path (a dict of HierState fields). ``rows``: its
-    stage-2 token rows, from the plan."""
+    received row), and the maps of the return path (a dict of HierState fields). ``counts``:
+    the gathered hier counts ``[R, 3 R + 2 N]`` (:func:`gather_plan`), where the routing is;
+    ``rows``: its stage-2 token rows, from the plan."""
     dev = tok1.device
-    A = tok1.shape[0]
-    # each received row's source rank, made on the host from the plan and copied once (one
-    # host-to-device copy, counted; the counts are host words of the hier plan)
-    src = torch.tensor(np.repeat(np.asarray(inter_ranks, np.int64),
-                                 np.asarray(src_counts, np.int64)), device=dev)
+    A, R = tok1.shape[0], counts.shape[0]
+    # each received row's source rank, made where the rows are: stage 1 brings this forwarder
+    # the rows of each rank with its local index (node ascending), as many as that rank has
+    # tokens for this node (reference hier plan's s1_tok); no host data copied over
+    src = torch.repeat_interleave(torch.arange(me % G, R, G, device=dev),
+                                  counts[me % G::G, 3 * R + me // G], output_size=A)
     meta = _meta(tok1, P, 2)
     arr_t, arr_n = meta[:, 0], meta[:, 1]
     if not device_path(arr_n) and int(arr_n.sum()) != slot1.shape[0]:  # (a wait on the device)
@@ -516,8 +519,8 @@ def _dispatch_forward(st: HierState, x: torch.Tensor, w: torch.Tensor):
         setattr(st, name, v)
     tok1 = move(tok1, st.section("s1_tok"), me, "stage 1 token rows")
     slot1 = move(slot1, st.section("s1_slot"), me, "stage 1 slot rows")
-    tok2, slot2, fields = _forward(tok1, slot1, st.section("s1_tok").recv(me), t.inter.ranks,
-                                   t.G, L, K, P, sum(st.section("s2_tok").send(me)))
+    tok2, slot2, fields = _forward(tok1, slot1, st.counts, me, t.G, L, K, P,
+                                   sum(st.section("s2_tok").send(me)))
     for name, v in fields.items():
         setattr(st, name, v)
     tok2 = move(tok2, st.section("s2_tok"), me, "stage 2 token rows")
@@ -568,8 +571,8 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
                                          topk_idx if ok else None, G)
     kept = moves.kept_routing(topk_idx, plan, plan_host)
     topo = topology(group, G)
-    hplan = gather_plan(kept, group, R, E, G, cfg.exchange)
-    st = HierState(topo, hplan, plan, plan_host, E, kept, topk_weights.detach(), gname)
+    hplan, counts = gather_plan(kept, group, R, E, G, cfg.exchange)
+    st = HierState(topo, hplan, counts, plan, plan_host, E, kept, topk_weights.detach(), gname)
     expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
     P = x.shape[1] * x.element_size()
     return result.build(cfg, seq, x, topk_idx, topk_weights, plan, plan_host, expert_x, row_src,

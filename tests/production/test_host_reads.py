@@ -5,8 +5,8 @@ GPU's, and epkit's Python takes the device path (``epkit.device.device_path``), 
 host read of would-be device memory is counted (``epkit.device.count_host_reads``). The design
 (docs/design.md, "Host reads"): an eager dispatch reads once (the plan's mirror), hier twice
 (and its node counts), dedup with a capacity factor and drops twice; combine, both backward
-passes and the static exchange never. Host-to-device copies count as waits too (hier's
-dispatch makes two). The reads the kernels make themselves (modules under
+passes and the static exchange never. Host-to-device copies count as waits too (none is
+made: hier's forwarder makes its source table on the device). The reads the kernels make themselves (modules under
 ``epkit/triton/``) are theirs to answer for and are left out here; ``python
 tests/production/host_read_fns.py`` prints them with the rest.
 """
@@ -74,9 +74,8 @@ def test_reads_per_exchange_and_payload(triton_pool, transport):
     once); combine and both backward passes never. The results agree bit for bit across
     exchanges (the uniform routing of ``equal`` apart)."""
     results = triton_pool.run(fns.matrix, 2, [transport] * 2, ["bfloat16"] * 2)
+    # hier: the plan and its hier counts (no host-to-device copy: docs/design.md, "Host reads")
     eager = {"count_exchange": 2 if transport == "hier" else 1}
-    if transport == "hier":  # and one host-to-device copy: its forwarder's source table,
-        eager["dispatch_tokens"] = 1  # from the host plan (docs/design.md, "Host reads")
     for rank_results in results:
         first = {}
         for exchange, payload, reads, bits in rank_results:
