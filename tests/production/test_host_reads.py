@@ -4,10 +4,10 @@ The workers run ``EPKIT_KERNELS=triton``: the Triton kernels, interpreted, stand
 GPU's, and epkit's Python takes the device path (``epkit.device.device_path``), where every
 host read of would-be device memory is counted (``epkit.device.count_host_reads``). The design
 (docs/design.md, "Host reads"): an eager dispatch reads once (the plan's mirror), hier twice
-(and its node counts), dedup with a capacity factor and drops twice; combine, both backward
-passes and the static exchange never. Host-to-device copies count as waits too (none is
-made: hier's forwarder makes its source table on the device). The reads the kernels make themselves (modules under
-``epkit/triton/``) are theirs to answer for and are left out here; ``python
+(and its hier counts), dedup with a capacity factor and drops twice; combine, both backward
+passes and the static exchange never. Host-to-device copies count as waits too (none is made:
+hier's forwarder makes its source table on the device). The reads the kernels make themselves
+(modules under ``epkit/triton/``) are theirs to answer for and are left out here; ``python
 tests/production/host_read_fns.py`` prints them with the rest.
 """
 
