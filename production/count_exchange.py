@@ -49,13 +49,18 @@ __all__ = ["count_exchange", "factor_capacity"]
 
 
 def count_exchange(words, group_name, rank, num_experts, align, capacity, transport, exchange,
-                   max_tokens_per_rank, static_shape, capacity_factor, topk_idx):
+                   max_tokens_per_rank, static_shape, capacity_factor, topk_idx, also=None):
     """``(plan, plan_host)`` of this rank from every rank's count ``words`` (see the module);
-    raises the group's :class:`epkit.InputError` on every rank."""
+    raises the group's :class:`epkit.InputError` on every rank.
+
+    ``also``: a transport's own words that ride on the plan's host read (hier's counts of the
+    kept routing: production/hier.py). Called with the device plan on every rank, before the
+    group's error is known on the device path, so it must not fail on any routing; returns a
+    device tensor, which comes back in host memory as a third result."""
     group = group_from_name(group_name)
     if device_path(words):  # CUDA, or the interpreted Triton kernels standing in for it
         return _on_device(words, group, rank, num_experts, align, capacity, transport, exchange,
-                          max_tokens_per_rank, static_shape, topk_idx, capacity_factor)
+                          max_tokens_per_rank, static_shape, topk_idx, capacity_factor, also)
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))  # gloo wants a flat output
     all_gather(gathered, words.contiguous(), group, "epkit.dispatch (count exchange)")
@@ -68,6 +73,8 @@ def count_exchange(words, group_name, rank, num_experts, align, capacity, transp
     if by_code(transport).replans_after_drops and int(plan[DROPPED_ANY]):
         plan = C.plan(token_rows_gather(gathered, plan, plan, topk_idx, group, R, num_experts),
                       *args)
+    if also is not None:
+        return plan, plan.clone(), also(plan)
     return plan, plan.clone()
 
 
@@ -100,9 +107,11 @@ def _template(R: int, W: int, args, shape=(0, 0, 0, 0)) -> torch.Tensor:
 def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: int,
                capacity: int, transport: int, exchange: int, max_tokens_per_rank: int,
                static_shape: Optional[list] = None, topk_idx: Optional[torch.Tensor] = None,
-               capacity_factor: float = -1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``epkit::count_exchange`` for device words: ``(the device plan, its host mirror)``;
-    raises the group's :class:`epkit.InputError` (eager exchanges; static: see the module).
+               capacity_factor: float = -1.0, also=None) -> tuple:
+    """``epkit::count_exchange`` for device words: ``(the device plan, its host mirror)``, and
+    with ``also`` its words in host memory, in the plan's one copy where the plan is made on
+    the device (:func:`count_exchange`); raises the group's :class:`epkit.InputError` (eager
+    exchanges; static: see the module).
 
     Host reads (docs/design.md, "Host reads"): one for an eager exchange, the mirror. dedup with
     a capacity gathers the token rows (token_rows_gather) and plans again whether or not a
@@ -120,7 +129,10 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
         capacity = factor_capacity(host_words, num_experts, capacity_factor)
     args = (rank, num_experts, align, capacity, transport, exchange, max_tokens_per_rank)
     static = max_tokens_per_rank >= 0
+    if static and also is not None:
+        raise ValueError("epkit: words that ride on the plan's read need an eager exchange")
     planned_rows = False  # dedup's token rows gathered and planned already
+    extra = None  # also's words in host memory
     if static:
         plan = C.plan(gathered.view(R, -1), *args)
         if static_shape is None:
@@ -140,18 +152,31 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
         plan = C.plan(token_rows_gather(gathered, first, _template(R, words.shape[0], args),
                                         topk_idx, group, R, num_experts), *args)
         # the one host wait: the first plan's error words (the group's error, raised before
-        # anything that the token rows' plan might say) and the final plan, in one copy
-        both = _pinned_copy(torch.cat([first[: ERR_RANK + 1], plan]))
+        # anything that the token rows' plan might say), the final plan and also's words
+        both = _pinned_copy(torch.cat([first[: ERR_RANK + 1], plan]
+                                      + ([] if also is None else [also(plan)])))
         raise_error(both)
-        mirror = both[ERR_RANK + 1:]
+        mirror, extra = _split(both[ERR_RANK + 1:], plan.shape[0], also)
         planned_rows = True
     else:
         plan = C.plan(gathered.view(R, -1), *args)
-        mirror = _pinned_copy(plan)  # the one host wait of an eager dispatch
+        # the one host wait of an eager dispatch (also's words with it)
+        mirror, extra = _split(_pinned_copy(plan if also is None else
+                                            torch.cat([plan, also(plan)])), plan.shape[0], also)
     if not static:
         raise_error(mirror)
         if by_code(transport).replans_after_drops and not planned_rows and int(mirror[DROPPED_ANY]):
             words2 = token_rows_gather(gathered, plan, mirror, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
             mirror = _pinned_copy(plan)  # a second host wait, only with drops
-    return plan, mirror
+            extra = None
+    if also is None:
+        return plan, mirror
+    if extra is None:  # the plan was made on the host, or made again after drops
+        extra = _pinned_copy(also(plan))
+    return plan, mirror, extra
+
+
+def _split(host: torch.Tensor, n: int, also) -> tuple:
+    """A copy of the plan (``n`` words) and also's words -> ``(mirror, also's or None)``."""
+    return (host, None) if also is None else (mark_host(host[:n]), mark_host(host[n:]))

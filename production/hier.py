@@ -24,7 +24,8 @@ terms from +0.0 does not depend on their order.
 Plan: after the dispatch's count exchange (the dedup plan, which raises every input error on
 every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
 kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
-node; gathered where the routing is, like the count words, and read by the host once), and every rank derives every stage's counts and the exchange variant with
+node; gathered where the routing is, like the count words, right after the dedup plan is made
+and before its host read, which carries them too: :func:`gather_counts`), and every rank derives every stage's counts and the exchange variant with
 ``reference.transports.hier.plan`` (the same arithmetic as the spec, so the same variant and
 the same EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
 cached (:func:`topology`). Not supported (refused in the call header, UNSUPPORTED): the
@@ -43,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from . import moves, ops, result
+from .count_exchange import count_exchange
 from . import plan as W
-from .hostreads import to_host
 from .memory import device_path
 from .agree import COMBINE_BACKWARD, DISPATCH_BACKWARD
 from .transports.hier import HIER
@@ -249,9 +250,11 @@ def move_units(rows: torch.Tensor, units: torch.Tensor, recv_units: torch.Tensor
 def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
     """This rank's ``3 R + 2 N`` words from its kept routing ``[T, K]`` int64 (-1: none):
     tokens with >= 1 / >= 2 kept slots and kept slots, per rank; tokens with >= 1 / >= 2 per
-    node (``reference.transports.hier.NodeCounts``, one row)."""
+    node (``reference.transports.hier.NodeCounts``, one row). Any id lands in ``[0, R]`` (-1 in
+    column R, which is dropped), so a bad routing indexes nothing out of range: on the device
+    path this runs before the group's error is raised, which then discards these counts."""
     T = kept.shape[0]
-    at = torch.where(kept >= 0, kept // L, R)
+    at = (kept // L) % (R + 1)  # -1 (and any id outside the experts) -> R: the column dropped
     n_td = torch.zeros((T, R + 1), dtype=torch.int64, device=kept.device).scatter_add_(
         1, at, torch.ones_like(at))[:, :R]
     n_tn = n_td.view(T, R // G, G).sum(2)
@@ -259,21 +262,38 @@ def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
                       (n_tn >= 1).sum(0), (n_tn >= 2).sum(0)])
 
 
-def gather_plan(kept: torch.Tensor, group, R: int, E: int, G: int, exchange: str):
-    """The count exchange's hier all-gather, and ``reference.transports.hier.plan`` on its result
-    (raises EQUAL_NONUNIFORM on every rank alike). Returns ``(plan, counts [R, 3 R + 2 N])``:
-    the gathered words stay where the routing is (on the device path, the device, like the
-    count words), so the forwarder's tables are made from them there (:func:`_forward`); the
-    host reads them once for the plan."""
+def gather_counts(topk_idx: Optional[torch.Tensor], group, R: int, E: int, G: int, drops: bool,
+                  out: dict):
+    """The count exchange's ``also`` (production/count_exchange.py): given the dedup plan (on
+    the device), this rank's hier counts of its kept routing all-gathered where the routing is,
+    ``[R (3 R + 2 N)]``, which ride on the plan's host read. ``topk_idx`` None (a rank with a
+    local error, which the plan raises on every rank): zeros. ``out`` gets ``kept`` and the
+    gathered ``counts [R, 3 R + 2 N]``. ``drops``: a capacity is set."""
     L, N = E // R, R // G
-    mine = _counts_of(kept, R, L, G)
-    got = mine.new_empty((R * mine.shape[0],))
-    all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
-    w = to_host(got).view(R, -1).numpy().astype(np.int64)
+
+    def also(plan: torch.Tensor) -> torch.Tensor:
+        if topk_idx is None:
+            kept, mine = None, torch.zeros(3 * R + 2 * N, dtype=torch.int64, device=plan.device)
+        else:
+            kept = moves.kept_routing_of(topk_idx, plan, R, E, drops)
+            mine = _counts_of(kept, R, L, G)
+        got = mine.new_empty((R * mine.shape[0],))
+        all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
+        out.update(kept=kept, counts=got.view(R, -1))
+        return got
+
+    return also
+
+
+def hier_plan(words: torch.Tensor, R: int, G: int, exchange: str):
+    """``reference.transports.hier.plan`` on the gathered hier counts in host memory (raises
+    EQUAL_NONUNIFORM on every rank alike)."""
+    N = R // G
+    w = words.view(R, -1).numpy().astype(np.int64)
     c = spec.NodeCounts(tokens=w[:, :R], multi=w[:, R:2 * R], slots=w[:, 2 * R:3 * R],
                         node_tokens=w[:, 3 * R:3 * R + N], node_multi=w[:, 3 * R + N:])
     # reference.transports.hier.plan reads the group's ranks_per_node and exchange only
-    return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c), got.view(R, -1)
+    return spec.plan(SimpleNamespace(ranks_per_node=G, exchange=exchange), c)
 
 
 # ---- dispatch ----------------------------------------------------------------------------------
@@ -566,13 +586,18 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None)), -1]
     words = C.prepare(x, topk_idx, topk_weights, E, R, pre_error, 0)
     gname = group_name(group)
-    plan, plan_host = ops.count_exchange(words, gname, rank, E, align, capacity, DEDUP,
-                                         abi.EXCHANGE_CODES["ragged"], -1, None, factor,
-                                         topk_idx if ok else None, G)
-    kept = moves.kept_routing(topk_idx, plan, plan_host)
+    got: dict = {}
+    # the dedup plan, with the hier counts riding on its one host read
+    plan, plan_host, counts_host = count_exchange(
+        words, gname, rank, E, align, capacity, DEDUP, abi.EXCHANGE_CODES["ragged"], -1, None,
+        factor, topk_idx if ok else None,
+        also=gather_counts(topk_idx if ok else None, group, R, E, G,
+                           capacity >= 0 or factor > 0, got))
+    W.stamp_ranks_per_node(plan, plan_host, G)
     topo = topology(group, G)
-    hplan, counts = gather_plan(kept, group, R, E, G, cfg.exchange)
-    st = HierState(topo, hplan, counts, plan, plan_host, E, kept, topk_weights.detach(), gname)
+    hplan = hier_plan(counts_host, R, G, cfg.exchange)
+    st = HierState(topo, hplan, got["counts"], plan, plan_host, E, got["kept"],
+                   topk_weights.detach(), gname)
     expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
     P = x.shape[1] * x.element_size()
     return result.build(cfg, seq, x, topk_idx, topk_weights, plan, plan_host, expert_x, row_src,

@@ -57,7 +57,6 @@ OPS = {
     ("agree.py", "raise_pending"): "call header",
     ("count_exchange.py", "count_exchange"): "count_exchange",
     ("count_exchange.py", "_on_device"): "count_exchange",
-    ("hier.py", "gather_plan"): "count_exchange",
     ("ops.py", "prepare_dispatch"): "dispatch_tokens",
     ("ops.py", "dispatch_tokens"): "dispatch_tokens",
     ("api.py", "Dispatcher._dispatch"): "dispatch_tokens",

@@ -78,12 +78,18 @@ def kept_routing(topk_idx: torch.Tensor, plan: torch.Tensor,
     ``capacity.kept_slots``, run on torch tensors). Torch ops on the plan's
     device, no host read (:func:`may_drop` reads ``plan_host``); values outside ``[0, E)``
     count as unused."""
-    idx = topk_idx.to(torch.int64)
     hp = plan_host
-    if not may_drop(hp):
+    return kept_routing_of(topk_idx, plan, int(hp[RANKS]), int(hp[EXPERTS]), may_drop(hp))
+
+
+def kept_routing_of(topk_idx: torch.Tensor, plan: torch.Tensor, R: int, E: int,
+                    drops: bool) -> torch.Tensor:
+    """:func:`kept_routing` without the host words: ``drops``, whether capacity may have
+    dropped a slot (a capacity is set); ``R`` ranks, ``E`` experts."""
+    idx = topk_idx.to(torch.int64)
+    if not drops:
         return idx
-    E = int(hp[EXPERTS])
-    own_kept = plan[plan_slices(int(hp[RANKS]), E)["own_kept"]].to(idx.device)
+    own_kept = plan[plan_slices(R, E)["own_kept"]].to(idx.device)
     flat = idx.reshape(-1)
     e = torch.where((flat >= 0) & (flat < E), flat, E)             # E: not a kept candidate
     keep = kept_slots(torch, e, torch.cat([own_kept, own_kept.new_zeros(1)]))

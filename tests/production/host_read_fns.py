@@ -222,3 +222,25 @@ def _table():
 
 if __name__ == "__main__":
     _table()
+
+
+def hier_bad_routing(group, rank):
+    """hier on the device path, rank 1's routing out of range (an expert id past E, or below
+    -1): the hier counts are made and gathered before the plan's read, so they must index
+    nothing out of range there, and every rank raises the plan's InputError. Returns each
+    case's message (None: no error)."""
+    import epkit
+
+    out = []
+    for bad in (E + 5, -7):
+        for capacity in (None, 2):
+            x, idx, w = inputs(rank, group.size(), torch.float32, False)
+            if rank == 1:
+                idx[1, 0] = bad
+            try:
+                epkit.dispatch(x, idx, w, num_experts=E, group=group, transport="hier",
+                               capacity=capacity)
+                out.append(None)
+            except epkit.InputError as exc:
+                out.append(str(exc))
+    return out

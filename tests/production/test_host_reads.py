@@ -3,8 +3,8 @@
 The workers run ``EPKIT_KERNELS=triton``: the Triton kernels, interpreted, stand in for the
 GPU's, and epkit's Python takes the device path (``epkit.device.device_path``), where every
 host read of would-be device memory is counted (``epkit.device.count_host_reads``). The design
-(docs/design.md, "Host reads"): an eager dispatch reads once (the plan's mirror), hier twice
-(and its hier counts), dedup with a capacity factor and drops twice; combine, both backward
+(docs/design.md, "Host reads"): an eager dispatch reads once (the plan's mirror; hier's
+counts with it), dedup with a capacity factor and drops twice; combine, both backward
 passes and the static exchange never. Host-to-device copies count as waits too (none is made:
 hier's forwarder makes its source table on the device). The reads the kernels make themselves
 (modules under ``epkit/triton/``) are theirs to answer for and are left out here; ``python
@@ -70,12 +70,12 @@ def test_device_path_predicate(triton_pool):
 @pytest.mark.parametrize("transport", ["pairs", "dedup", "hier"])
 def test_reads_per_exchange_and_payload(triton_pool, transport):
     """Every exchange, and each payload under every kind of exchange (eager, lazy, static): the
-    eager dispatch reads once (hier: twice), the static one never (check_static, asked for,
+    eager dispatch reads once, the static one never (check_static, asked for,
     once); combine and both backward passes never. The results agree bit for bit across
     exchanges (the uniform routing of ``equal`` apart)."""
     results = triton_pool.run(fns.matrix, 2, [transport] * 2, ["bfloat16"] * 2)
-    # hier: the plan and its hier counts (no host-to-device copy: docs/design.md, "Host reads")
-    eager = {"count_exchange": 2 if transport == "hier" else 1}
+    # hier: the plan with its hier counts in one read, no host-to-device copy (docs/design.md)
+    eager = {"count_exchange": 1}
     for rank_results in results:
         first = {}
         for exchange, payload, reads, bits in rank_results:
@@ -133,3 +133,13 @@ def test_nccl_only_group_warns_once(monkeypatch):
     assert len(said) == 1
     monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert collectives.small_device(None) == torch.device("cpu")
+
+
+def test_hier_bad_routing_raises_on_every_rank(triton_pool):
+    """hier's counts ride on the plan's read, so they are made before the group's error is
+    known: a routing out of range on one rank still raises the plan's InputError on every rank
+    (and crashes nothing), with and without a capacity."""
+    got = triton_pool.run(fns.hier_bad_routing, 2)
+    for per_rank in got:
+        assert len(per_rank) == 4 and all(m is not None and "rank 1" in m for m in per_rank), got
+    assert got[0] == got[1]
