@@ -1,9 +1,11 @@
-"""``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): one
-single-program Triton kernel, launched for its three phases, turns the all-gathered count words
-[R, 8 + E + R] into the plan, word for word the C++ kernel's.
+"""``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): three Triton
+launches, one a phase, turn the all-gathered count words [R, 8 + E + R] into the plan, word for
+word the C++ kernel's. Phases 0 and 2 are one program each; phase 1, the prefix walk over every
+(source, expert), runs a program per tile of sources.
 
-Why one program: the plan is small (R x E words) and every block of it reads running sums of
-the ones before; as torch ops it is about 280 launches. The program walks the words in 2-D
+Why one program for phases 0 and 2: the plan is small (R x E words) and every block of it
+reads running sums of the ones before (phase 0's kept slots run over the sources per expert,
+phase 2 reduces over every pair); as torch ops it is about 280 launches. The program walks the words in 2-D
 tiles (sources x experts), so the interpreter's cost (per ``tl.*`` operation, not per element)
 stays at a few hundred operations at verify sizes, and a GPU keeps one CTA's threads busy.
 
@@ -245,9 +247,10 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
 
 @triton.jit(do_not_specialize=["R", "E", "L"])
 def _bounds_kernel(p_ptr, work_ptr, bound_ptr, R, E, L, BS: tl.constexpr, BX: tl.constexpr):
-    """Phase 1, one program: each source's kept slots summed up to the end of each rank's
-    experts, ``bound`` [R, R] int64, from phase 0's tile-local prefixes ``work`` [R * E]: the
-    sources outer, the expert tiles inner, so each row's running sum stays in registers.
+    """Phase 1, a program per tile of BS sources: each source's kept slots summed up to the end
+    of each rank's experts, ``bound`` [R, R] int64, from phase 0's tile-local prefixes ``work``
+    [R * E]: the expert tiles walked in order, so each row's running sum stays in registers.
+    A program reads and writes only its own sources' rows (no order between programs).
     Nothing when phase 0 wrote an error (a word it alone writes)."""
     R = R.to(tl.int64)
     E = E.to(tl.int64)
@@ -255,17 +258,16 @@ def _bounds_kernel(p_ptr, work_ptr, bound_ptr, R, E, L, BS: tl.constexpr, BX: tl
     rs = tl.arange(0, BS).to(tl.int64)[:, None]
     cs = tl.arange(0, BX).to(tl.int64)[None, :]
     if tl.load(p_ptr + PLAN_ERR_CODE) == 0:
-        for t in range(0, (R + BS - 1) // BS):
-            s = t * BS + rs
-            carry = tl.zeros([BS], dtype=tl.int64)
-            for i in range(0, (E + BX - 1) // BX):
-                e = i * BX + cs
-                m = (s < R) & (e < E)
-                prefix = tl.load(work_ptr + s * E + e, mask=m, other=0) + carry[:, None]
-                end = m & ((e + 1) % L == 0)  # the last expert of rank (e + 1) / L - 1
-                tl.store(bound_ptr + s * R + (e + 1) // L - 1, prefix, mask=end)
-                last = tl.minimum(E, i * BX + BX) - 1  # the tile's last expert
-                carry = tl.sum(tl.where(m & (e == last), prefix, 0), 1)
+        s = tl.program_id(0).to(tl.int64) * BS + rs
+        carry = tl.zeros([BS], dtype=tl.int64)
+        for i in range(0, (E + BX - 1) // BX):
+            e = i * BX + cs
+            m = (s < R) & (e < E)
+            prefix = tl.load(work_ptr + s * E + e, mask=m, other=0) + carry[:, None]
+            end = m & ((e + 1) % L == 0)  # the last expert of rank (e + 1) / L - 1
+            tl.store(bound_ptr + s * R + (e + 1) // L - 1, prefix, mask=end)
+            last = tl.minimum(E, i * BX + BX) - 1  # the tile's last expert
+            carry = tl.sum(tl.where(m & (e == last), prefix, 0), 1)
 
 
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "token_rows", "meta_bytes",
@@ -490,7 +492,8 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     # three launches, each reading what the ones before wrote (module docstring)
     launch(_errors_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity, transport,
            BS=_BS, BX=_BX)
-    launch(_bounds_kernel, (1,), p, work, bound, R, E, L, BS=_BS, BX=_BX)
+    launch(_bounds_kernel, (max(triton.cdiv(R, _BS), 1),), p, work, bound, R, E, L, BS=_BS,
+           BX=_BX)
     launch(_exchange_kernel, (1,), g, p, bound, fault, R, E, L, rank, align,
            int(path.TOKEN_ROWS), path.META_BYTES, exchange, max_tokens, NW, BS=_BS, BX=_BX)
     if on_host(g) or os.environ.get("EPKIT_CUDA_CHECKS") == "1":

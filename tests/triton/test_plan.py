@@ -137,9 +137,11 @@ def test_plan_capacity_drops(cpp, transport, exchange):
     same_plans(cpp, second, E, 2, 3, transport, exchange, mt, ranks=[1, 3])
 
 
-@pytest.mark.parametrize("R,E,K,transport", [(16, 256, 8, 1), (8, 1024, 130, 0), (64, 64, 2, 1)])
+@pytest.mark.parametrize("R,E,K,transport", [(16, 256, 8, 1), (8, 1024, 130, 0), (64, 64, 2, 1),
+                                             (20, 40, 4, 1)])
 def test_plan_larger(cpp, R, E, K, transport):
-    """Beyond one tile in every direction (sources, experts, ranks)."""
+    """Beyond one tile in every direction (sources, experts, ranks; phase 1 a program per tile
+    of sources, the last one part full at R = 20)."""
     rng = np.random.default_rng(R)
     words = direct_words(rng, R, E, K, 7168, 2, 0, 50)
     same_plans(cpp, words, E, 8, 40, transport, abi.EXCHANGE_CODES["auto"], -1,
