@@ -118,7 +118,8 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
     slot was dropped (the words equal tokens_per_rank when nothing was, so the plan is the
     same), so the one copy carries the final plan and the first plan's error words. A
     ``capacity_factor`` needs the gathered counts on the host: they are the one read, and the
-    plan is made there (a second read only for dedup's token rows when a slot was dropped).
+    plan is made there (a second read only for dedup's token rows when a slot was dropped;
+    ``also``'s words take that second read, or one of their own without drops).
     static: no host read, unless a ``capacity_factor`` is set."""
     R = dist.get_world_size(group)
     gathered = words.new_empty((R * words.shape[0],))
@@ -160,21 +161,31 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
         planned_rows = True
     else:
         plan = C.plan(gathered.view(R, -1), *args)
-        # the one host wait of an eager dispatch (also's words with it)
-        mirror, extra = _split(_pinned_copy(plan if also is None else
-                                            torch.cat([plan, also(plan)])), plan.shape[0], also)
+        mirror, extra = _with_also(plan, also)  # the one host wait of an eager dispatch
     if not static:
         raise_error(mirror)
         if by_code(transport).replans_after_drops and not planned_rows and int(mirror[DROPPED_ANY]):
             words2 = token_rows_gather(gathered, plan, mirror, topk_idx, group, R, num_experts)
             plan = C.plan(words2, *args)
-            mirror = _pinned_copy(plan)  # a second host wait, only with drops
-            extra = None
+            # a second host wait, only with drops (the plan was made on the host, so also's
+            # words are not read yet: they ride here)
+            if extra is None:
+                mirror, extra = _with_also(plan, also)
+            else:
+                mirror = _pinned_copy(plan)
     if also is None:
         return plan, mirror
-    if extra is None:  # the plan was made on the host, or made again after drops
+    if extra is None:  # the plan was made on the host (a capacity_factor), without drops
         extra = _pinned_copy(also(plan))
     return plan, mirror, extra
+
+
+def _with_also(plan: torch.Tensor, also) -> tuple:
+    """One copy of the device ``plan`` and, given ``also``, its words: ``(mirror, also's words
+    in host memory or None)``."""
+    if also is None:
+        return _pinned_copy(plan), None
+    return _split(_pinned_copy(torch.cat([plan, also(plan)])), plan.shape[0], also)
 
 
 def _split(host: torch.Tensor, n: int, also) -> tuple:

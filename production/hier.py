@@ -21,15 +21,16 @@ node partials with ``reduce_tokens`` keyed by nodes. Raw rows returned to the so
 ``per <= 2`` of them) are summed there in k order, which equals the grouped order: a sum of two
 terms from +0.0 does not depend on their order.
 
-Plan: after the dispatch's count exchange (the dedup plan, which raises every input error on
+Plan: inside the dispatch's count exchange (the dedup plan, which raises every input error on
 every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
 kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
-node; gathered where the routing is, like the count words, right after the dedup plan is made
-and before its host read, which carries them too: :func:`gather_counts`), and every rank derives every stage's counts and the exchange variant with
-``reference.transports.hier.plan`` (the same arithmetic as the spec, so the same variant and
-the same EQUAL_NONUNIFORM error). Subgroups are created once per (group ranks, ranks_per_node) and
-cached (:func:`topology`). Not supported (refused in the call header, UNSUPPORTED): the
-lazy and static exchanges, a payload, torch.compile.
+node), where the routing is, like the count words: right after the dedup plan is made and
+before its host read, which carries them too (:func:`gather_counts`). Every rank derives every
+stage's counts and the exchange variant with ``reference.transports.hier.plan`` (the same
+arithmetic as the spec, so the same variant and the same EQUAL_NONUNIFORM error). Subgroups
+are created once per (group ranks, ranks_per_node) and cached (:func:`topology`). Not
+supported (refused in the call header, UNSUPPORTED): the lazy and static exchanges, a payload,
+torch.compile.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
     column R, which is dropped), so a bad routing indexes nothing out of range: on the device
     path this runs before the group's error is raised, which then discards these counts."""
     T = kept.shape[0]
-    at = (kept // L) % (R + 1)  # -1 (and any id outside the experts) -> R: the column dropped
+    at = (kept // L) % (R + 1)  # -1 -> R, the column dropped; a bad id to some rank in [0, R]
     n_td = torch.zeros((T, R + 1), dtype=torch.int64, device=kept.device).scatter_add_(
         1, at, torch.ones_like(at))[:, :R]
     n_tn = n_td.view(T, R // G, G).sum(2)
@@ -330,7 +331,7 @@ class HierState:
 
     topo: Topology
     plan: object          # reference.transports.hier.HierPlan
-    counts: torch.Tensor  # [R, 3 R + 2 N] int64: the gathered hier counts (gather_plan)
+    counts: torch.Tensor  # [R, 3 R + 2 N] int64: the gathered hier counts (gather_counts)
     dedup_plan: torch.Tensor
     dedup_plan_host: torch.Tensor
     E: int
@@ -437,7 +438,7 @@ def _nonzero(mask: torch.Tensor, n: int):
 def _forward(tok1, slot1, counts, me: int, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
     received row), and the maps of the return path (a dict of HierState fields). ``counts``:
-    the gathered hier counts ``[R, 3 R + 2 N]`` (:func:`gather_plan`), where the routing is;
+    the gathered hier counts ``[R, 3 R + 2 N]`` (:func:`gather_counts`), where the routing is;
     ``rows``: its stage-2 token rows, from the plan."""
     dev = tok1.device
     A, R = tok1.shape[0], counts.shape[0]

@@ -38,12 +38,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types as pytypes
 import warnings
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
-from torch.overrides import TorchFunctionMode, redispatch_function
+from torch.overrides import TorchFunctionMode
 
 from . import triton as kernels
 from .memory import device_path, is_host, mark_host
@@ -285,58 +286,84 @@ UPLOADS = {_T.to: _to_device, _T.copy_: _copy_from_host,
            torch.tensor: _made_on_device, torch.as_tensor: _made_on_device}
 
 
+# Functions whose body is Python (so may read the host inside), which the net re-enters around:
+# epkit's custom ops (a dispatcher entry whose kernel is Python), and Python functions and
+# methods (torch.autograd.grad, Tensor.backward, Tensor.__repr__, ...). C++ builtins run no
+# Python, so they are called as they are: cheaper, and torch._C._set_grad_enabled (every
+# no_grad) must not be re-entered (the mode's own entry sets the grad mode).
+_PYTHON_BODIES = (pytypes.FunctionType, pytypes.MethodType, torch._ops.OpOverload,
+                  torch._ops.OpOverloadPacket)
+# torch.overrides.redispatch_function (torch >= 2.12); without it the net sees only the calls
+# made outside epkit's ops (docs/design.md, "Host reads")
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+
+
 class _Net(TorchFunctionMode):
     """The net: sees every torch function and ``torch.Tensor`` method called while it is on
     this thread's mode stack, and counts the reads (:data:`READS`) and uploads
     (:data:`UPLOADS`) among them. Not a ``TorchDispatchMode``: a dispatch mode is switched off
     inside the ``torch.library.custom_op`` bodies where epkit's collectives and host reads
     run, and ``tolist`` / ``numpy`` never reach the dispatcher. A function mode is popped while
-    its handler runs too, so the handler puts itself back around every call it passes on
-    (``redispatch_function``): the bodies of epkit's ops, their backward passes and the
+    its handler runs too, so the handler puts itself back around the calls whose body is
+    Python (``redispatch_function``): the bodies of epkit's ops, their backward passes and the
     Triton kernels' launch code run under the net."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not getattr(_STATE, "inside", False):
-            _record_upload(UPLOADS.get(func, _never)(args, kwargs))
+            upload = UPLOADS.get(func, _never)(args, kwargs)
+            _record_upload(upload)
             read = READS.get(func)
-            if read is not None:
-                t = read[1](args, kwargs)
-                if t is not None:
-                    record(read[0], t)
-                    with quiet():  # what the read does inside is the read itself
-                        return func(*args, **kwargs)
+            t = None if read is None else read[1](args, kwargs)
+            if t is not None:
+                record(read[0], t)
+            if upload or t is not None:
+                with quiet():  # what the read or copy does inside is itself (a CUDA sync too)
+                    return func(*args, **kwargs)
+        if (_REDISPATCH is None or torch.compiler.is_compiling()
+                or not isinstance(func, _PYTHON_BODIES)):
+            return func(*args, **kwargs)
         with self:
-            return redispatch_function(func, types, args, kwargs)
+            return _REDISPATCH(func, types, args, kwargs)
 
 
 SYNC_WARNING = "called a synchronizing CUDA operation"  # c10/cuda's text, set_sync_debug_mode
+_SYNC_HOOK: dict = {}  # while any counter is open: what the hook replaced (one per process)
 
 
-@contextmanager
-def _cuda_syncs():
-    """On CUDA, count each synchronizing operation torch reports (``set_sync_debug_mode``) as
-    a read, unless the net counted it already (a counted read runs quiet)."""
-    shown = warnings.showwarning
+def _show_sync(message, category, filename, lineno, file=None, line=None):
+    """``warnings.showwarning`` while a counter is open: a CUDA sync torch reports is counted
+    as a read (unless the net counted it already: a counted read runs quiet); any other
+    warning is shown as before."""
+    if SYNC_WARNING not in str(message):
+        return _SYNC_HOOK["shown"](message, category, filename, lineno, file, line)
+    if _ACTIVE and not getattr(_STATE, "inside", False):
+        _append("cuda sync", *_where())
+    return None
 
-    def show(message, category, filename, lineno, file=None, line=None):
-        if SYNC_WARNING not in str(message):
-            return shown(message, category, filename, lineno, file, line)
-        if _ACTIVE and not getattr(_STATE, "inside", False):
-            _append("cuda sync", *_where())
-        return None
 
-    before = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
-    with warnings.catch_warnings():
+def _hook_syncs(first: bool) -> None:
+    """Install (``first``: the first counter opens) or remove (the last closes) the CUDA sync
+    hook, under _LOCK: ``set_sync_debug_mode("warn")`` where CUDA is already initialised (a
+    counter does not initialise it), its warnings always shown, to :func:`_show_sync`."""
+    if first:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        _SYNC_HOOK.update(shown=warnings.showwarning,
+                          mode=torch.cuda.get_sync_debug_mode() if cuda else None)
         warnings.filterwarnings("always", message=SYNC_WARNING)
-        warnings.showwarning = show
-        if before is not None:
+        _SYNC_HOOK["filter"] = warnings.filters[0]
+        warnings.showwarning = _show_sync
+        if cuda:
             torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield
-        finally:
-            if before is not None:
-                torch.cuda.set_sync_debug_mode(before)
+        return
+    if _SYNC_HOOK["mode"] is not None:
+        torch.cuda.set_sync_debug_mode(_SYNC_HOOK["mode"])
+    if warnings.showwarning is _show_sync:
+        warnings.showwarning = _SYNC_HOOK["shown"]
+    if _SYNC_HOOK["filter"] in warnings.filters:
+        warnings.filters.remove(_SYNC_HOOK["filter"])
+        getattr(warnings, "_filters_mutated", lambda: None)()
+    _SYNC_HOOK.clear()
 
 
 _ACTIVE_HERE = threading.local()  # .net: this thread's _Net while a counter is open in it
@@ -345,11 +372,13 @@ _ACTIVE_HERE = threading.local()  # .net: this thread's _Net while a counter is 
 @contextmanager
 def count_host_reads():
     """Count the host reads of would-be device memory made inside (this thread, and the
-    autograd engine's work for it); yields a :class:`Counter`. Nested counters each see every
-    read."""
+    autograd engine's work for it; :func:`to_host` and CUDA syncs in any thread); yields a
+    :class:`Counter`. Nested counters each see every read."""
     counter = Counter()
     outer = getattr(_ACTIVE_HERE, "net", None)
     with _LOCK:
+        if not _ACTIVE:
+            _hook_syncs(True)
         _ACTIVE.append(counter)
     try:
         if outer is not None:
@@ -357,10 +386,12 @@ def count_host_reads():
         else:
             _ACTIVE_HERE.net = _Net()
             try:
-                with _ACTIVE_HERE.net, _cuda_syncs():
+                with _ACTIVE_HERE.net:
                     yield counter
             finally:
                 _ACTIVE_HERE.net = None
     finally:
         with _LOCK:
             _ACTIVE.remove(counter)
+            if not _ACTIVE:
+                _hook_syncs(False)

@@ -71,7 +71,8 @@ def option_names(kind: str) -> dict:
 
 # What a production transport may refuse (UNSUPPORTED's a; b names the transport).
 UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
-                         4: "torch.compile"}
+                    4: "torch.compile"}
+UNSUPPORTED_HINT = {4: "run it eagerly, or use another transport"}
 FOREIGN = {1: "was made on another process group than this Dispatcher's",
            2: "is not an epkit.Dispatch",
            3: "was altered after dispatch (a field no longer matches what dispatch returned)",
@@ -204,9 +205,10 @@ def format_reason(code: int, a: int = 0, b: int = 0) -> str:
                                         "default follows LOCAL_WORLD_SIZE: set it alike on "
                                         "every rank, or pass ranks_per_node=)",
         Reason.UNSUPPORTED: f"transport={_opt('transport', b)} does not support "
-                            f"{UNSUPPORTED_WHAT.get(a, 'this option')} in production: use "
-                            "another exchange or payload with it (docs/design.md, its "
-                            "transport's section), or another transport",
+                            f"{UNSUPPORTED_WHAT.get(a, 'this option')} in production: "
+                            + UNSUPPORTED_HINT.get(a, "use another exchange or payload with it "
+                                                   "(docs/design.md, its transport's section), "
+                                                   "or another transport"),
         Reason.BAD_GROUP: "group must be a torch.distributed ProcessGroup (or None for the "
                           "default group)",
         Reason.TOO_MANY_LOCAL_EXPERTS: f"{a} experts per rank exceed the dedup transport's limit "

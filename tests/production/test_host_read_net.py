@@ -143,3 +143,45 @@ def test_a_cuda_sync_warning_is_a_read_unless_counted(device_like):
         with pytest.warns(UserWarning, match="something else"):
             warnings.warn("something else")
     assert [r.kind for r in reads.reads] == ["cuda sync"]
+
+
+def test_grad_mode_and_repr_inside_the_counter(device_like):
+    """``no_grad`` (torch._C._set_grad_enabled, which the mode's own entry calls) and a
+    tensor's repr (Python that reads the values) run inside the counter; repr's read counts."""
+    x = _x()
+    with count_host_reads() as reads:
+        with torch.no_grad():
+            y = x * 2
+        with torch.enable_grad():
+            pass
+        text = repr(y)
+    assert "tensor" in text
+    assert reads.reads and all(r.kind in ("item", "tolist") for r in reads.reads)
+
+
+def test_counters_in_two_threads_restore_the_warning_hook(device_like):
+    """A opens, B opens, A closes, B closes: the warning hook and its filter are put back."""
+    import threading
+
+    shown, filters = warnings.showwarning, list(warnings.filters)
+    a_open, b_open, a_closed = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with count_host_reads():
+            a_open.set()
+            b_open.wait(10)
+        a_closed.set()
+
+    def b():
+        a_open.wait(10)
+        with count_host_reads():
+            b_open.set()
+            a_closed.wait(10)
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert warnings.showwarning is shown
+    assert list(warnings.filters) == filters

@@ -98,15 +98,24 @@ def test_transports_agree_on_the_device_path(triton_pool):
 
 def test_reads_with_capacity(triton_pool):
     """Capacity drops: an eager dispatch reads once (dedup gathers its token rows before the
-    read), a capacity factor once (the gathered counts; dedup with drops once more), static
-    never; combine and backward never."""
+    read; hier's counts ride on it), a capacity factor once (the gathered counts; dedup with
+    drops once more, hier's counts riding on that), static never; combine and backward never.
+    hier's results are dedup's, bit for bit."""
     want = {("pairs", "capacity"): 1, ("pairs", "factor"): 1, ("pairs", "capacity static"): 0,
-            ("dedup", "capacity"): 1, ("dedup", "factor"): 2, ("dedup", "capacity static"): 0}
-    for transport in ("pairs", "dedup"):
-        for rank_results in triton_pool.run(fns.capacity_cases, 2, [transport] * 2):
+            ("dedup", "capacity"): 1, ("dedup", "factor"): 2, ("dedup", "capacity static"): 0,
+            ("hier", "capacity"): 1, ("hier", "factor"): 2}
+    bits_of = {}
+    for transport in ("pairs", "dedup", "hier"):
+        for rank, rank_results in enumerate(triton_pool.run(fns.capacity_cases, 2,
+                                                            [transport] * 2)):
             for name, reads, bits in rank_results:
                 n = want[(transport, name)]
                 assert_reads(reads, {"count_exchange": n} if n else {}, (transport, name))
+                bits_of[(transport, name, rank)] = bits
+    for name in ("capacity", "factor"):
+        for rank in range(2):
+            same_bits(bits_of[("dedup", name, rank)], bits_of[("hier", name, rank)],
+                      ("hier", name))
 
 
 def test_header_on_the_device_is_a_read_per_call(triton_pool):
