@@ -1,23 +1,24 @@
 """``plan`` on any device (cpu/plan.cpp, epkit.h plan_expert / plan_exchange): three Triton
 launches, one a phase, turn the all-gathered count words [R, 8 + E + R] into the plan, word for
-word the C++ kernel's. Phases 0 and 2 are one program each; phase 1, the prefix walk over every
-(source, expert), runs a program per tile of sources.
+word the C++ kernel's, the R x E words spread over programs where no program needs another's
+result: phase 0 a program per tile of experts, phase 1 one per tile of sources, phase 2 one.
+As torch ops the plan is about 280 launches. Each program walks its words in 2-D tiles
+(sources x experts), so the interpreter's cost (per ``tl.*`` operation, not per element)
+stays at a few hundred operations at verify sizes.
 
-Why one program for phases 0 and 2: the plan is small (R x E words) and every block of it
-reads running sums of the ones before (phase 0's kept slots run over the sources per expert,
-phase 2 reduces over every pair); as torch ops it is about 280 launches. The program walks the words in 2-D
-tiles (sources x experts), so the interpreter's cost (per ``tl.*`` operation, not per element)
-stays at a few hundred operations at verify sizes, and a GPU keeps one CTA's threads busy.
-
-Phase 0: the error (step 1 of cpu/plan.cpp), kept slots (capacity: a running sum over the
-sources, in registers) and this rank's expert sections (step 4); it writes each source's kept
-slots as prefixes *within* each expert tile into ``work`` [R, E]. Phase 1: those prefixes
-continued across the tiles (a running sum per source, in registers) at the end of each rank's
-experts, ``bound`` [R, R]. Phase 2: rows per pair, uniformity and the exchange's chunks (steps
-3 and 5) from ``bound``. Why launches and not barriers: a phase reads what other threads wrote
-only in a later launch (``tl.debug_barrier`` orders shared memory, not global memory, on AMD:
-its fences are LDS-only), and each phase alone compiles without a spill on sm_90 and gfx942
-(the whole plan in one program spilled 2 to 12 SGPRs on gfx942; ``epkit kernels --compile``).
+Phase 0: the error (step 1 of cpu/plan.cpp: every program finds it, program 0 writes it), kept
+slots (capacity: for each expert a running sum over the sources, so the tile's program walks
+every source) and this rank's expert sections (step 4); it writes each source's kept slots as
+prefixes *within* the expert tile into ``work`` [R, E], and each tile's dropped-any, first
+corrupt count and padded rows into ``part``. Phase 1: those prefixes continued across the
+expert tiles (a running sum per source, in registers) at the end of each rank's experts,
+``bound`` [R, R]; its program 0 also reduces ``part`` (dropped_any, the fault word, the
+padded offsets continued across the tiles). Phase 2, one program: rows per pair, uniformity
+and the exchange's chunks (steps 3 and 5) from ``bound``, reductions over every pair. Why
+launches and not barriers: a phase reads what other programs (or threads) wrote only in a
+later launch (``tl.debug_barrier`` orders shared memory, not global memory, on AMD: its fences
+are LDS-only), and each phase alone compiles without a spill on sm_90 and gfx942 (the whole
+plan in one program spilled 2 to 12 SGPRs on gfx942; ``epkit kernels --compile``).
 
 Errors travel in the plan as in the C++ kernel: a rank's own error, else the first rank whose
 H, x dtype or K differs from rank 0's; then the plan holds only its header. Metadata (the words'
@@ -26,8 +27,9 @@ shape, rank, option codes) raises here with the C++ messages. The remaining opti
 words carry an error: when they are bad (never on epkit's path, which checks them first) the
 words' headers are read on the host to decide. Words that are corrupt (a negative or absurd count,
 rank 0's H or K negative, an unknown payload: never made by ``prepare``) raise off the device
-path (``rowchecks.on_host``) as the C++ kernel does; on a GPU that would be a host wait, so the kernel records them in a small
-``fault`` tensor, read there only with ``EPKIT_CUDA_CHECKS=1``.
+path (``rowchecks.on_host``) as the C++ kernel does; on a GPU that would be a host wait, so
+the kernel records them in a small ``fault`` tensor, read there only with
+``EPKIT_CUDA_CHECKS=1``.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ MAX_WORD_COUNT_C = tl.constexpr(MAX_WORD_COUNT)
 # the words of ``fault`` [3] (plan's docstring): rank 0's header is corrupt, the first corrupt
 # slot count, the first corrupt token count
 FAULT_HEADER, FAULT_COUNT, FAULT_TOKENS = (tl.constexpr(i) for i in range(3))
+# the words of ``part`` a phase 0 program writes for phase 1 (its tile's): whether a slot was
+# dropped, the first corrupt slot count, this rank's padded rows
+PART_DROPPED, PART_BAD, PART_PADDED = (tl.constexpr(i) for i in range(3))
+PART_WORDS = tl.constexpr(3)
 
 
 def _c_div(a: int, b: int) -> int:
@@ -106,15 +112,20 @@ def _o_send_bytes(R, E, L):
 
 
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "capacity", "transport"])
-def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capacity, transport,
-                   BS: tl.constexpr, BX: tl.constexpr):
-    """Phase 0 (module docstring), one program: ``g`` [R, 8 + E + R] int64 the gathered words,
-    ``p`` [PlanOffsets(R, E).size] int64 the plan (uninitialised on entry: the three phases
-    write every word; a plan that carries an error holds only its header), ``work`` [R * E] int64 (out: each source's kept slots, prefixes
-    within each expert tile), ``fault`` [3] int64 (out: rank 0's header is corrupt; the first
-    corrupt slot count as s * E + e, -1 if none; the first corrupt token count, -1 here).
-    Writes the option words, the error (step 1), and, without one, kept slots (capacity) and
-    this rank's expert sections (step 4). Tiles are BS sources x BX experts."""
+def _errors_kernel(g_ptr, p_ptr, work_ptr, part_ptr, fault_ptr, R, E, L, rank, align, capacity,
+                   transport, BS: tl.constexpr, BX: tl.constexpr):
+    """Phase 0 (module docstring), a program per tile of BX experts (every program finds the
+    error, program 0 writes it). ``g`` [R, 8 + E + R] int64 the gathered words; ``p``
+    [PlanOffsets(R, E).size] int64 the plan (uninitialised on entry: the three phases write
+    every word; a plan that carries an error holds only its header); ``work`` [R * E] int64
+    (out: each source's kept slots, prefixes within each expert tile); ``fault`` [3] int64
+    (out: rank 0's header is corrupt; the first corrupt slot count as s * E + e, -1 if none;
+    the first corrupt token count, -1 here); ``part`` [PART_WORDS * programs] int64 (out: each
+    program's dropped-any, first corrupt slot count and padded rows of this rank's experts,
+    which phase 1 reduces). Writes the option words, the error (step 1), and, without one,
+    kept slots (capacity) and this rank's expert sections (step 4; the padded offsets only
+    within the program's tile: phase 1 adds the tiles before). Tiles are BS sources x BX
+    experts."""
     R = R.to(tl.int64)
     E = E.to(tl.int64)
     L = L.to(tl.int64)
@@ -123,12 +134,15 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
     xs = tl.arange(0, BX).to(tl.int64)           # a 1-D tile
     rs = tl.arange(0, BS).to(tl.int64)[:, None]  # sources of a 2-D tile
     cs = tl.arange(0, BX).to(tl.int64)[None, :]  # its experts
-    tl.store(p_ptr + PLAN_RANKS, R)
-    tl.store(p_ptr + PLAN_LOCAL_EXPERTS, L)
-    tl.store(p_ptr + PLAN_EXPERTS, E)
-    tl.store(p_ptr + PLAN_TRANSPORT, transport.to(tl.int64))
-    tl.store(p_ptr + PLAN_CAPACITY, capacity.to(tl.int64))
-    tl.store(p_ptr + PLAN_ALIGN, align.to(tl.int64))
+    tile = tl.program_id(0).to(tl.int64)  # this program's tile of experts
+    first = tile == 0  # the program that writes the plan's single words
+    if first:
+        tl.store(p_ptr + PLAN_RANKS, R)
+        tl.store(p_ptr + PLAN_LOCAL_EXPERTS, L)
+        tl.store(p_ptr + PLAN_EXPERTS, E)
+        tl.store(p_ptr + PLAN_TRANSPORT, transport.to(tl.int64))
+        tl.store(p_ptr + PLAN_CAPACITY, capacity.to(tl.int64))
+        tl.store(p_ptr + PLAN_ALIGN, align.to(tl.int64))
 
     # 1. The error: the lowest rank whose own checks failed; else the lowest rank whose H,
     #    x dtype or K (in that order) differs from rank 0's.
@@ -155,7 +169,7 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
     # named for rank 0 as the reference's transport does
     too_large = (transport != TRANSPORT_PAIRS) & (K0 > DEDUP_MAX_TOPK)
     failed = (first_err < R) | (first_mis < R) | too_large
-    if failed:
+    if failed & first:
         if first_err < R:
             code = tl.load(g_ptr + first_err * W + WORD_ERROR_CODE)
             a = tl.load(g_ptr + first_err * W + WORD_ERROR_A)
@@ -183,25 +197,26 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
         tl.store(fault_ptr + FAULT_HEADER, zero)
         tl.store(fault_ptr + FAULT_COUNT, zero - 1)
         tl.store(fault_ptr + FAULT_TOKENS, zero - 1)
-    else:
-        # no error: its words zero (the plan is not zero-filled first: every word is written
-        # by one of the three phases; ranks_per_node is stamped later, 0 read as 1)
-        tl.store(p_ptr + PLAN_ERR_CODE, zero)
-        tl.store(p_ptr + PLAN_ERR_A, zero)
-        tl.store(p_ptr + PLAN_ERR_B, zero)
-        tl.store(p_ptr + PLAN_ERR_RANK, zero)
-        tl.store(p_ptr + PLAN_RANKS_PER_NODE, zero)
-        tl.store(p_ptr + PLAN_TOPK, K0)
-        head_bad = (H0 < 0) | (K0 < 0) | (P0 < 0) | (P0 > PAYLOAD_FP8_BLOCK128)
-        tl.store(fault_ptr + FAULT_HEADER, head_bad.to(tl.int64))
+    if not failed:
+        if first:
+            # no error: its words zero (the plan is not zero-filled first: every word is
+            # written by one of the three phases; ranks_per_node is stamped later, 0 read as 1)
+            tl.store(p_ptr + PLAN_ERR_CODE, zero)
+            tl.store(p_ptr + PLAN_ERR_A, zero)
+            tl.store(p_ptr + PLAN_ERR_B, zero)
+            tl.store(p_ptr + PLAN_ERR_RANK, zero)
+            tl.store(p_ptr + PLAN_RANKS_PER_NODE, zero)
+            tl.store(p_ptr + PLAN_TOPK, K0)
+            head_bad = (H0 < 0) | (K0 < 0) | (P0 < 0) | (P0 > PAYLOAD_FP8_BLOCK128)
+            tl.store(fault_ptr + FAULT_HEADER, head_bad.to(tl.int64))
 
         # 2. Kept slots per (source, expert): capacity keeps the first C in (source, token)
-        #    order. Expert tiles outer, source tiles inner: ``before`` carries the slots of
-        #    the sources already seen per expert; ``work`` gets each row's prefix along the
-        #    experts within the tile (phase 1 continues it across the tiles). The same
-        #    pass writes this rank's sections (plan_expert): own_kept (its row), recv_kept
-        #    (its experts' columns), kept / dropped totals and the padded offsets,
-        #    whose running sum M crosses the tiles in expert order.
+        #    order. The program's expert tile, its source tiles in order: ``before`` carries
+        #    the slots of the sources already seen per expert; ``work`` gets each row's prefix
+        #    along the experts within the tile (phase 1 continues it across the tiles). The
+        #    same pass writes this rank's sections (plan_expert): own_kept (its row), recv_kept
+        #    (its experts' columns), kept / dropped totals and the padded offsets within the
+        #    tile; ``part`` the tile's dropped-any, first corrupt count and padded rows.
         C = capacity.to(tl.int64)
         me = rank.to(tl.int64)
         lo = me * L  # this rank's experts: [lo, lo + L)
@@ -210,48 +225,46 @@ def _errors_kernel(g_ptr, p_ptr, work_ptr, fault_ptr, R, E, L, rank, align, capa
         step = tl.maximum(align.to(tl.int64), 1)  # (a bad align raised on the host)
         dropped_any = xs * 0
         bad_count = xs * 0 + R * E
-        M = zero
-        for i in range(0, (E + BX - 1) // BX):
-            e = i * BX + cs
-            before = tl.zeros([BX], dtype=tl.int64)
-            kept_sum = tl.zeros([BX], dtype=tl.int64)
-            for t in range(0, (R + BS - 1) // BS):
-                s = t * BS + rs
-                m = (s < R) & (e < E)
-                c = tl.load(g_ptr + s * W + WORD_HEADER + e, mask=m, other=0)
-                seen = tl.cumsum(c, 0) - c + before[None, :]
-                kept = tl.where(C < 0, c, tl.minimum(tl.maximum(C - seen, 0), c))
-                dropped_any = tl.maximum(dropped_any,
-                                         tl.max(tl.where(m & (kept != c), 1, 0), 0))
-                bad = m & ((c < 0) | (c > MAX_WORD_COUNT_C))
-                bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
-                before += tl.sum(c, 0)
-                kept_sum += tl.sum(kept, 0)
-                tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1), mask=m)  # tile-local
-                mine = m & (e >= lo) & (e < lo + L)
-                tl.store(p_ptr + o_recv_kept + s * L + e - lo, kept, mask=mine)
-                tl.store(p_ptr + o_recv_kept + R * L + e + s * 0, kept, mask=m & (s == me))
-            e1 = i * BX + xs
-            mine1 = (e1 >= lo) & (e1 < lo + L)
-            tl.store(p_ptr + o_tpe + e1 - lo, kept_sum, mask=mine1)
-            tl.store(p_ptr + o_tpe + L + e1 - lo, before - kept_sum, mask=mine1)  # dropped
-            padded = tl.where(mine1, (kept_sum + step - 1) // step * step, 0)
-            tl.store(p_ptr + o_tpe + 2 * L + e1 - lo, tl.cumsum(padded, 0) - padded + M,
-                     mask=mine1)
-            M += tl.sum(padded, 0)
-        tl.store(p_ptr + o_tpe + 3 * L, M)  # offsets[L]
-        tl.store(p_ptr + PLAN_DROPPED_ANY, tl.max(dropped_any, 0))
-        bad_count = tl.min(bad_count, 0)
-        tl.store(fault_ptr + FAULT_COUNT, tl.where(bad_count < R * E, bad_count, -1))
+        e = tile * BX + cs
+        before = tl.zeros([BX], dtype=tl.int64)
+        kept_sum = tl.zeros([BX], dtype=tl.int64)
+        for t in range(0, (R + BS - 1) // BS):
+            s = t * BS + rs
+            m = (s < R) & (e < E)
+            c = tl.load(g_ptr + s * W + WORD_HEADER + e, mask=m, other=0)
+            seen = tl.cumsum(c, 0) - c + before[None, :]
+            kept = tl.where(C < 0, c, tl.minimum(tl.maximum(C - seen, 0), c))
+            dropped_any = tl.maximum(dropped_any, tl.max(tl.where(m & (kept != c), 1, 0), 0))
+            bad = m & ((c < 0) | (c > MAX_WORD_COUNT_C))
+            bad_count = tl.minimum(bad_count, tl.min(tl.where(bad, s * E + e, R * E), 0))
+            before += tl.sum(c, 0)
+            kept_sum += tl.sum(kept, 0)
+            tl.store(work_ptr + s * E + e, tl.cumsum(kept, 1), mask=m)  # tile-local
+            mine = m & (e >= lo) & (e < lo + L)
+            tl.store(p_ptr + o_recv_kept + s * L + e - lo, kept, mask=mine)
+            tl.store(p_ptr + o_recv_kept + R * L + e + s * 0, kept, mask=m & (s == me))
+        e1 = tile * BX + xs
+        mine1 = (e1 >= lo) & (e1 < lo + L)
+        tl.store(p_ptr + o_tpe + e1 - lo, kept_sum, mask=mine1)
+        tl.store(p_ptr + o_tpe + L + e1 - lo, before - kept_sum, mask=mine1)  # dropped
+        padded = tl.where(mine1, (kept_sum + step - 1) // step * step, 0)
+        tl.store(p_ptr + o_tpe + 2 * L + e1 - lo, tl.cumsum(padded, 0) - padded, mask=mine1)
+        tl.store(part_ptr + PART_WORDS * tile + PART_DROPPED, tl.max(dropped_any, 0))
+        tl.store(part_ptr + PART_WORDS * tile + PART_BAD, tl.min(bad_count, 0))
+        tl.store(part_ptr + PART_WORDS * tile + PART_PADDED, tl.sum(padded, 0))
 
 
-@triton.jit(do_not_specialize=["R", "E", "L"])
-def _bounds_kernel(p_ptr, work_ptr, bound_ptr, R, E, L, BS: tl.constexpr, BX: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "E", "L", "rank"])
+def _bounds_kernel(p_ptr, work_ptr, part_ptr, bound_ptr, fault_ptr, R, E, L, rank,
+                   BS: tl.constexpr, BX: tl.constexpr):
     """Phase 1, a program per tile of BS sources: each source's kept slots summed up to the end
     of each rank's experts, ``bound`` [R, R] int64, from phase 0's tile-local prefixes ``work``
     [R * E]: the expert tiles walked in order, so each row's running sum stays in registers.
     A program reads and writes only its own sources' rows (no order between programs).
-    Nothing when phase 0 wrote an error (a word it alone writes)."""
+    Program 0 also reduces phase 0's ``part`` (its expert tiles, in order): dropped_any, the
+    fault's first corrupt slot count, and this rank's padded offsets continued across the
+    tiles (each offset word read and rewritten once, by this program alone) with their end
+    ``offsets[L]``. Nothing when phase 0 wrote an error (a word it alone writes)."""
     R = R.to(tl.int64)
     E = E.to(tl.int64)
     L = L.to(tl.int64)
@@ -268,6 +281,26 @@ def _bounds_kernel(p_ptr, work_ptr, bound_ptr, R, E, L, BS: tl.constexpr, BX: tl
             tl.store(bound_ptr + s * R + (e + 1) // L - 1, prefix, mask=end)
             last = tl.minimum(E, i * BX + BX) - 1  # the tile's last expert
             carry = tl.sum(tl.where(m & (e == last), prefix, 0), 1)
+        if tl.program_id(0) == 0:
+            xs = tl.arange(0, BX).to(tl.int64)
+            lo = rank.to(tl.int64) * L
+            o_off = _o_tpe(R) + 2 * L  # this rank's padded offsets, [L + 1]
+            dropped_any = xs * 0
+            bad_count = xs * 0 + R * E
+            M = R * 0
+            for j in range(0, (E + BX - 1) // BX):  # the expert tiles, in order
+                at = part_ptr + PART_WORDS * j  # tile j's words
+                dropped_any = tl.maximum(dropped_any, tl.load(at + PART_DROPPED + xs * 0))
+                bad_count = tl.minimum(bad_count, tl.load(at + PART_BAD + xs * 0))
+                e1 = j * BX + xs
+                mine1 = (e1 >= lo) & (e1 < lo + L)
+                w = o_off + e1 - lo
+                tl.store(p_ptr + w, tl.load(p_ptr + w, mask=mine1, other=0) + M, mask=mine1)
+                M += tl.load(at + PART_PADDED)
+            tl.store(p_ptr + o_off + L, M)  # offsets[L]
+            tl.store(p_ptr + PLAN_DROPPED_ANY, tl.max(dropped_any, 0))
+            bad_count = tl.min(bad_count, 0)
+            tl.store(fault_ptr + FAULT_COUNT, tl.where(bad_count < R * E, bad_count, -1))
 
 
 @triton.jit(do_not_specialize=["R", "E", "L", "rank", "align", "token_rows", "meta_bytes",
@@ -485,15 +518,17 @@ def plan(words: torch.Tensor, rank: int, num_experts: int, align: int, capacity:
     NW = plan_words_size(R, E)
     p = torch.empty(NW, dtype=torch.int64, device=g.device)  # every word written (the kernels)
     work = torch.empty(max(R * E, 1), dtype=torch.int64, device=g.device)
+    tiles = max(triton.cdiv(E, _BX), 1)  # phase 0's programs
+    part = torch.empty(PART_WORDS.value * tiles, dtype=torch.int64, device=g.device)
     bound = torch.empty(R * R, dtype=torch.int64, device=g.device)
     fault = torch.empty(3, dtype=torch.int64, device=g.device)
     if on_host(g):  # words in host memory (the static mirror's template): so is their fault
         mark_host(fault)
     # three launches, each reading what the ones before wrote (module docstring)
-    launch(_errors_kernel, (1,), g, p, work, fault, R, E, L, rank, align, capacity, transport,
-           BS=_BS, BX=_BX)
-    launch(_bounds_kernel, (max(triton.cdiv(R, _BS), 1),), p, work, bound, R, E, L, BS=_BS,
-           BX=_BX)
+    launch(_errors_kernel, (tiles,), g, p, work, part, fault, R, E, L, rank, align, capacity,
+           transport, BS=_BS, BX=_BX)
+    launch(_bounds_kernel, (max(triton.cdiv(R, _BS), 1),), p, work, part, bound, fault, R, E, L,
+           rank, BS=_BS, BX=_BX)
     launch(_exchange_kernel, (1,), g, p, bound, fault, R, E, L, rank, align,
            int(path.TOKEN_ROWS), path.META_BYTES, exchange, max_tokens, NW, BS=_BS, BX=_BX)
     if on_host(g) or os.environ.get("EPKIT_CUDA_CHECKS") == "1":
