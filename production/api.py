@@ -32,7 +32,7 @@ from .options import DispatchOptions
 from .result import Dispatch
 from .validate import combine_words, local_error, option_words
 from .workspace import Workspace
-from epkit.reference.errors import Reason, error
+from epkit.reference.errors import UNSUPPORTED_CODES, Reason, error
 
 # The modules that carry out the transports (the transport table's ``module``), by name.
 _MODULES = {"direct": direct}
@@ -180,7 +180,8 @@ class Dispatcher:
         if torch.compiler.is_compiling():
             transport = transports.of(self.transport)
             if transport is not None and not transport.compiles:  # every rank traces alike
-                raise error(0, Reason.UNSUPPORTED, 4, transport.code)
+                raise error(0, Reason.UNSUPPORTED, UNSUPPORTED_CODES["torch.compile"],
+                            transport.code)
             # Traced: options are constants of the graph; local errors ride in the count words.
             return self._dispatch(x, topk_idx, topk_weights,
                                   local_error(self, x, topk_idx, topk_weights))

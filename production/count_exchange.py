@@ -154,14 +154,12 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
                                         topk_idx, group, R, num_experts), *args)
         # the one host wait: the first plan's error words (the group's error, raised before
         # anything that the token rows' plan might say), the final plan and also's words
-        both = _pinned_copy(torch.cat([first[: ERR_RANK + 1], plan]
-                                      + ([] if also is None else [also(plan)])))
+        both, mirror, extra = _read_plan(plan, also, first[: ERR_RANK + 1])
         raise_error(both)
-        mirror, extra = _split(both[ERR_RANK + 1:], plan.shape[0], also)
         planned_rows = True
     else:
         plan = C.plan(gathered.view(R, -1), *args)
-        mirror, extra = _with_also(plan, also)  # the one host wait of an eager dispatch
+        _, mirror, extra = _read_plan(plan, also)  # the one host wait of an eager dispatch
     if not static:
         raise_error(mirror)
         if by_code(transport).replans_after_drops and not planned_rows and int(mirror[DROPPED_ANY]):
@@ -169,10 +167,8 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
             plan = C.plan(words2, *args)
             # a second host wait, only with drops (the plan was made on the host, so also's
             # words are not read yet: they ride here)
-            if extra is None:
-                mirror, extra = _with_also(plan, also)
-            else:
-                mirror = _pinned_copy(plan)
+            _, mirror, later = _read_plan(plan, also if extra is None else None)
+            extra = later if extra is None else extra
     if also is None:
         return plan, mirror
     if extra is None:  # the plan was made on the host (a capacity_factor), without drops
@@ -180,14 +176,13 @@ def _on_device(words: torch.Tensor, group, rank: int, num_experts: int, align: i
     return plan, mirror, extra
 
 
-def _with_also(plan: torch.Tensor, also) -> tuple:
-    """One copy of the device ``plan`` and, given ``also``, its words: ``(mirror, also's words
-    in host memory or None)``."""
-    if also is None:
-        return _pinned_copy(plan), None
-    return _split(_pinned_copy(torch.cat([plan, also(plan)])), plan.shape[0], also)
-
-
-def _split(host: torch.Tensor, n: int, also) -> tuple:
-    """A copy of the plan (``n`` words) and also's words -> ``(mirror, also's or None)``."""
-    return (host, None) if also is None else (mark_host(host[:n]), mark_host(host[n:]))
+def _read_plan(plan: torch.Tensor, also=None, lead: Optional[torch.Tensor] = None) -> tuple:
+    """One host copy of ``[lead |] plan [| also(plan)]``: ``(the copy, the plan's words, also's
+    words or None)``, each in host memory (the words views of the copy)."""
+    parts = ([] if lead is None else [lead]) + [plan] + ([] if also is None else [also(plan)])
+    if len(parts) == 1:
+        return (mirror := _pinned_copy(plan)), mirror, None
+    host = _pinned_copy(torch.cat(parts))
+    at, end = (0 if lead is None else lead.shape[0]), plan.shape[0]
+    mirror = mark_host(host[at:at + end])
+    return host, mirror, (None if also is None else mark_host(host[at + end:]))

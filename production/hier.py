@@ -25,7 +25,7 @@ Plan: inside the dispatch's count exchange (the dedup plan, which raises every i
 every rank), every rank all-gathers ``3 R + 2 N`` words of its own kept routing (tokens with a
 kept slot, tokens with two, kept slots per rank; tokens with one and with two kept slots per
 node), where the routing is, like the count words: right after the dedup plan is made and
-before its host read, which carries them too (:func:`gather_counts`). Every rank derives every
+before its host read, which carries them too (:class:`GatherCounts`). Every rank derives every
 stage's counts and the exchange variant with ``reference.transports.hier.plan`` (the same
 arithmetic as the spec, so the same variant and the same EQUAL_NONUNIFORM error). Subgroups
 are created once per (group ranks, ranks_per_node) and cached (:func:`topology`). Not
@@ -263,27 +263,31 @@ def _counts_of(kept: torch.Tensor, R: int, L: int, G: int) -> torch.Tensor:
                       (n_tn >= 1).sum(0), (n_tn >= 2).sum(0)])
 
 
-def gather_counts(topk_idx: Optional[torch.Tensor], group, R: int, E: int, G: int, drops: bool,
-                  out: dict):
-    """The count exchange's ``also`` (production/count_exchange.py): given the dedup plan (on
-    the device), this rank's hier counts of its kept routing all-gathered where the routing is,
-    ``[R (3 R + 2 N)]``, which ride on the plan's host read. ``topk_idx`` None (a rank with a
-    local error, which the plan raises on every rank): zeros. ``out`` gets ``kept`` and the
-    gathered ``counts [R, 3 R + 2 N]``. ``drops``: a capacity is set."""
-    L, N = E // R, R // G
+class GatherCounts:
+    """The count exchange's ``also`` (production/count_exchange.py): called with the dedup plan
+    (on the device), this rank's hier counts of its kept routing all-gathered where the routing
+    is, ``[R (3 R + 2 N)]``, which ride on the plan's host read. ``topk_idx`` None (a rank with
+    a local error, which the plan raises on every rank): zeros. ``drops``: a capacity is set.
+    After the call, ``kept`` [T, K] int64 (the kept routing) and ``counts [R, 3 R + 2 N]``."""
 
-    def also(plan: torch.Tensor) -> torch.Tensor:
-        if topk_idx is None:
-            kept, mine = None, torch.zeros(3 * R + 2 * N, dtype=torch.int64, device=plan.device)
+    def __init__(self, topk_idx: Optional[torch.Tensor], group, R: int, E: int, G: int,
+                 drops: bool):
+        self.topk_idx, self.group, self.R, self.E, self.G, self.drops = (topk_idx, group, R, E,
+                                                                           G, drops)
+        self.kept: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None
+
+    def __call__(self, plan: torch.Tensor) -> torch.Tensor:
+        R, E, G = self.R, self.E, self.G
+        if self.topk_idx is None:
+            mine = torch.zeros(3 * R + 2 * (R // G), dtype=torch.int64, device=plan.device)
         else:
-            kept = moves.kept_routing_of(topk_idx, plan, R, E, drops)
-            mine = _counts_of(kept, R, L, G)
+            self.kept = moves.kept_routing_of(self.topk_idx, plan, R, E, self.drops)
+            mine = _counts_of(self.kept, R, E // R, G)
         got = mine.new_empty((R * mine.shape[0],))
-        all_gather(got, mine, group, "epkit.dispatch (count exchange: hier counts)")
-        out.update(kept=kept, counts=got.view(R, -1))
+        all_gather(got, mine, self.group, "epkit.dispatch (count exchange: hier counts)")
+        self.counts = got.view(R, -1)
         return got
-
-    return also
 
 
 def hier_plan(words: torch.Tensor, R: int, G: int, exchange: str):
@@ -331,7 +335,7 @@ class HierState:
 
     topo: Topology
     plan: object          # reference.transports.hier.HierPlan
-    counts: torch.Tensor  # [R, 3 R + 2 N] int64: the gathered hier counts (gather_counts)
+    counts: torch.Tensor  # [R, 3 R + 2 N] int64: the gathered hier counts (GatherCounts)
     dedup_plan: torch.Tensor
     dedup_plan_host: torch.Tensor
     E: int
@@ -438,7 +442,7 @@ def _nonzero(mask: torch.Tensor, n: int):
 def _forward(tok1, slot1, counts, me: int, G: int, L: int, K: int, P: int, rows: int):
     """Forwarder: its stage-1 rows -> its stage-2 rows (rank of the node ascending, then
     received row), and the maps of the return path (a dict of HierState fields). ``counts``:
-    the gathered hier counts ``[R, 3 R + 2 N]`` (:func:`gather_counts`), where the routing is;
+    the gathered hier counts ``[R, 3 R + 2 N]`` (:class:`GatherCounts`), where the routing is;
     ``rows``: its stage-2 token rows, from the plan."""
     dev = tok1.device
     A, R = tok1.shape[0], counts.shape[0]
@@ -587,17 +591,15 @@ def dispatch(cfg, seq: int, x, topk_idx, topk_weights, local, G: int):
     pre_error = [int(code), int(a), int(b), dtype_code(getattr(x, "dtype", None)), -1]
     words = C.prepare(x, topk_idx, topk_weights, E, R, pre_error, 0)
     gname = group_name(group)
-    got: dict = {}
     # the dedup plan, with the hier counts riding on its one host read
+    counts = GatherCounts(topk_idx if ok else None, group, R, E, G, capacity >= 0 or factor > 0)
     plan, plan_host, counts_host = count_exchange(
         words, gname, rank, E, align, capacity, DEDUP, abi.EXCHANGE_CODES["ragged"], -1, None,
-        factor, topk_idx if ok else None,
-        also=gather_counts(topk_idx if ok else None, group, R, E, G,
-                           capacity >= 0 or factor > 0, got))
+        factor, topk_idx if ok else None, also=counts)
     W.stamp_ranks_per_node(plan, plan_host, G)
     topo = topology(group, G)
     hplan = hier_plan(counts_host, R, G, cfg.exchange)
-    st = HierState(topo, hplan, got["counts"], plan, plan_host, E, got["kept"],
+    st = HierState(topo, hplan, counts.counts, plan, plan_host, E, counts.kept,
                    topk_weights.detach(), gname)
     expert_x, row_weight, row_src, recv_map = _Dispatch.apply(x, topk_weights, st)
     P = x.shape[1] * x.element_size()

@@ -69,7 +69,9 @@ def option_names(kind: str) -> dict:
     """code -> name of the option ``kind`` ("transport", "exchange", "payload"; {} for another)."""
     return {code: str(name) for name, code in _OPTION_CODES.get(kind, {}).items()}
 
-# What a production transport may refuse (UNSUPPORTED's a; b names the transport).
+# What a production transport may refuse (UNSUPPORTED's a, by what the caller asked for; b
+# names the transport).
+UNSUPPORTED_CODES = {"lazy": 1, "static": 2, "payload": 3, "torch.compile": 4}
 UNSUPPORTED_WHAT = {1: "exchange='lazy'", 2: "exchange='static'", 3: "a payload",
                     4: "torch.compile"}
 UNSUPPORTED_HINT = {4: "run it eagerly, or use another transport"}

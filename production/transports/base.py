@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from epkit.reference import abi
-from epkit.reference.errors import Reason
+from epkit.reference.errors import UNSUPPORTED_CODES, Reason
 
 __all__ = ["Transport"]
 
@@ -108,8 +108,9 @@ class Transport:
         node (the options' own checks passed): ``(code, a, b)``, ``Reason.OK`` if nothing."""
         if self.max_local is not None and L >= self.max_local:
             return Reason.TOO_MANY_LOCAL_EXPERTS, L, self.max_local - 1
-        if not self.runs(exchange, payload):  # a = 1 lazy, 2 static, 3 a quantized payload
-            return Reason.UNSUPPORTED, {"lazy": 1, "static": 2}.get(exchange, 3), self.code
+        if not self.runs(exchange, payload):  # the exchange it refuses, else the payload
+            what = UNSUPPORTED_CODES.get(exchange, UNSUPPORTED_CODES["payload"])
+            return Reason.UNSUPPORTED, what, self.code
         return Reason.OK, 0, 0
 
     def __repr__(self) -> str:
